@@ -1,0 +1,18 @@
+"""hf_megatrain: train HF decoder LLMs larger than GPU memory on one GPU, through Trainer."""
+
+from .arguments import MegaTrainArguments
+from .engine.optimizer import HostAdamW
+from .engine.schedule import StreamingEngine
+from .errors import MegaTrainError
+from .patcher.specs import supported_model_types
+from .trainer import MegaTrainTrainer
+
+__all__ = [
+    "HostAdamW",
+    "MegaTrainArguments",
+    "MegaTrainError",
+    "MegaTrainTrainer",
+    "StreamingEngine",
+    "supported_model_types",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,96 @@
+"""MegaTrainArguments: TrainingArguments plus what the streaming engine needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from .errors import MegaTrainError
+
+SUPPORTED_OPTIM = ("adamw_torch", "adamw_torch_fused")
+
+
+@dataclass
+class MegaTrainArguments(TrainingArguments):
+    """Every `TrainingArguments` field works as in Trainer, plus these.
+
+    Precision: `compute_dtype="auto"` streams bf16 weights on a GPU (fp32 master weights,
+    fp32 gradient accumulation and fp32 Adam states on the host: what `bf16=True` does in
+    stock Trainer) and computes in fp32 on a CPU. `bf16=True` forces bf16 compute.
+    `fp16` is refused: there is no GradScaler, the fp32 master makes it unnecessary.
+    """
+
+    compute_dtype: str = field(
+        default="auto",
+        metadata={"help": "Dtype of the weights streamed to the compute device: auto | bfloat16 | float32. "
+                  "auto = bfloat16 on a GPU (or when --bf16 is set), float32 on the CPU."},
+    )
+    data_path: str | None = field(
+        default=None,
+        metadata={"help": "Training data when no train_dataset is passed: a .txt/.jsonl/.json/.parquet file, "
+                  "a folder of them, or a dataset name already in the local HF cache."},
+    )
+    eval_data_path: str | None = field(default=None, metadata={"help": "Evaluation data, same forms as data_path."})
+    text_field: str = field(default="text", metadata={"help": "Column that holds the raw text in data_path."})
+    max_seq_length: int = field(default=1024, metadata={"help": "Tokens per training row (packed or truncated)."})
+    packing: bool = field(
+        default=True,
+        metadata={"help": "Pack short documents into full rows (position ids restart at every document)."},
+    )
+    loss_chunk_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Rows of [tokens, vocab] logits computed at once by the chunked loss (auto when unset)."},
+    )
+    prefetch_depth: int = field(
+        default=2, metadata={"help": "GPU weight slots in the ring that streams decoder layers (>= 2)."}
+    )
+    hub_dir: str | None = field(
+        default=None,
+        metadata={"help": "Local hub directory (HF cache layout) that push_to_hub publishes into; "
+                  "defaults to $HF_HUB_CACHE when set."},
+    )
+
+    def __post_init__(self):
+        check_arguments(self, before_init=True)
+        super().__post_init__()
+        check_arguments(self)
+
+
+def check_arguments(args, before_init: bool = False) -> None:
+    """Refuse, with a reason and a way out, what the streaming engine cannot honour."""
+    if getattr(args, "fp16", False) or getattr(args, "fp16_full_eval", False):
+        raise MegaTrainError(
+            "fp16=True is not supported: hf_megatrain keeps fp32 master weights and needs no GradScaler. "
+            "Use bf16=True (or leave compute_dtype='auto') for 16-bit compute."
+        )
+    if getattr(args, "deepspeed", None):
+        raise MegaTrainError(
+            "a DeepSpeed config was given, but hf_megatrain replaces DeepSpeed's offload with its own engine. "
+            "Remove `deepspeed=` from the arguments."
+        )
+    if getattr(args, "fsdp", None):
+        raise MegaTrainError("FSDP is not supported together with hf_megatrain; remove `fsdp=` from the arguments.")
+    if getattr(args, "torch_compile", False):
+        raise MegaTrainError(
+            "torch_compile=True is not supported: the engine runs HF's layer code one unit at a time. "
+            "Set torch_compile=False."
+        )
+    if getattr(args, "label_smoothing_factor", 0) or 0:
+        raise MegaTrainError("label_smoothing_factor > 0 is not supported by the chunked loss; set it to 0.")
+    if getattr(args, "neftune_noise_alpha", None):
+        raise MegaTrainError("neftune_noise_alpha is not supported; leave it unset.")
+    if getattr(args, "use_liger_kernel", False):
+        raise MegaTrainError("use_liger_kernel is not supported; the loss is already chunked.")
+    optim = str(getattr(getattr(args, "optim", None), "value", getattr(args, "optim", "adamw_torch_fused")))
+    if optim not in SUPPORTED_OPTIM:
+        raise MegaTrainError(
+            f"optim={optim!r} is not supported: hf_megatrain runs AdamW on the host. Use one of {SUPPORTED_OPTIM}."
+        )
+    dtype = getattr(args, "compute_dtype", "auto")
+    if dtype not in ("auto", "bfloat16", "float32", "bf16", "fp32"):
+        raise MegaTrainError(f"compute_dtype={dtype!r}; choose auto, bfloat16 or float32.")
+    if getattr(args, "prefetch_depth", 2) < 2:
+        raise MegaTrainError("prefetch_depth must be >= 2 (double buffering needs two GPU slots).")
+    if getattr(args, "max_seq_length", 1) < 1:
+        raise MegaTrainError("max_seq_length must be a positive number of tokens.")

@@ -1,0 +1,1 @@
+"""Loading models, HF-format saves, optimizer state, local hub."""

@@ -1,0 +1,93 @@
+"""HF-format model files streamed from the host store, unit by unit.
+
+What `save_pretrained` writes: sharded safetensors (+ `model.safetensors.index.json`), with the
+checkpoint names HF writes (`revert_weight_conversion`, so Mixtral's fused experts go back to
+per-expert w1/w2/w3), `config.json` and `generation_config.json`. Only one unit is ever
+converted at a time, so saving a 70B model needs no second copy of it in RAM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+from transformers import GenerationConfig
+from transformers.core_model_loading import revert_weight_conversion
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+
+
+def model_dtype(config) -> torch.dtype:
+    """The dtype the model declares for its weights (what `save_pretrained` would keep)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def _plan_shards(units, dtype: torch.dtype, max_bytes: int) -> list[list[int]]:
+    """Greedy plan: whole units per shard, in forward order."""
+    shards, current, size = [], [], 0
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for unit in units:
+        nbytes = unit.numel * itemsize
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(unit.index)
+        size += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def unit_state_dict(store, skeleton, index: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One unit's master weights in `dtype`, under the names HF writes to disk."""
+    unit = store.units[index]
+    tensors = {}
+    for slot, view in zip(unit.slots, store.views(index, store.master[index])):
+        tensors[slot.name] = view.to(dtype) if view.dtype != dtype else view
+    return revert_weight_conversion(skeleton, tensors)
+
+
+def save_hf_model(store, skeleton, out_dir: str, dtype: torch.dtype | None = None,
+                  max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None) -> list[str]:
+    """Write `out_dir` so that `AutoModelForCausalLM.from_pretrained(out_dir)` loads the masters."""
+    os.makedirs(out_dir, exist_ok=True)
+    dtype = dtype or model_dtype(skeleton.config)
+    shards = _plan_shards(store.units, dtype, max_bytes=max_shard_bytes)
+    names = [SAFE_WEIGHTS] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    ]
+    weight_map, total_bytes, total_params = {}, 0, 0
+    for fname, unit_ids in zip(names, shards):
+        tensors = {}
+        for index in unit_ids:
+            tensors.update(unit_state_dict(store, skeleton, index, dtype))
+            if progress is not None:
+                progress.update(1)
+        for k, t in tensors.items():
+            weight_map[k] = fname
+            total_bytes += t.numel() * t.element_size()
+            total_params += t.numel()
+        save_file({k: t.contiguous() for k, t in tensors.items()}, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        del tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_parameters": total_params, "total_size": total_bytes}, "weight_map": weight_map}
+        with open(os.path.join(out_dir, SAFE_INDEX), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    config = skeleton.config
+    old = getattr(config, "dtype", None)
+    config.dtype = dtype
+    try:
+        config.architectures = [type(skeleton).__name__]
+        config.save_pretrained(out_dir)
+    finally:
+        config.dtype = old
+    gen = getattr(skeleton, "generation_config", None) or GenerationConfig.from_model_config(config)
+    gen.save_pretrained(out_dir)
+    return names

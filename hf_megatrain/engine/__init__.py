@@ -1,0 +1,1 @@
+"""Host store, streaming schedule, chunked loss and host optimizer."""

@@ -1,0 +1,86 @@
+"""Final norm + lm_head + cross-entropy in token chunks, with the backward done per chunk.
+
+Exactly `ForCausalLMLoss` (transformers.loss.loss_utils): labels are shifted left with
+-100 padding, logits are upcast to fp32, cross-entropy ignores -100, and the loss is
+sum / num_items_in_batch when that is given, otherwise the mean over counted tokens.
+
+Only rows whose shifted label is not -100 contribute, so only those rows are pushed through
+lm_head: padding and prompt tokens cost no vocabulary matmul. At most `chunk` rows of
+[rows, vocab] logits exist at once; the full [B, T, vocab] tensor never does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    return F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+
+
+def loss_denominator(labels: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+    """sum/num_items_in_batch when given (Trainer's GA-correct count), else the mean over counted tokens."""
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            return num_items_in_batch.to(labels.device)
+        return torch.tensor(num_items_in_batch, device=labels.device)
+    return (shift_labels(labels) != IGNORE).sum()
+
+
+def chunked_head_loss(
+    run_head,
+    weights: list[torch.Tensor],
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    denom: torch.Tensor,
+    seed: torch.Tensor | None,
+    chunk: int,
+):
+    """Loss of the head over `hidden`, and (when `seed` is given) its gradients.
+
+    run_head(weights, rows[N, H]) -> logits[N, V]
+    seed: d(total loss)/d(loss), e.g. 1/GA, as an fp32 scalar tensor on the device.
+
+    Returns (loss, grad_hidden or None, fp32 grads of `weights` or None).
+    """
+    hidden_size = hidden.shape[-1]
+    flat_h = hidden.reshape(-1, hidden_size)
+    flat_l = shift_labels(labels).reshape(-1)
+    rows = (flat_l != IGNORE).nonzero().squeeze(1)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_h = torch.zeros_like(flat_h) if seed is not None else None
+    grad_w = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in weights] if seed is not None else None
+    chunk_seed = seed / denom if seed is not None else None
+
+    for idx in rows.split(chunk):
+        h = flat_h.index_select(0, idx)
+        target = flat_l.index_select(0, idx)
+        if seed is None:
+            with torch.no_grad():
+                total += F.cross_entropy(run_head(weights, h).float(), target, reduction="sum")
+            continue
+        leaves = [w.detach().requires_grad_() for w in weights]
+        h.requires_grad_()
+        with torch.enable_grad():
+            ce = F.cross_entropy(run_head(leaves, h).float(), target, reduction="sum")
+            grads = torch.autograd.grad(ce, [h] + leaves, grad_outputs=chunk_seed, materialize_grads=True, allow_unused=True)
+        total += ce.detach()
+        grad_h.index_copy_(0, idx, grads[0])
+        for acc, g in zip(grad_w, grads[1:]):
+            acc.add_(g)
+
+    loss = total / denom
+    if grad_h is not None:
+        grad_h = grad_h.view_as(hidden)
+    return loss, grad_h, grad_w
+
+
+def full_logits(run_head, weights, hidden: torch.Tensor, chunk: int) -> torch.Tensor:
+    """All logits (for evaluation with metrics); built chunk by chunk in the compute dtype."""
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    with torch.no_grad():
+        parts = [run_head(weights, h) for h in flat_h.split(chunk)]
+    return torch.cat(parts).view(*hidden.shape[:-1], -1)

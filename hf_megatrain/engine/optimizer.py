@@ -1,0 +1,123 @@
+"""HostAdamW: AdamW over the fp32 host masters, one unit at a time.
+
+It is a `torch.optim.Optimizer`, so Trainer, accelerate and every LR scheduler treat it as
+usual: `param_groups` hold the decay and no-decay segments of each unit's master buffer, and
+`step()` reads lr / betas / eps / weight_decay from them at the moment it is called.
+
+The math is torch's own fused AdamW kernel (`torch._fused_adamw_`, what Trainer's default
+`adamw_torch_fused` runs), applied tile by tile so that the gradient clip, the Adam update
+and the refresh of the streamed compute copy touch each tile while it is still in cache.
+The moments live here, in the store's flat layout, not in `self.state`: `state_dict()` stays
+small (accelerate copies it to the GPU when it wraps an optimizer), and the checkpoint module
+saves the moments as safetensors.
+
+Clipping is exact: `clip_grad_norm_` returns the pre-clip global norm computed as
+`torch.nn.utils.clip_grad_norm_` does (per-parameter norms, then the norm of those) and the
+step multiplies each gradient tile by min(1, max_norm / (norm + 1e-6)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+TILE = 1 << 20  # elements per tile: a tile of grad, master and moments stays in L2/L3
+
+
+class HostAdamW(torch.optim.Optimizer):
+    def __init__(self, engine, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or weight_decay < 0:
+            raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
+        self.engine = engine
+        store = engine.store
+        self.store = store
+        decay, no_decay = [], []
+        # (unit, start, end, group) for every segment, in unit order
+        self.segments: list[list[tuple[int, int, int]]] = [[] for _ in store.units]
+        for unit in store.units:
+            m = store.master[unit.index]
+            if unit.n_decay:
+                self.segments[unit.index].append((0, unit.n_decay, 0))
+                decay.append(m[: unit.n_decay])
+            if unit.numel > unit.n_decay:
+                self.segments[unit.index].append((unit.n_decay, unit.numel, 1))
+                no_decay.append(m[unit.n_decay :])
+        groups = [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        if len(groups) == 1 and not decay:
+            self.segments = [[(a, b, 0) for a, b, _ in segs] for segs in self.segments]
+        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.exp_avg = [torch.zeros(u.numel, dtype=torch.float32, pin_memory=store.pin) for u in store.units]
+        self.exp_avg_sq = [torch.zeros(u.numel, dtype=torch.float32, pin_memory=store.pin) for u in store.units]
+        self.step_count = 0
+        self._clip = None  # multiplier for the next step's gradients, set by clip_grad_norm_
+
+    # -- clipping -------------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Pre-clip global norm; the next step scales gradients by min(1, max_norm/(norm+1e-6))."""
+        total = self.engine.grad_norm()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._clip = coef if float(coef) < 1.0 else None
+        return total
+
+    # -- step -----------------------------------------------------------------------------------
+    def _hyper(self) -> list[dict]:
+        return [
+            dict(lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"], weight_decay=g["weight_decay"])
+            for g in self.param_groups
+        ]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.engine.pipeline.finish()
+        self.step_count += 1
+        hyper = self._hyper()
+        clip = self._clip
+        self._clip = None
+        for unit in self.store.units:
+            self.step_unit(unit.index, hyper, clip)
+        return loss
+
+    def step_unit(self, index: int, hyper: list[dict], clip) -> None:
+        """AdamW on one unit (skipped, like torch does for grad=None, if it got no gradient)."""
+        store = self.store
+        if store.grad_count[index] == 0:
+            return
+        step_t = torch.tensor(float(self.step_count), dtype=torch.float32)
+        master, grad = store.master[index], store.grad[index]
+        m, v = self.exp_avg[index], self.exp_avg_sq[index]
+        compute = store.compute[index]
+        separate = compute is not master
+        for start, end, group in self.segments[index]:
+            h = hyper[group]
+            for a in range(start, end, TILE):
+                b = min(a + TILE, end)
+                g = grad[a:b]
+                if clip is not None:
+                    g.mul_(clip)
+                torch._fused_adamw_(
+                    [master[a:b]], [g], [m[a:b]], [v[a:b]], [], [step_t],
+                    amsgrad=False, maximize=False, **h,
+                )
+                if separate:
+                    compute[a:b].copy_(master[a:b])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    # -- small state (moments are saved by the checkpoint module) --------------------------------
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["megatrain_step"] = self.step_count
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        self.step_count = int(state_dict.pop("megatrain_step", self.step_count))
+        super().load_state_dict(state_dict)

@@ -1,0 +1,417 @@
+"""StreamingEngine: forward, loss and backward of an HF causal LM, one unit at a time.
+
+    forward   embed -> for each layer: weights[i] -> run template -> keep its input x_i
+    loss      final norm + lm_head + cross-entropy in token chunks, backward per chunk
+    backward  for each layer, last first: weights[i] -> recompute from x_i with grad
+              -> (dx, one flat dW) -> dW to the host accumulator
+              then the embedding (plus the lm_head gradient when the two are tied)
+
+The autograd graph never spans more than one unit or one loss chunk. Where weights come
+from and where gradients go is the pipeline's business (pipeline.py / cuda_pipeline.py);
+this file only says in which order units are needed.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ..errors import MegaTrainError
+from ..patcher.specs import spec_for
+from ..patcher.templates import Template, recompute_grads
+from .loss import chunked_head_loss, full_logits, loss_denominator
+from .pipeline import HostPipeline
+from .store import HostStore, build_units
+
+# Peak bytes of fp32 logits (+ their grad and softmax) per loss chunk, by device type.
+_LOSS_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}
+
+
+class _Embed(nn.Module):
+    def __init__(self, embed: nn.Module):
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, input_ids):
+        return self.embed(input_ids)
+
+
+class _Head(nn.Module):
+    def __init__(self, norm: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, hidden):
+        return self.lm_head(self.norm(hidden))
+
+
+def _check_model(model: nn.Module, spec) -> None:
+    for path in (spec.embed, spec.layers, spec.norm, spec.lm_head, spec.rotary):
+        try:
+            model.get_submodule(path)
+        except AttributeError:
+            raise MegaTrainError(
+                f"{type(model).__name__} has no submodule {path!r}; hf_megatrain needs the causal-LM class "
+                f"(e.g. AutoModelForCausalLM), not the bare base model."
+            ) from None
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise MegaTrainError("the model has parameters on the meta device; load real weights first.")
+
+
+class StreamingEngine(nn.Module):
+    """Owns the host store and the templates; runs forward/backward unit by unit.
+
+    Parameters
+    ----------
+    model: a loaded HF causal LM on the CPU. Its parameters are moved into the host store
+        and the model keeps views of the compute copies (it stays a usable skeleton).
+    device: where the math runs ("cpu" or "cuda[:n]").
+    compute_dtype: dtype of the streamed weights and activations (bf16, or fp32).
+    decay_names: parameter names that get weight decay (Trainer.get_decay_parameter_names).
+    loss_chunk_tokens: rows of logits per loss chunk; None picks from the vocabulary size.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        device="cpu",
+        compute_dtype: torch.dtype = torch.bfloat16,
+        decay_names=None,
+        loss_chunk_tokens: int | None = None,
+        pipeline_options: dict | None = None,
+    ):
+        super().__init__()
+        self.spec = spec_for(model.config)
+        _check_model(model, self.spec)
+        self.device = torch.device(device)
+        self.config = model.config
+        self.model_class = type(model)
+        self.compute_dtype = compute_dtype
+        if decay_names is None:
+            decay_names = [n for n, _ in model.named_parameters()]
+        self.units = build_units(model, self.spec, decay_names)
+        self.store = HostStore.from_model(model, self.units, compute_dtype, pin=self.device.type == "cuda")
+        self._templates = self._build_templates(model)
+        self.rotary = self._build_rotary(model)
+        vocab = self.config.vocab_size
+        self.loss_chunk_tokens = loss_chunk_tokens or max(
+            1, _LOSS_CHUNK_BYTES.get(self.device.type, 1 << 30) // (vocab * 4 * 3)
+        )
+        self.pipeline = self._make_pipeline(pipeline_options or {})
+
+    # -- construction -----------------------------------------------------------------------
+    def _build_templates(self, model) -> dict[str, Template]:
+        """One template per distinct unit structure, built on meta (no storage)."""
+        with torch.device("meta"):
+            skel = self.model_class(copy.deepcopy(model.config))
+        for m in skel.modules():  # follow later changes to the real config (e.g. attention backend)
+            if getattr(m, "config", None) is not None:
+                m.config = model.config
+        layers = skel.get_submodule(self.spec.layers)
+        templates = {
+            "embed": Template(_Embed(skel.get_submodule(self.spec.embed))),
+            "head": Template(_Head(skel.get_submodule(self.spec.norm), skel.get_submodule(self.spec.lm_head))),
+        }
+        for unit in self.units:
+            if unit.kind == "layer" and unit.template_key not in templates:
+                tmpl = Template(layers[unit.layer])
+                if self.spec.has_router_loss:
+                    tmpl.capture(self.spec.router)
+                templates[unit.template_key] = tmpl
+        return templates
+
+    def _build_rotary(self, model) -> nn.Module:
+        src = model.get_submodule(self.spec.rotary)
+        rotary = type(src)(config=model.config)  # inv_freq is a non-persistent buffer: rebuild it
+        return rotary.to(self.device)
+
+    def _make_pipeline(self, options: dict):
+        if self.device.type == "cuda":
+            from .cuda_pipeline import CudaPipeline
+
+            return CudaPipeline(self.store, self.device, **options)
+        return HostPipeline(self.store, self.device)
+
+    # -- nn.Module behaviour that Trainer relies on ------------------------------------------
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for t in self._templates.values():
+            t.train(mode)
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.pipeline.finish()
+        self.store.zero_grad()
+
+    # -- inspection API (tests rely on it) -------------------------------------------------
+    def named_grads(self):
+        """(name, fp32 CPU gradient) for every parameter of the original model."""
+        self.pipeline.finish()
+        grads = [self.store.grad_or_zeros(u.index) for u in self.units]
+        yield from self.store.named(grads)
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the accumulated gradients, computed as torch.nn.utils.clip_grad_norm_ does."""
+        norms = torch._foreach_norm([g for _, g in self.named_grads()], 2)
+        return torch.linalg.vector_norm(torch.stack(norms), 2)
+
+    def named_master_params(self):
+        """(name, fp32 CPU master weight) for every parameter of the original model."""
+        self.pipeline.finish()
+        yield from self.store.named(self.store.master)
+
+    @property
+    def num_parameters(self) -> int:
+        return self.store.num_parameters
+
+    # -- inputs -------------------------------------------------------------------------------
+    def _prepare(self, batch: dict):
+        ids = batch.get("input_ids")
+        if ids is None:
+            raise MegaTrainError("the batch has no 'input_ids'; hf_megatrain trains on token ids.")
+        labels = batch.get("labels")
+        if ids.device.type == "cpu":
+            validate_tokens(ids, labels, self.config.vocab_size)
+        dev = self.device
+        ids = ids.to(dev, non_blocking=True)
+        mask = batch.get("attention_mask")
+        mask = mask.to(dev, non_blocking=True) if mask is not None else None
+        labels = labels.to(dev, non_blocking=True) if labels is not None else None
+        pos = batch.get("position_ids")
+        if pos is None:
+            pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
+        else:
+            pos = pos.to(dev, non_blocking=True)
+        return ids, mask, labels, pos
+
+    # -- the schedule ---------------------------------------------------------------------------
+    def _unit_plan(self, backward: bool) -> list[int]:
+        n = len(self.units)
+        fwd = list(range(n))  # embed, layers, head
+        return fwd + list(range(n - 2, -1, -1)) if backward else fwd
+
+    def _layer_call(self, unit, weights, x, ctx):
+        tmpl = self._templates[unit.template_key]
+        named = dict(zip((s.local for s in unit.slots), Template.views(weights, unit.slots)))
+        return tmpl.call(named, x, **ctx.layer_kwargs(unit))
+
+    def _head_weights(self, head_flat, embed_flat):
+        head = self.units[-1]
+        names = [s.local for s in head.slots]
+        weights = Template.views(head_flat, head.slots)
+        if head.tied_local:
+            embed_slot = self.units[0].slots[0]
+            names.append(head.tied_local)
+            weights.append(embed_flat.view(embed_slot.shape))
+        return names, weights
+
+    def _run_head(self, names):
+        tmpl = self._templates["head"]
+        return lambda ws, h: tmpl.call(dict(zip(names, ws)), h)
+
+    def _forward_layers(self, ids, mask, pos, keep: bool):
+        """Embedding and decoder layers without grad; keeps each layer's input when asked."""
+        pipe = self.pipeline
+        embed = self.units[0]
+        e_w = pipe.weights(embed.index)
+        with torch.no_grad():
+            x = self._templates["embed"].call({"embed.weight": e_w.view(embed.slots[0].shape)}, ids)
+            ctx = _BatchContext(self, x, mask, pos)
+            acts, routers = [], []
+            for unit in self.units[1:-1]:
+                w = pipe.weights(unit.index)
+                if keep:
+                    acts.append(x)
+                with ctx.rng_for(unit, save=True), ctx.router_capture(unit) as cap:
+                    x = self._layer_call(unit, w, x, ctx)
+                if cap is not None:
+                    routers.append(cap[0])
+                pipe.release(unit.index)
+        return x, ctx, acts, routers, e_w
+
+    def forward_backward(self, batch: dict, num_items_in_batch=None, scale: float = 1.0) -> torch.Tensor:
+        """Forward, loss and backward of one micro-batch; weight gradients accumulate.
+
+        The gradient is that of `scale * loss`; the returned loss (detached, on the compute
+        device) is not scaled, exactly what `model(**batch).loss` would be.
+        """
+        ids, mask, labels, pos = self._prepare(batch)
+        if labels is None:
+            raise MegaTrainError("the batch has no 'labels'; training needs them (use -100 to ignore a token).")
+        pipe = self.pipeline
+        pipe.start(self._unit_plan(backward=True))
+        x, ctx, acts, routers, e_w = self._forward_layers(ids, mask, pos, keep=True)
+
+        head = self.units[-1]
+        h_w = pipe.weights(head.index)
+        names, weights = self._head_weights(h_w, e_w)
+        seed = torch.full((), scale, dtype=torch.float32, device=self.device)
+        denom = loss_denominator(labels, num_items_in_batch)
+        loss, grad_x, grad_w = chunked_head_loss(
+            self._run_head(names), weights, x, labels, denom, seed, self.loss_chunk_tokens
+        )
+        del x
+        n_own = len(head.slots)
+        pipe.emit_grad(head.index, torch.cat([g.reshape(-1) for g in grad_w[:n_own]]))
+        tied_grad = grad_w[n_own].reshape(-1) if head.tied_local else None
+        pipe.release(head.index)
+
+        router_seeds = [None] * len(acts)
+        if routers:
+            aux, router_seeds = self._router_loss(routers, mask, seed)
+            loss = loss + aux
+
+        for unit, x_in, r_seed in reversed(list(zip(self.units[1:-1], acts, router_seeds))):
+            w = pipe.weights(unit.index)
+            gbuf = pipe.grad_buffer(unit.index)
+            grad_x = self._layer_backward(unit, w, gbuf, x_in, grad_x, r_seed, ctx)
+            acts[unit.layer] = None  # free the activation as soon as its layer is done
+            pipe.emit_grad(unit.index, gbuf)
+            pipe.release(unit.index)
+
+        self._embed_backward(e_w, ids, grad_x, tied_grad)
+        return loss.detach()
+
+    def _layer_backward(self, unit, w, gbuf, x_in, grad_out, router_seed, ctx):
+        tmpl = self._templates[unit.template_key]
+
+        def run(named):
+            x = x_in.detach().requires_grad_()
+            with ctx.rng_for(unit, save=False), ctx.router_capture(unit) as cap:
+                out = tmpl.call(named, x, **ctx.layer_kwargs(unit))
+            outs = [out] + ([cap[0]] if router_seed is not None else [])
+            return outs, [x]
+
+        seeds = [grad_out] + ([router_seed] if router_seed is not None else [])
+        (grad_x,) = recompute_grads(tmpl, unit.slots, w, gbuf, run, seeds)
+        return grad_x
+
+    def _embed_backward(self, e_w, ids, grad_x, tied_grad):
+        embed = self.units[0]
+        tmpl = self._templates["embed"]
+        gbuf = self.pipeline.grad_buffer(embed.index)
+
+        def run(named):
+            return [tmpl.call(named, ids)], []
+
+        recompute_grads(tmpl, embed.slots, e_w, gbuf, run, [grad_x])
+        if tied_grad is not None:
+            # Both uses of a tied weight meet in fp32, as they would in an fp32 .grad.
+            tied_grad.add_(gbuf)
+            gbuf = tied_grad
+        self.pipeline.emit_grad(embed.index, gbuf)
+        self.pipeline.release(embed.index)
+
+    def _router_loss(self, routers, mask, seed):
+        """Mixtral-style load-balancing loss and d(loss)/d(router logits) for each layer.
+
+        HF adds `coef * aux` to the loss when labels are given. The aux loss couples all
+        layers (expert counts are summed over layers), so it is evaluated once on detached
+        logit leaves and each layer's share of its gradient is fed in during that layer's
+        recompute: exact, with no graph spanning layers.
+        """
+        cfg = self.config
+        fn = self.spec.aux_loss(self.model_class)
+        leaves = [r.detach().requires_grad_() for r in routers]
+        with torch.enable_grad():
+            aux = cfg.router_aux_loss_coef * fn(tuple(leaves), cfg.num_local_experts, cfg.num_experts_per_tok, mask)
+            seeds = torch.autograd.grad(aux, leaves, grad_outputs=seed, materialize_grads=True, allow_unused=True)
+        return aux.detach(), list(seeds)
+
+    # -- evaluation -------------------------------------------------------------------------
+    def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, return_logits=True, **kw):
+        """Eval-mode forward: loss (when labels are given) and, optionally, the logits."""
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "position_ids": position_ids}
+        ids, mask, labels, pos = self._prepare(batch)
+        pipe = self.pipeline
+        pipe.start(self._unit_plan(backward=False))
+        x, ctx, _, routers, e_w = self._forward_layers(ids, mask, pos, keep=False)
+        head = self.units[-1]
+        names, weights = self._head_weights(pipe.weights(head.index), e_w)
+        run_head = self._run_head(names)
+        loss = logits = None
+        if labels is not None:
+            denom = loss_denominator(labels, kw.get("num_items_in_batch"))
+            loss, _, _ = chunked_head_loss(run_head, weights, x, labels, denom, None, self.loss_chunk_tokens)
+            if routers:
+                fn = self.spec.aux_loss(self.model_class)
+                cfg = self.config
+                aux = fn(tuple(routers), cfg.num_local_experts, cfg.num_experts_per_tok, mask)
+                loss = loss + cfg.router_aux_loss_coef * aux
+        if return_logits:
+            logits = full_logits(run_head, weights, x, self.loss_chunk_tokens)
+        pipe.release(head.index)
+        pipe.release(self.units[0].index)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class _BatchContext:
+    """What every layer call of one batch shares: masks, rotary cos/sin, RNG states."""
+
+    def __init__(self, engine: StreamingEngine, embeds, mask, pos):
+        self.engine = engine
+        cfg = engine.config
+        self.masks = engine.spec.build_masks(cfg, embeds, mask, pos)
+        self.pos = pos
+        self.pos_emb = engine.rotary(embeds, position_ids=pos)
+        self.router = engine.spec.has_router_loss and bool(getattr(cfg, "output_router_logits", False))
+        # Dropout / router jitter draw random numbers: the recompute must draw the same ones.
+        stochastic = any(
+            float(getattr(cfg, k, 0.0) or 0.0) > 0 for k in ("attention_dropout", "router_jitter_noise", "hidden_dropout")
+        )
+        self.stochastic = stochastic and engine.training
+        self.rng: dict[int, tuple] = {}
+
+    def layer_kwargs(self, unit) -> dict:
+        return dict(
+            attention_mask=self.masks[unit.attn_kind],
+            position_ids=self.pos,
+            position_embeddings=self.pos_emb,
+        )
+
+    @contextmanager
+    def rng_for(self, unit, save: bool):
+        if not self.stochastic:
+            yield
+            return
+        dev = self.engine.device
+        devices = [dev] if dev.type == "cuda" else []
+        if save:
+            self.rng[unit.index] = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if devices else None)
+            yield
+            return
+        cpu_state, cuda_state = self.rng[unit.index]
+        with torch.random.fork_rng(devices=devices, device_type=dev.type if devices else "cuda"):
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(cuda_state, dev)
+            yield
+
+    def router_capture(self, unit):
+        if not self.router:
+            return nullcontext(None)
+        return self.engine._templates[unit.template_key].capturing()
+
+
+def validate_tokens(ids: torch.Tensor, labels: torch.Tensor | None, vocab: int) -> None:
+    """Clear errors for ids/labels outside the vocabulary (instead of a device-side assert)."""
+    if ids.numel() == 0:
+        raise MegaTrainError("the batch is empty (0 tokens).")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        raise MegaTrainError(
+            f"input_ids contain token id {hi if hi >= vocab else lo}, outside the model's vocabulary "
+            f"[0, {vocab}). Is the tokenizer the model's own? (config.vocab_size={vocab})"
+        )
+    if labels is not None:
+        valid = labels[labels != -100]
+        if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
+            raise MegaTrainError(
+                f"labels contain ids outside [0, {vocab}) other than -100 (the ignore index)."
+            )

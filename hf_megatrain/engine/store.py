@@ -1,0 +1,189 @@
+"""HostStore: all model state in host RAM, one flat buffer per unit and kind.
+
+A *unit* is what the GPU sees at once: the embedding, one decoder layer, or the head (final
+norm + lm_head). Each unit has a layout mapping every HF parameter name to (offset, shape)
+inside its flat buffers; parameters that get weight decay come first and the others after,
+so the optimizer steps two contiguous segments with their own weight decay.
+
+Buffers per unit:
+  compute  what streams to the GPU (bf16 by default; the fp32 master itself in fp32 mode)
+  master   fp32 source of truth
+  grad     fp32 accumulator, allocated on first use and never memset: the first gradient of a
+           step is copied in, the next ones are added
+Adam moments live in the optimizer (`HostAdamW`), in the same layout.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..patcher.specs import ArchSpec
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str  # full HF parameter name, as model.named_parameters() gives it
+    local: str  # the same parameter's name inside the unit's template
+    offset: int
+    shape: torch.Size
+    decay: bool
+    order: int  # position in model.named_parameters()
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass
+class Unit:
+    index: int
+    kind: str  # "embed" | "layer" | "head"
+    slots: list[Slot]
+    layer: int | None = None
+    attn_kind: str | None = None
+    numel: int = 0
+    n_decay: int = 0
+    # Only for the head of a tied model: its lm_head weight is the embedding unit's weight.
+    tied_local: str | None = None
+    template_key: str = field(default="")
+
+
+def _unit_of(name: str, spec: ArchSpec) -> tuple[str, int | None, str]:
+    """Which unit a parameter belongs to, and its name inside that unit's template."""
+    if name.startswith(spec.embed + "."):
+        return "embed", None, "embed." + name[len(spec.embed) + 1 :]
+    m = re.match(re.escape(spec.layers) + r"\.(\d+)\.(.+)", name)
+    if m:
+        return "layer", int(m.group(1)), m.group(2)
+    for part, prefix in (("norm", spec.norm), ("lm_head", spec.lm_head)):
+        if name.startswith(prefix + "."):
+            return "head", None, part + "." + name[len(prefix) + 1 :]
+    raise ValueError(f"parameter {name!r} is not in the embedding, a decoder layer or the head")
+
+
+def build_units(model: nn.Module, spec: ArchSpec, decay_names) -> list[Unit]:
+    """Units in forward order: embed, layers 0..L-1, head."""
+    decay_names = set(decay_names)
+    config = model.config
+    kinds = spec.kinds(config)
+    groups: dict[tuple, list] = {}
+    for pos, (name, p) in enumerate(model.named_parameters()):
+        kind, layer, local = _unit_of(name, spec)
+        groups.setdefault((kind, layer), []).append((name, local, p.shape, pos))
+
+    units = []
+    order = [("embed", None)] + [("layer", i) for i in range(config.num_hidden_layers)] + [("head", None)]
+    for idx, key in enumerate(order):
+        entries = groups.get(key, [])
+        # Decayed parameters first, then the rest; the relative order is the model's.
+        entries = sorted(entries, key=lambda e: e[0] not in decay_names)
+        slots, offset = [], 0
+        for name, local, shape, pos in entries:
+            slots.append(Slot(name, local, offset, torch.Size(shape), name in decay_names, pos))
+            offset += torch.Size(shape).numel()
+        kind, layer = key
+        unit = Unit(idx, kind, slots, layer=layer, numel=offset, n_decay=sum(s.numel for s in slots if s.decay))
+        if kind == "layer":
+            unit.attn_kind = kinds[layer]
+            unit.template_key = f"layer:{unit.attn_kind}"
+        else:
+            unit.template_key = kind
+        units.append(unit)
+    head = units[-1]
+    if not any(s.local.startswith("lm_head.") for s in head.slots):
+        head.tied_local = "lm_head.weight"
+    return units
+
+
+class HostStore:
+    """Flat host buffers for every unit (see module docstring)."""
+
+    def __init__(self, units: list[Unit], compute_dtype: torch.dtype, pin: bool):
+        self.units = units
+        self.compute_dtype = compute_dtype
+        self.pin = pin
+        self.master: list[torch.Tensor] = []
+        self.compute: list[torch.Tensor] = []
+        self.grad: list[torch.Tensor | None] = [None] * len(units)
+        # How many gradient contributions each unit's accumulator holds since zero_grad().
+        self.grad_count = [0] * len(units)
+        self.order = [n for n, _ in sorted(((s.name, s.order) for u in units for s in u.slots), key=lambda t: t[1])]
+
+    def _empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(n, dtype=dtype, pin_memory=self.pin)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, units: list[Unit], compute_dtype: torch.dtype, pin: bool = False):
+        """Copy a loaded model into flat buffers, unit by unit, and re-point its parameters.
+
+        After this the model's parameters are views of the compute buffers (so the model
+        object stays a usable, savable skeleton) and its original storage is freed as we go:
+        peak memory is the store plus one unit of the original.
+        """
+        store = cls(units, compute_dtype, pin)
+        params = dict(model.named_parameters())
+        for unit in units:
+            master = store._empty(unit.numel, torch.float32)
+            with torch.no_grad():
+                for s in unit.slots:
+                    master[s.offset : s.offset + s.numel].copy_(params[s.name].detach().reshape(-1))
+            store.master.append(master)
+            store.compute.append(store._make_compute(master))
+            for s, view in zip(unit.slots, store.views(unit.index, store.compute[unit.index])):
+                params[s.name].data = view
+        return store
+
+    def _make_compute(self, master: torch.Tensor) -> torch.Tensor:
+        if self.compute_dtype == torch.float32:
+            return master  # fp32 compute mode: the master itself streams to the device
+        compute = self._empty(master.numel(), self.compute_dtype)
+        compute.copy_(master)
+        return compute
+
+    # -- views ------------------------------------------------------------------------------
+    def views(self, index: int, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.units[index].slots]
+
+    def named(self, buffers: list) -> "list[tuple[str, torch.Tensor]]":
+        """(name, view) for every parameter, in the model's own named_parameters() order."""
+        where = {}
+        for unit in self.units:
+            for s, v in zip(unit.slots, self.views(unit.index, buffers[unit.index])):
+                where[s.name] = v
+        return [(name, where[name]) for name in self.order]
+
+    def refresh_compute(self, index: int) -> None:
+        """Bring the streamed copy of a unit up to date with its master (after a step)."""
+        if self.compute[index] is not self.master[index]:
+            self.compute[index].copy_(self.master[index])
+
+    # -- gradients --------------------------------------------------------------------------
+    def accumulate(self, index: int, grad: torch.Tensor) -> None:
+        """Add one gradient contribution (any float dtype, host) into the fp32 accumulator."""
+        if self.grad[index] is None:
+            self.grad[index] = self._empty(self.units[index].numel, torch.float32)
+        if self.grad_count[index] == 0:
+            self.grad[index].copy_(grad)
+        else:
+            self.grad[index].add_(grad)
+        self.grad_count[index] += 1
+
+    def grad_or_zeros(self, index: int) -> torch.Tensor:
+        if self.grad_count[index] == 0:
+            return torch.zeros(self.units[index].numel, dtype=torch.float32)
+        return self.grad[index]
+
+    def zero_grad(self) -> None:
+        self.grad_count = [0] * len(self.units)
+
+    # -- sizes ------------------------------------------------------------------------------
+    @property
+    def num_parameters(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    def max_layer_numel(self) -> int:
+        return max((u.numel for u in self.units if u.kind == "layer"), default=0)

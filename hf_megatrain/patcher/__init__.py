@@ -1,0 +1,1 @@
+"""Architecture specs and stateless layer templates."""

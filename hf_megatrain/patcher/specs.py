@@ -1,0 +1,118 @@
+"""Architecture specs: where each part of a causal LM lives and how its masks are made.
+
+One spec per HF model type. The engine never hard-codes a model family: it asks the spec
+for module paths, for the attention kind of each layer (which mask it takes) and for the
+extra loss some families add (Mixtral's router load-balancing loss). Supporting a new
+decoder family that follows the Llama layout is one `register(ArchSpec(...))` call.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from ..errors import MegaTrainError
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+def _uniform_window(config, index: int) -> str:
+    # Llama-layout models with one `sliding_window` for every layer (Mistral, Mixtral).
+    return SLIDING if getattr(config, "sliding_window", None) else FULL
+
+
+def _per_layer_types(config, index: int) -> str:
+    # Qwen2/Qwen3 name each layer's attention kind in `config.layer_types`.
+    types = getattr(config, "layer_types", None)
+    return types[index] if types else FULL
+
+
+def _always_full(config, index: int) -> str:
+    return FULL
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What the engine needs to know about one model family."""
+
+    model_type: str
+    layer_kind: Callable  # (config, layer_index) -> FULL | SLIDING
+    embed: str = "model.embed_tokens"
+    layers: str = "model.layers"
+    norm: str = "model.norm"
+    lm_head: str = "lm_head"
+    rotary: str = "model.rotary_emb"
+    # Module attribute of the router inside a layer whose output[0] is the router logits,
+    # and the name of the aux-loss function in the modeling module (MoE families only).
+    router: str | None = None
+    aux_loss_fn: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def has_router_loss(self) -> bool:
+        return self.router is not None
+
+    def kinds(self, config) -> list[str]:
+        return [self.layer_kind(config, i) for i in range(config.num_hidden_layers)]
+
+    def build_masks(self, config, embeds, attention_mask, position_ids) -> dict:
+        """Masks for every attention kind the model uses, built exactly as HF's model forward does."""
+        kw = dict(
+            config=config,
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            past_key_values=None,
+            position_ids=position_ids,
+        )
+        masks = {}
+        for kind in set(self.kinds(config)):
+            make = create_sliding_window_causal_mask if kind == SLIDING else create_causal_mask
+            masks[kind] = make(**kw)
+        return masks
+
+    def aux_loss(self, model_class):
+        """The family's own load-balancing loss function (so numerics are HF's)."""
+        return getattr(sys.modules[model_class.__module__], self.aux_loss_fn)
+
+
+_REGISTRY: dict[str, ArchSpec] = {}
+
+
+def register(spec: ArchSpec) -> None:
+    _REGISTRY[spec.model_type] = spec
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def spec_for(config) -> ArchSpec:
+    """The spec for a config, or a clear error naming what is supported."""
+    model_type = getattr(config, "model_type", None)
+    spec = _REGISTRY.get(model_type)
+    if spec is None:
+        raise MegaTrainError(
+            f"hf_megatrain does not support model type {model_type!r} "
+            f"(architectures: {getattr(config, 'architectures', None)}). "
+            f"Supported decoder-only families: {', '.join(supported_model_types())}. "
+            "Encoder-decoder models (T5, BART) and older layouts (GPT-2) are out of scope."
+        )
+    return spec
+
+
+register(ArchSpec("llama", _always_full))
+register(ArchSpec("mistral", _uniform_window))
+register(ArchSpec("qwen2", _per_layer_types))
+register(ArchSpec("qwen3", _per_layer_types))
+register(
+    ArchSpec(
+        "mixtral",
+        _uniform_window,
+        router="mlp.gate",
+        aux_loss_fn="load_balancing_loss_func",
+    )
+)

@@ -1,0 +1,89 @@
+"""Stateless templates: HF modules with no storage, run on views of a flat weight buffer.
+
+A template is the HF module itself (a decoder layer, the embedding, the final norm + lm_head)
+built on the meta device, so it owns no memory. Each call binds its parameters to views of
+whichever flat buffer holds the unit now (a GPU ring slot, or the host store on CPU) through
+`torch.func.functional_call`, and HF's own forward does the math: attention backends, rotary
+embeddings, masks and MoE routing stay exactly HF's.
+
+Backward recomputes the unit from its saved input with the weight views as fresh leaves and
+takes `autograd.grad`; the weight gradients are concatenated into ONE flat tensor in the
+unit's layout, ready for a single device-to-host copy. No autograd graph outlives a unit.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+
+class Template:
+    """One HF module on meta plus the local parameter names of the units it serves."""
+
+    def __init__(self, module: nn.Module, buffers: dict[str, torch.Tensor] | None = None):
+        self.module = module
+        self.buffers = buffers or {}
+        self._captures: list | None = None
+
+    # -- binding ---------------------------------------------------------------------------
+    @staticmethod
+    def views(flat: torch.Tensor, slots) -> list[torch.Tensor]:
+        return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in slots]
+
+    def call(self, named: dict[str, torch.Tensor], *args, **kwargs):
+        return functional_call(self.module, {**named, **self.buffers}, args, kwargs, tie_weights=False)
+
+    def train(self, mode: bool) -> None:
+        self.module.train(mode)
+
+    # -- router capture (MoE) -------------------------------------------------------------
+    def capture(self, submodule_path: str) -> None:
+        """Record output[0] of a submodule (the router logits) on every call."""
+        sub = self.module.get_submodule(submodule_path)
+
+        def hook(_mod, _inp, out):
+            if self._captures is not None:
+                self._captures.append(out[0] if isinstance(out, tuple) else out)
+
+        sub.register_forward_hook(hook)
+
+    @contextmanager
+    def capturing(self):
+        self._captures = []
+        try:
+            yield self._captures
+        finally:
+            self._captures = None
+
+
+def recompute_grads(
+    template: Template,
+    slots,
+    flat: torch.Tensor,
+    grad_flat: torch.Tensor,
+    run,
+    grad_seeds,
+) -> tuple:
+    """Re-run `run(named_params)` with grad, backprop `grad_seeds` and write dW into grad_flat.
+
+    `run` returns (outputs, inputs_needing_grad): outputs pair one-to-one with grad_seeds.
+    Returns the gradients of the extra inputs (e.g. the layer's input activations).
+    """
+    leaves = [v.detach().requires_grad_() for v in Template.views(flat, slots)]
+    named = {s.local: t for s, t in zip(slots, leaves)}
+    with torch.enable_grad():
+        outputs, extra_inputs = run(named)
+        grads = torch.autograd.grad(
+            outputs,
+            list(extra_inputs) + leaves,
+            grad_outputs=grad_seeds,
+            allow_unused=True,
+            materialize_grads=True,
+        )
+    n = len(extra_inputs)
+    # One kernel writes every weight gradient into its place in the flat layout.
+    torch.cat([g.reshape(-1) for g in grads[n:]], out=grad_flat)
+    return grads[:n]

@@ -1,0 +1,213 @@
+"""MegaTrainTrainer: transformers.Trainer with its forward/backward/step path on the engine.
+
+Thin glue. `self.model` stays the real PreTrainedModel (config, save hooks, generate); its
+parameters are views of the host store's compute copies. `_wrap_model` hands Trainer the
+engine instead, so accelerate never prepares or moves the model. Everything else (the loop,
+gradient accumulation, schedulers, callbacks, logging, evaluation, checkpoint rotation) is
+stock Trainer, driven through the hook methods it offers for exactly this.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+
+from .arguments import MegaTrainArguments, check_arguments
+from .checkpoint.hf_format import save_hf_model
+from .checkpoint.loading import load_model_and_tokenizer
+from .checkpoint.optimizer_state import has_optimizer_state, load_optimizer_state, save_optimizer_state
+from .data import CausalCollator, load_raw_dataset, tokenize_dataset
+from .engine.optimizer import HostAdamW
+from .engine.schedule import StreamingEngine, validate_tokens
+from .errors import MegaTrainError
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def resolve_compute_dtype(args, device: torch.device) -> torch.dtype:
+    choice = getattr(args, "compute_dtype", "auto")
+    if choice != "auto":
+        return _DTYPES[choice]
+    if getattr(args, "bf16", False) or device.type == "cuda":
+        return torch.bfloat16
+    return torch.float32
+
+
+class MegaTrainTrainer(Trainer):
+    """`Trainer` for models larger than the GPU: state in host RAM, one layer on the GPU at a time.
+
+    `model` is a hub id, a local path, or a loaded CPU `PreTrainedModel`. With no
+    `train_dataset`, `args.data_path` is loaded, tokenized and packed.
+    """
+
+    def __init__(
+        self,
+        model,
+        args: MegaTrainArguments | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        data_collator=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        **kwargs,
+    ):
+        args = args if args is not None else MegaTrainArguments(output_dir="megatrain_output")
+        check_arguments(args)
+        if optimizers[0] is not None and not isinstance(optimizers[0], HostAdamW):
+            raise MegaTrainError("a custom optimizer was passed; hf_megatrain steps its own HostAdamW on the host.")
+        model, tokenizer = load_model_and_tokenizer(model)
+        processing_class = processing_class if processing_class is not None else tokenizer
+        if getattr(args, "gradient_checkpointing", False):
+            logger.info("gradient_checkpointing: the engine always recomputes at layer boundaries; flag ignored")
+            args.gradient_checkpointing = False
+
+        device = args.device  # resolves the device now, as Trainer would
+        args._n_gpu = 1 if device.type == "cuda" else args._n_gpu
+        decay = Trainer.get_decay_parameter_names(None, model)
+        self.engine = StreamingEngine(
+            model,
+            device=device,
+            compute_dtype=resolve_compute_dtype(args, device),
+            decay_names=decay,
+            loss_chunk_tokens=getattr(args, "loss_chunk_tokens", None),
+            pipeline_options={"depth": getattr(args, "prefetch_depth", 2)} if device.type == "cuda" else None,
+        )
+
+        if train_dataset is None and getattr(args, "data_path", None):
+            train_dataset = self._dataset_from(args.data_path, processing_class, args)
+            data_collator = data_collator or CausalCollator(_pad_id(processing_class, model))
+        if eval_dataset is None and getattr(args, "eval_data_path", None):
+            eval_dataset = self._dataset_from(args.eval_data_path, processing_class, args)
+            data_collator = data_collator or CausalCollator(_pad_id(processing_class, model))
+        if train_dataset is not None and hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
+            raise MegaTrainError("train_dataset is empty: there is nothing to train on.")
+        if data_collator is None and train_dataset is not None:
+            data_collator = CausalCollator(_pad_id(processing_class, model))
+
+        super().__init__(
+            model=model,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            data_collator=data_collator,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            **kwargs,
+        )
+        if self.label_smoother is not None or self.compute_loss_func is not None:
+            raise MegaTrainError("custom losses (compute_loss_func, label smoothing) are not supported by the engine.")
+
+    @staticmethod
+    def _dataset_from(path, tokenizer, args):
+        raw = load_raw_dataset(path)
+        return tokenize_dataset(raw, tokenizer, args.max_seq_length, args.packing, args.text_field)
+
+    # -- where Trainer would move or wrap the model -----------------------------------------
+    def _move_model_to_device(self, model, device):
+        pass  # the model's weights live in the host store
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        return self.engine
+
+    def _build_accelerator_args(self, **kwargs):
+        # Keep batches on the CPU until the engine takes them (token checks without a GPU sync,
+        # pinned non-blocking copies), and never let accelerate copy optimizer state to the GPU.
+        args = super()._build_accelerator_args(**kwargs)
+        args["device_placement"] = False
+        return args
+
+    # -- optimizer ------------------------------------------------------------------------------
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            a = self.args
+            self.optimizer = HostAdamW(
+                self.engine, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
+                weight_decay=a.weight_decay,
+            )
+        return self.optimizer
+
+    @property
+    def host_optimizer(self) -> HostAdamW:
+        opt = self.optimizer
+        return getattr(opt, "optimizer", opt)
+
+    # -- one micro-batch ------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.engine.train()
+        if "input_ids" in inputs and inputs["input_ids"].device.type == "cpu":
+            validate_tokens(inputs["input_ids"], inputs.get("labels"), self.engine.config.vocab_size)
+        # Same loss scaling rule as Trainer.training_step: HF causal LMs divide by
+        # num_items_in_batch themselves; otherwise the mean loss is divided by the GA steps.
+        scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        ga = self.current_gradient_accumulation_steps
+        scale = 1.0 if scaled else 1.0 / ga
+        loss = self.engine.forward_backward(inputs, num_items_in_batch if scaled else None, scale)
+        if not scaled:
+            loss = loss / ga
+        return loss.to(self.args.device)
+
+    def _clip_grad_norm(self, model):
+        return self.host_optimizer.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return self.engine.grad_norm() if grad_norm is None else grad_norm
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        self.engine.eval()
+        has_labels = inputs.get("labels") is not None
+        want_logits = not prediction_loss_only
+        with torch.no_grad():
+            out = self.engine(**{k: v for k, v in inputs.items() if k in _ENGINE_KEYS}, return_logits=want_logits)
+        loss = out.loss.detach() if has_labels else None
+        if prediction_loss_only:
+            return loss, None, None
+        labels = inputs.get("labels")
+        return loss, out.logits, labels.to(out.logits.device) if labels is not None else None
+
+    # -- saving and resuming -------------------------------------------------------------------
+    def _save(self, output_dir=None, state_dict=None):
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        self.engine.pipeline.finish()
+        save_hf_model(self.engine.store, self.model, output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        self.engine.pipeline.finish()
+        save_optimizer_state(self.host_optimizer, output_dir)
+        torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # Masters (fp32) come back with the optimizer state; the model files hold only the
+        # save dtype. Check now, before any training, that the state is there.
+        if not has_optimizer_state(resume_from_checkpoint):
+            raise MegaTrainError(
+                f"{resume_from_checkpoint} has no hf_megatrain optimizer state; it cannot be resumed exactly. "
+                "Start a new run from it with MegaTrainTrainer(<that folder>, args) instead."
+            )
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None:
+            return
+        load_optimizer_state(self.host_optimizer, checkpoint)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+
+_ENGINE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
+
+
+def _pad_id(tokenizer, model) -> int:
+    for src in (tokenizer, getattr(model, "config", None)):
+        pid = getattr(src, "pad_token_id", None)
+        if pid is not None:
+            return int(pid)
+    return 0

@@ -1,0 +1,82 @@
+"""Tiny random models and batches shared by the tests (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 99
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    attention_dropout=0.0,
+)
+
+
+def make_config(kind: str):
+    if kind == "llama":
+        return LlamaConfig(**COMMON, tie_word_embeddings=False)
+    if kind == "llama_tied":
+        return LlamaConfig(**COMMON, tie_word_embeddings=True)
+    if kind == "mistral":
+        return MistralConfig(**COMMON, sliding_window=5)
+    if kind == "qwen2":
+        cfg = dict(COMMON, num_hidden_layers=4)
+        return Qwen2Config(**cfg, use_sliding_window=True, sliding_window=5, max_window_layers=2,
+                           layer_types=["full_attention", "full_attention", "sliding_attention", "sliding_attention"])
+    if kind == "qwen3":
+        return Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)
+    if kind == "mixtral":
+        return MixtralConfig(**dict(COMMON, intermediate_size=64), num_local_experts=4, num_experts_per_tok=2,
+                             output_router_logits=True, router_aux_loss_coef=0.05, router_jitter_noise=0.0)
+    raise KeyError(kind)
+
+
+CLASSES = {
+    "llama": LlamaForCausalLM,
+    "llama_tied": LlamaForCausalLM,
+    "mistral": MistralForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+}
+KINDS = list(CLASSES)
+
+
+def make_model(kind: str, seed: int = 0, attn: str = "sdpa"):
+    torch.manual_seed(seed)
+    cfg = make_config(kind)
+    model = CLASSES[kind]._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    model.train()
+    return model
+
+
+def make_batch(batch: int = 3, seq: int = 12, seed: int = 1, pad_rows: int = 1):
+    """Random tokens; the last `pad_rows` rows are right-padded with labels -100 on padding."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for r in range(batch - pad_rows, batch):
+        mask[r, seq // 2 :] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
