@@ -69,6 +69,8 @@ class MegaTrainTrainer(Trainer):
             args.gradient_checkpointing = False
 
         device = args.device  # resolves the device now, as Trainer would
+        if device.type == "cpu":
+            args.dataloader_pin_memory = False  # nothing to pin for
         args._n_gpu = 1 if device.type == "cuda" else args._n_gpu
         decay = Trainer.get_decay_parameter_names(None, model)
         self.engine = StreamingEngine(

@@ -62,9 +62,11 @@ CLASSES = {
 KINDS = list(CLASSES)
 
 
-def make_model(kind: str, seed: int = 0, attn: str = "sdpa"):
+def make_model(kind: str, seed: int = 0, attn: str = "sdpa", **overrides):
     torch.manual_seed(seed)
     cfg = make_config(kind)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
     model = CLASSES[kind]._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
     model.train()
     return model
