@@ -112,6 +112,12 @@ class MegaTrainTrainer(Trainer):
         raw = load_raw_dataset(path)
         return tokenize_dataset(raw, tokenizer, args.max_seq_length, args.packing, args.text_field)
 
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.engine.synchronize()  # the last optimizer step lands before anyone reads the model
+
     # -- where Trainer would move or wrap the model -----------------------------------------
     def _move_model_to_device(self, model, device):
         pass  # the model's weights live in the host store
@@ -177,14 +183,14 @@ class MegaTrainTrainer(Trainer):
     # -- saving and resuming -------------------------------------------------------------------
     def _save(self, output_dir=None, state_dict=None):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        self.engine.pipeline.finish()
+        self.engine.synchronize()
         save_hf_model(self.engine.store, self.model, output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir):
-        self.engine.pipeline.finish()
+        self.engine.synchronize()
         save_optimizer_state(self.host_optimizer, output_dir)
         torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 

@@ -21,6 +21,12 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
 
 
+def counted_rows(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the tokens that have a target. Taken on the host copy of the labels when
+    there is one: `nonzero` on the GPU would stall the host until the whole forward is done."""
+    return (shift_labels(labels).reshape(-1) != IGNORE).nonzero().squeeze(1)
+
+
 def loss_denominator(labels: torch.Tensor, num_items_in_batch) -> torch.Tensor:
     """sum/num_items_in_batch when given (Trainer's GA-correct count), else the mean over counted tokens."""
     if num_items_in_batch is not None:
@@ -38,6 +44,7 @@ def chunked_head_loss(
     denom: torch.Tensor,
     seed: torch.Tensor | None,
     chunk: int,
+    rows: torch.Tensor | None = None,
 ):
     """Loss of the head over `hidden`, and (when `seed` is given) its gradients.
 
@@ -49,7 +56,9 @@ def chunked_head_loss(
     hidden_size = hidden.shape[-1]
     flat_h = hidden.reshape(-1, hidden_size)
     flat_l = shift_labels(labels).reshape(-1)
-    rows = (flat_l != IGNORE).nonzero().squeeze(1)
+    if rows is None:
+        rows = counted_rows(labels)
+    rows = rows.to(hidden.device, non_blocking=True)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_h = torch.zeros_like(flat_h) if seed is not None else None
     grad_w = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in weights] if seed is not None else None

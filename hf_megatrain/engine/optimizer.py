@@ -18,7 +18,13 @@ step multiplies each gradient tile by min(1, max_norm / (norm + 1e-6)).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from functools import partial
+
 import torch
+
+from .pinned import arena_tensors
+from .worker import Worker
 
 TILE = 1 << 20  # elements per tile: a tile of grad, master and moments stays in L2/L3
 
@@ -49,10 +55,22 @@ class HostAdamW(torch.optim.Optimizer):
         if len(groups) == 1 and not decay:
             self.segments = [[(a, b, 0) for a, b, _ in segs] for segs in self.segments]
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.exp_avg = [torch.zeros(u.numel, dtype=torch.float32, pin_memory=store.pin) for u in store.units]
-        self.exp_avg_sq = [torch.zeros(u.numel, dtype=torch.float32, pin_memory=store.pin) for u in store.units]
+        # Moments never cross PCIe (the step runs on the host), so they need no pinning.
+        numels = [u.numel for u in store.units]
+        self._arenas = []
+        self.exp_avg, self.exp_avg_sq = [], []
+        for out in (self.exp_avg, self.exp_avg_sq):
+            arena, tensors = arena_tensors(numels, torch.float32, pin=False)
+            for t in tensors:
+                t.zero_()
+            self._arenas.append(arena)
+            out.extend(tensors)
         self.step_count = 0
         self._clip = None  # multiplier for the next step's gradients, set by clip_grad_norm_
+        # On a GPU the step runs on a host thread, unit by unit in forward order, while the
+        # next forward already streams the units that are done (store.ready gates each one).
+        self._stepper = Worker("megatrain-adamw") if engine.device.type == "cuda" else None
+        engine.optimizer = self
 
     # -- clipping -------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -80,16 +98,40 @@ class HostAdamW(torch.optim.Optimizer):
         hyper = self._hyper()
         clip = self._clip
         self._clip = None
-        for unit in self.store.units:
-            self.step_unit(unit.index, hyper, clip)
+        counts = list(self.store.grad_count)  # zero_grad() may run before the steps do
+        units = self.store.units
+        if self._stepper is None:
+            for unit in units:
+                self.step_unit(unit.index, hyper, clip, counts[unit.index], self.step_count)
+            return loss
+        for unit in units:
+            self.store.ready[unit.index].clear()
+        for unit in units:
+            self._stepper.submit(partial(self._step_async, unit.index, hyper, clip, counts[unit.index], self.step_count))
         return loss
 
-    def step_unit(self, index: int, hyper: list[dict], clip) -> None:
+    def _step_async(self, index, hyper, clip, count, step) -> None:
+        try:
+            self.step_unit(index, hyper, clip, count, step)
+        finally:
+            self.store.ready[index].set()  # a failure surfaces in synchronize(), not as a hang
+
+    def synchronize(self) -> None:
+        """Block until every pending step has been applied (re-raises a failed one)."""
+        if self._stepper is not None:
+            self._stepper.drain()
+
+    def step_unit(self, index: int, hyper: list[dict], clip, count: int, step: int) -> None:
         """AdamW on one unit (skipped, like torch does for grad=None, if it got no gradient)."""
-        store = self.store
-        if store.grad_count[index] == 0:
+        if count == 0:
             return
-        step_t = torch.tensor(float(self.step_count), dtype=torch.float32)
+        timeline = self.engine.pipeline.timeline
+        with timeline.host_span("optimizer") if timeline is not None else nullcontext():
+            self._adamw(index, hyper, clip, step)
+
+    def _adamw(self, index: int, hyper: list[dict], clip, step: int) -> None:
+        store = self.store
+        step_t = torch.tensor(float(step), dtype=torch.float32)
         master, grad = store.master[index], store.grad[index]
         m, v = self.exp_avg[index], self.exp_avg_sq[index]
         compute = store.compute[index]

@@ -8,6 +8,8 @@ pipeline (cuda_pipeline.py) streams through pinned buffers, GPU ring slots and e
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from .store import HostStore
@@ -19,6 +21,11 @@ class HostPipeline:
     def __init__(self, store: HostStore, device: torch.device):
         self.store = store
         self.device = device
+        self.timeline = None
+
+    def span(self, lane: str, stream=None):
+        """A busy span (compute etc.) for the timeline; host work is timed on the host clock."""
+        return self.timeline.host_span(lane) if self.timeline is not None else nullcontext()
 
     def start(self, plan: list[int]) -> None:
         """The order in which units will be asked for during this forward/backward."""

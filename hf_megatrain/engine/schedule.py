@@ -23,7 +23,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..errors import MegaTrainError
 from ..patcher.specs import spec_for
 from ..patcher.templates import Template, recompute_grads
-from .loss import chunked_head_loss, full_logits, loss_denominator
+from .loss import chunked_head_loss, counted_rows, full_logits, loss_denominator
 from .pipeline import HostPipeline
 from .store import HostStore, build_units
 
@@ -104,6 +104,7 @@ class StreamingEngine(nn.Module):
             1, _LOSS_CHUNK_BYTES.get(self.device.type, 1 << 30) // (vocab * 4 * 3)
         )
         self.pipeline = self._make_pipeline(pipeline_options or {})
+        self.optimizer = None  # set by HostAdamW, whose pending steps synchronize() waits for
 
     # -- construction -----------------------------------------------------------------------
     def _build_templates(self, model) -> dict[str, Template]:
@@ -149,6 +150,13 @@ class StreamingEngine(nn.Module):
         self.pipeline.finish()
         self.store.zero_grad()
 
+    def synchronize(self) -> None:
+        """Every gradient on the host and every optimizer step applied (before saving, reading)."""
+        self.pipeline.finish()
+        if self.optimizer is not None:
+            self.optimizer.synchronize()
+        self.store.wait_ready()
+
     # -- inspection API (tests rely on it) -------------------------------------------------
     def named_grads(self):
         """(name, fp32 CPU gradient) for every parameter of the original model."""
@@ -157,13 +165,22 @@ class StreamingEngine(nn.Module):
         yield from self.store.named(grads)
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the accumulated gradients, computed as torch.nn.utils.clip_grad_norm_ does."""
-        norms = torch._foreach_norm([g for _, g in self.named_grads()], 2)
+        """Global L2 norm of the accumulated gradients, computed as torch.nn.utils.clip_grad_norm_ does.
+
+        On a GPU the per-parameter norms were taken on the device as each gradient left it; on
+        the CPU they are taken from the accumulators (bit-identical to stock).
+        """
+        per_unit = getattr(self.pipeline, "grad_norms", lambda: None)()
+        if per_unit is None:
+            norms = torch._foreach_norm([g for _, g in self.named_grads()], 2)
+        else:
+            by_name = {s.name: per_unit[u.index][j] for u in self.units for j, s in enumerate(u.slots)}
+            norms = [by_name[n] for n in self.store.order]
         return torch.linalg.vector_norm(torch.stack(norms), 2)
 
     def named_master_params(self):
         """(name, fp32 CPU master weight) for every parameter of the original model."""
-        self.pipeline.finish()
+        self.synchronize()
         yield from self.store.named(self.store.master)
 
     @property
@@ -178,6 +195,9 @@ class StreamingEngine(nn.Module):
         labels = batch.get("labels")
         if ids.device.type == "cpu":
             validate_tokens(ids, labels, self.config.vocab_size)
+        rows = counted_rows(labels) if labels is not None and labels.device.type == "cpu" else None
+        if rows is not None and self.device.type == "cuda":
+            rows = rows.pin_memory()
         dev = self.device
         ids = ids.to(dev, non_blocking=True)
         mask = batch.get("attention_mask")
@@ -188,7 +208,7 @@ class StreamingEngine(nn.Module):
             pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
         else:
             pos = pos.to(dev, non_blocking=True)
-        return ids, mask, labels, pos
+        return ids, mask, labels, pos, rows
 
     # -- the schedule ---------------------------------------------------------------------------
     def _unit_plan(self, backward: bool) -> list[int]:
@@ -221,14 +241,15 @@ class StreamingEngine(nn.Module):
         embed = self.units[0]
         e_w = pipe.weights(embed.index)
         with torch.no_grad():
-            x = self._templates["embed"].call({"embed.weight": e_w.view(embed.slots[0].shape)}, ids)
-            ctx = _BatchContext(self, x, mask, pos)
+            with pipe.span("compute"):
+                x = self._templates["embed"].call({"embed.weight": e_w.view(embed.slots[0].shape)}, ids)
+                ctx = _BatchContext(self, x, mask, pos)
             acts, routers = [], []
             for unit in self.units[1:-1]:
                 w = pipe.weights(unit.index)
                 if keep:
                     acts.append(x)
-                with ctx.rng_for(unit, save=True), ctx.router_capture(unit) as cap:
+                with pipe.span("compute"), ctx.rng_for(unit, save=True), ctx.router_capture(unit) as cap:
                     x = self._layer_call(unit, w, x, ctx)
                 if cap is not None:
                     routers.append(cap[0])
@@ -241,7 +262,7 @@ class StreamingEngine(nn.Module):
         The gradient is that of `scale * loss`; the returned loss (detached, on the compute
         device) is not scaled, exactly what `model(**batch).loss` would be.
         """
-        ids, mask, labels, pos = self._prepare(batch)
+        ids, mask, labels, pos, rows = self._prepare(batch)
         if labels is None:
             raise MegaTrainError("the batch has no 'labels'; training needs them (use -100 to ignore a token).")
         pipe = self.pipeline
@@ -253,12 +274,14 @@ class StreamingEngine(nn.Module):
         names, weights = self._head_weights(h_w, e_w)
         seed = torch.full((), scale, dtype=torch.float32, device=self.device)
         denom = loss_denominator(labels, num_items_in_batch)
-        loss, grad_x, grad_w = chunked_head_loss(
-            self._run_head(names), weights, x, labels, denom, seed, self.loss_chunk_tokens
-        )
-        del x
-        n_own = len(head.slots)
-        pipe.emit_grad(head.index, torch.cat([g.reshape(-1) for g in grad_w[:n_own]]))
+        with pipe.span("compute"):
+            loss, grad_x, grad_w = chunked_head_loss(
+                self._run_head(names), weights, x, labels, denom, seed, self.loss_chunk_tokens, rows
+            )
+            del x
+            n_own = len(head.slots)
+            head_grad = torch.cat([g.reshape(-1) for g in grad_w[:n_own]])
+        pipe.emit_grad(head.index, head_grad)
         tied_grad = grad_w[n_own].reshape(-1) if head.tied_local else None
         pipe.release(head.index)
 
@@ -270,7 +293,8 @@ class StreamingEngine(nn.Module):
         for unit, x_in, r_seed in reversed(list(zip(self.units[1:-1], acts, router_seeds))):
             w = pipe.weights(unit.index)
             gbuf = pipe.grad_buffer(unit.index)
-            grad_x = self._layer_backward(unit, w, gbuf, x_in, grad_x, r_seed, ctx)
+            with pipe.span("compute"):
+                grad_x = self._layer_backward(unit, w, gbuf, x_in, grad_x, r_seed, ctx)
             acts[unit.layer] = None  # free the activation as soon as its layer is done
             pipe.emit_grad(unit.index, gbuf)
             pipe.release(unit.index)
@@ -300,11 +324,12 @@ class StreamingEngine(nn.Module):
         def run(named):
             return [tmpl.call(named, ids)], []
 
-        recompute_grads(tmpl, embed.slots, e_w, gbuf, run, [grad_x])
-        if tied_grad is not None:
-            # Both uses of a tied weight meet in fp32, as they would in an fp32 .grad.
-            tied_grad.add_(gbuf)
-            gbuf = tied_grad
+        with self.pipeline.span("compute"):
+            recompute_grads(tmpl, embed.slots, e_w, gbuf, run, [grad_x])
+            if tied_grad is not None:
+                # Both uses of a tied weight meet in fp32, as they would in an fp32 .grad.
+                tied_grad.add_(gbuf)
+                gbuf = tied_grad
         self.pipeline.emit_grad(embed.index, gbuf)
         self.pipeline.release(embed.index)
 
@@ -328,7 +353,7 @@ class StreamingEngine(nn.Module):
     def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, return_logits=True, **kw):
         """Eval-mode forward: loss (when labels are given) and, optionally, the logits."""
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "position_ids": position_ids}
-        ids, mask, labels, pos = self._prepare(batch)
+        ids, mask, labels, pos, rows = self._prepare(batch)
         pipe = self.pipeline
         pipe.start(self._unit_plan(backward=False))
         x, ctx, _, routers, e_w = self._forward_layers(ids, mask, pos, keep=False)
@@ -338,7 +363,7 @@ class StreamingEngine(nn.Module):
         loss = logits = None
         if labels is not None:
             denom = loss_denominator(labels, kw.get("num_items_in_batch"))
-            loss, _, _ = chunked_head_loss(run_head, weights, x, labels, denom, None, self.loss_chunk_tokens)
+            loss, _, _ = chunked_head_loss(run_head, weights, x, labels, denom, None, self.loss_chunk_tokens, rows)
             if routers:
                 fn = self.spec.aux_loss(self.model_class)
                 cfg = self.config

@@ -8,20 +8,23 @@ so the optimizer steps two contiguous segments with their own weight decay.
 Buffers per unit:
   compute  what streams to the GPU (bf16 by default; the fp32 master itself in fp32 mode)
   master   fp32 source of truth
-  grad     fp32 accumulator, allocated on first use and never memset: the first gradient of a
-           step is copied in, the next ones are added
+  grad     fp32 accumulator, never memset: the first gradient of a step is copied in, the
+           next ones are added
+All three are carved from exact-size page-locked arenas when the device is a GPU (pinned.py).
 Adam moments live in the optimizer (`HostAdamW`), in the same layout.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..patcher.specs import ArchSpec
+from .pinned import arena_tensors
 
 
 @dataclass(frozen=True)
@@ -106,15 +109,25 @@ class HostStore:
         self.units = units
         self.compute_dtype = compute_dtype
         self.pin = pin
-        self.master: list[torch.Tensor] = []
-        self.compute: list[torch.Tensor] = []
-        self.grad: list[torch.Tensor | None] = [None] * len(units)
+        numels = [u.numel for u in units]
+        self._arenas = []
+        self.master = self._alloc(numels, torch.float32)
+        # fp32 compute mode: the master itself streams to the device
+        self.compute = self.master if compute_dtype == torch.float32 else self._alloc(numels, compute_dtype)
+        self.grad = self._alloc(numels, torch.float32)
         # How many gradient contributions each unit's accumulator holds since zero_grad().
         self.grad_count = [0] * len(units)
+        # Set while a unit's master and compute copy are current; cleared while an optimizer
+        # step on it is pending, so nothing streams a half-updated unit to the GPU.
+        self.ready = [threading.Event() for _ in units]
+        for e in self.ready:
+            e.set()
         self.order = [n for n, _ in sorted(((s.name, s.order) for u in units for s in u.slots), key=lambda t: t[1])]
 
-    def _empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(n, dtype=dtype, pin_memory=self.pin)
+    def _alloc(self, numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+        arena, tensors = arena_tensors(numels, dtype, self.pin)
+        self._arenas.append(arena)
+        return tensors
 
     @classmethod
     def from_model(cls, model: nn.Module, units: list[Unit], compute_dtype: torch.dtype, pin: bool = False):
@@ -127,22 +140,14 @@ class HostStore:
         store = cls(units, compute_dtype, pin)
         params = dict(model.named_parameters())
         for unit in units:
-            master = store._empty(unit.numel, torch.float32)
+            master = store.master[unit.index]
             with torch.no_grad():
                 for s in unit.slots:
                     master[s.offset : s.offset + s.numel].copy_(params[s.name].detach().reshape(-1))
-            store.master.append(master)
-            store.compute.append(store._make_compute(master))
+            store.refresh_compute(unit.index)
             for s, view in zip(unit.slots, store.views(unit.index, store.compute[unit.index])):
                 params[s.name].data = view
         return store
-
-    def _make_compute(self, master: torch.Tensor) -> torch.Tensor:
-        if self.compute_dtype == torch.float32:
-            return master  # fp32 compute mode: the master itself streams to the device
-        compute = self._empty(master.numel(), self.compute_dtype)
-        compute.copy_(master)
-        return compute
 
     # -- views ------------------------------------------------------------------------------
     def views(self, index: int, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -156,6 +161,10 @@ class HostStore:
                 where[s.name] = v
         return [(name, where[name]) for name in self.order]
 
+    def wait_ready(self, index: int | None = None) -> None:
+        for e in self.ready if index is None else [self.ready[index]]:
+            e.wait()
+
     def refresh_compute(self, index: int) -> None:
         """Bring the streamed copy of a unit up to date with its master (after a step)."""
         if self.compute[index] is not self.master[index]:
@@ -164,8 +173,6 @@ class HostStore:
     # -- gradients --------------------------------------------------------------------------
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
         """Add one gradient contribution (any float dtype, host) into the fp32 accumulator."""
-        if self.grad[index] is None:
-            self.grad[index] = self._empty(self.units[index].numel, torch.float32)
         if self.grad_count[index] == 0:
             self.grad[index].copy_(grad)
         else:

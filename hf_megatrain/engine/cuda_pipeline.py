@@ -1,0 +1,253 @@
+"""The CUDA pipeline: pinned host buffers, a ring of GPU weight slots, copy streams, events.
+
+    h2d stream   pinned compute copy of unit i  ->  GPU slot      (prefetched `depth - 1` ahead)
+    compute      the current stream: waits for the slot's `ready` event, runs, records `released`
+    d2h stream   fp32 gradient of unit i  ->  pinned host accumulator (or a staging slab)
+
+The schedule hands over its *plan* (the order in which units will be asked for) at the start
+of each forward/backward, so loads are issued ahead in both directions: the backward never
+waits for a load that could have started earlier. A layer used twice in a row (the last layer:
+end of forward, start of backward) stays in its slot. Embedding and head have buffers of their
+own and stay resident for the whole step (a tied head reads the embedding's buffer).
+
+Ordering is by CUDA events only. The host waits in two places, both data dependencies: before
+loading a unit whose optimizer step is still running (its `ready` flag), and in `finish()`,
+when every gradient must be on the host (the global norm for clipping needs all of them).
+
+Gradients: the first contribution to a unit in a step goes straight into the pinned fp32
+accumulator (cast to fp32 on the GPU; no host work at all), with its per-parameter norms taken
+on the GPU on the way. Later contributions (gradient accumulation) land in a pinned staging
+slab and a host worker adds them in.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from .store import HostStore
+from .worker import Worker
+
+
+@dataclass
+class _Buffer:
+    data: torch.Tensor
+    ready: torch.cuda.Event = field(default_factory=torch.cuda.Event)  # load finished (h2d)
+    released: torch.cuda.Event = field(default_factory=torch.cuda.Event)  # compute done with it
+    unit: int | None = None
+
+
+@dataclass
+class _Entry:
+    unit: int
+    buffer: _Buffer
+    load: bool  # False: the unit is already in this buffer (repeat use)
+    depends_on: int | None  # plan entry that must be released before this load may start
+    issued: bool = False
+    released: bool = False
+
+
+class CudaPipeline:
+    def __init__(self, store: HostStore, device: torch.device, depth: int = 2, grad_slots: int = 2,
+                 staging_slabs: int = 2):
+        if depth < 2:
+            raise ValueError("depth must be >= 2")
+        self.store = store
+        self.device = device
+        self.depth = depth
+        self.h2d = torch.cuda.Stream(device)
+        self.d2h = torch.cuda.Stream(device)
+        n = max(store.max_layer_numel(), 1)
+        dt = store.compute_dtype
+        self.ring = [_Buffer(torch.empty(n, dtype=dt, device=device)) for _ in range(depth)]
+        self.fixed: dict[int, _Buffer] = {}
+        for u in store.units:
+            if u.kind != "layer":
+                self.fixed[u.index] = _Buffer(torch.empty(u.numel, dtype=dt, device=device))
+        self.grad_ring = [_Buffer(torch.empty(n, dtype=torch.float32, device=device)) for _ in range(grad_slots)]
+        self._grad_next = 0
+        self.slabs = [torch.empty(n, dtype=torch.float32, pin_memory=True) for _ in range(staging_slabs)]
+        self._slab_free = [True] * staging_slabs
+        self.accumulator = Worker("megatrain-accumulate")
+        self._pending: list[torch.cuda.Event] = []
+        # Per-parameter gradient norms of each unit (valid once its gradient has landed).
+        self.norms: list[torch.Tensor | None] = [None] * len(store.units)
+        self._gpu_norms: dict[int, torch.Tensor] = {}
+        self.plan: list[_Entry] = []
+        self.pos = 0
+        self.timeline = None  # a Timeline records busy spans when attached (timeline.py)
+
+    # -- the plan -------------------------------------------------------------------------------
+    def start(self, plan: list[int]) -> None:
+        # Ring slots are given least-recently-used first; a unit still in a slot is not reloaded
+        # (at the forward/backward turn the last `depth` layers are all still there).
+        entries, seen_fixed = [], set()
+        content = [None] * self.depth
+        last_use = [-1] * self.depth
+        for k, u in enumerate(plan):
+            if self.store.units[u].kind != "layer":
+                entries.append(_Entry(u, self.fixed[u], u not in seen_fixed, None))
+                seen_fixed.add(u)
+                continue
+            if u in content:
+                s = content.index(u)
+                entries.append(_Entry(u, self.ring[s], False, None))
+            else:
+                s = min(range(self.depth), key=last_use.__getitem__)
+                dep = last_use[s] if last_use[s] >= 0 else None
+                entries.append(_Entry(u, self.ring[s], True, dep))
+                content[s] = u
+            last_use[s] = k
+        self.plan, self.pos = entries, 0
+        self._issue()
+
+    def _issue(self) -> None:
+        """Start every load inside the look-ahead window whose buffer is free."""
+        for k in range(self.pos, min(self.pos + self.depth, len(self.plan))):
+            e = self.plan[k]
+            if e.issued:
+                continue
+            if e.depends_on is not None and not self.plan[e.depends_on].released:
+                break  # in order: a later load never overtakes an earlier one
+            if e.load:
+                self.store.ready[e.unit].wait()  # its optimizer step must be finished
+                src = self.store.compute[e.unit]
+                with torch.cuda.stream(self.h2d), self.span("h2d", self.h2d):
+                    self.h2d.wait_event(e.buffer.released)
+                    e.buffer.data[: src.numel()].copy_(src, non_blocking=True)
+                    e.buffer.ready.record(self.h2d)
+                e.buffer.unit = e.unit
+            e.issued = True
+
+    def _entry_for(self, index: int) -> int:
+        for k in range(self.pos, len(self.plan)):
+            if self.plan[k].unit == index:
+                return k
+        raise RuntimeError(f"unit {index} was asked for but is not in the plan ahead ({self.pos}/{len(self.plan)})")
+
+    def weights(self, index: int) -> torch.Tensor:
+        k = self._entry_for(index)
+        self.pos = k
+        self._issue()
+        e = self.plan[k]
+        torch.cuda.current_stream(self.device).wait_event(e.buffer.ready)
+        self.pos = k + 1
+        self._issue()
+        return e.buffer.data[: self.store.units[index].numel]
+
+    def release(self, index: int) -> None:
+        """Compute is done with the unit's most recent entry: its buffer may be refilled."""
+        for k in range(self.pos - 1, -1, -1):
+            e = self.plan[k]
+            if e.unit == index and not e.released:
+                e.buffer.released.record(torch.cuda.current_stream(self.device))
+                e.released = True
+                break
+        self._issue()
+
+    # -- gradients ------------------------------------------------------------------------------
+    def grad_buffer(self, index: int) -> torch.Tensor:
+        numel = self.store.units[index].numel
+        if self.store.units[index].kind != "layer":
+            return torch.empty(numel, dtype=torch.float32, device=self.device)
+        slot = self.grad_ring[self._grad_next]
+        self._grad_next = (self._grad_next + 1) % len(self.grad_ring)
+        torch.cuda.current_stream(self.device).wait_event(slot.released)  # its last D2H is done
+        slot.unit = index
+        return slot.data[:numel]
+
+    def _slot_of(self, grad: torch.Tensor) -> _Buffer | None:
+        for slot in self.grad_ring:
+            if grad.data_ptr() == slot.data.data_ptr():
+                return slot
+        return None
+
+    def emit_grad(self, index: int, grad: torch.Tensor) -> None:
+        store = self.store
+        unit = store.units[index]
+        compute = torch.cuda.current_stream(self.device)
+        grad = grad.reshape(-1)
+        if grad.dtype != torch.float32:
+            grad = grad.float()
+        first = store.grad_count[index] == 0
+        store.grad_count[index] += 1
+        if first:
+            views = [grad[s.offset : s.offset + s.numel] for s in unit.slots]
+            self._gpu_norms[index] = torch.stack(torch._foreach_norm(views, 2))
+        produced = torch.cuda.Event()
+        produced.record(compute)
+        with torch.cuda.stream(self.d2h), self.span("d2h", self.d2h):
+            self.d2h.wait_event(produced)
+            if first:
+                store.grad[index].copy_(grad, non_blocking=True)
+                gpu_norms = self._gpu_norms.pop(index)
+                norms_host = torch.empty(len(unit.slots), dtype=torch.float32, pin_memory=True)
+                norms_host.copy_(gpu_norms, non_blocking=True)
+                gpu_norms.record_stream(self.d2h)
+                self.norms[index] = norms_host
+                slab = None
+            else:
+                slab = self._take_slab()
+                self.slabs[slab][: unit.numel].copy_(grad, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.d2h)
+        slot = self._slot_of(grad)
+        if slot is not None:
+            slot.released = done
+        else:
+            grad.record_stream(self.d2h)
+        if first:
+            self._pending.append(done)
+        else:
+            self.accumulator.submit(lambda: self._accumulate(index, slab, done))
+
+    def span(self, lane: str, stream=None):
+        """A busy span on `stream` (default: compute) when a timeline is attached."""
+        if self.timeline is None:
+            return nullcontext()
+        return self.timeline.gpu_span(lane, stream or torch.cuda.current_stream(self.device))
+
+    def _take_slab(self) -> int:
+        while True:
+            for i, free in enumerate(self._slab_free):
+                if free:
+                    self._slab_free[i] = False
+                    return i
+            self.accumulator.drain()  # all slabs in use: let the host catch up
+
+    def _accumulate(self, index: int, slab: int, done: torch.cuda.Event) -> None:
+        done.synchronize()
+        with self.timeline.host_span("accumulate") if self.timeline else nullcontext():
+            self._accumulate_now(index, slab)
+
+    def _accumulate_now(self, index: int, slab: int) -> None:
+        unit = self.store.units[index]
+        acc = self.store.grad[index]
+        acc.add_(self.slabs[slab][: unit.numel])
+        self._slab_free[slab] = True
+        views = [acc[s.offset : s.offset + s.numel] for s in unit.slots]
+        self.norms[index] = torch.stack(torch._foreach_norm(views, 2))
+
+    def finish(self) -> None:
+        for ev in self._pending:
+            ev.synchronize()
+        self._pending.clear()
+        self.accumulator.drain()
+
+    def grad_norms(self) -> list[torch.Tensor] | None:
+        """Per-parameter norms of every unit (in unit/slot order), or None if one is missing."""
+        self.finish()
+        out = []
+        for u in self.store.units:
+            if self.store.grad_count[u.index] == 0:
+                out.append(torch.zeros(len(u.slots)))
+            elif self.norms[u.index] is None:
+                return None
+            else:
+                out.append(self.norms[u.index])
+        return out
+
+    def wait_for_step(self, index: int) -> None:
+        self.store.ready[index].wait()

@@ -1,0 +1,44 @@
+"""A host thread that runs submitted jobs in order (gradient accumulation, optimizer steps).
+
+torch's CPU kernels release the GIL and parallelise internally, so one ordered worker per job
+kind keeps all cores busy without oversubscribing them, while the main thread goes on feeding
+the GPU. An exception in a job is re-raised in the caller at the next `drain()`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+
+class Worker:
+    def __init__(self, name: str):
+        self._jobs: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if self._error is None:
+                    job()
+            except BaseException as e:  # surfaced to the main thread by drain()
+                self._error = e
+            finally:
+                self._jobs.task_done()
+
+    def submit(self, job) -> None:
+        self.check()
+        self._jobs.put(job)
+
+    def drain(self) -> None:
+        """Block until every submitted job has run; re-raise the first failure."""
+        self._jobs.join()
+        self.check()
+
+    def check(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"background job in {self._thread.name} failed: {err!r}") from err
