@@ -22,6 +22,8 @@ slab and a host worker adds them in.
 
 from __future__ import annotations
 
+import random
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -78,6 +80,9 @@ class CudaPipeline:
         self.plan: list[_Entry] = []
         self.pos = 0
         self.timeline = None  # a Timeline records busy spans when attached (timeline.py)
+        # Test hook: random GPU sleeps on the copy streams and host sleeps in the accumulator,
+        # to shake out missing event dependencies (tests/test_gpu.py).
+        self.chaos: random.Random | None = None
 
     # -- the plan -------------------------------------------------------------------------------
     def start(self, plan: list[int]) -> None:
@@ -116,6 +121,7 @@ class CudaPipeline:
                 src = self.store.compute[e.unit]
                 with torch.cuda.stream(self.h2d), self.span("h2d", self.h2d):
                     self.h2d.wait_event(e.buffer.released)
+                    self._shake()
                     e.buffer.data[: src.numel()].copy_(src, non_blocking=True)
                     e.buffer.ready.record(self.h2d)
                 e.buffer.unit = e.unit
@@ -132,6 +138,8 @@ class CudaPipeline:
         self.pos = k
         self._issue()
         e = self.plan[k]
+        if not e.issued:  # its buffer is still held by an entry nobody released: a schedule bug
+            raise RuntimeError(f"unit {index} cannot be loaded: entry {e.depends_on} of the plan was never released")
         torch.cuda.current_stream(self.device).wait_event(e.buffer.ready)
         self.pos = k + 1
         self._issue()
@@ -180,6 +188,7 @@ class CudaPipeline:
         produced.record(compute)
         with torch.cuda.stream(self.d2h), self.span("d2h", self.d2h):
             self.d2h.wait_event(produced)
+            self._shake()
             if first:
                 store.grad[index].copy_(grad, non_blocking=True)
                 gpu_norms = self._gpu_norms.pop(index)
@@ -217,7 +226,13 @@ class CudaPipeline:
                     return i
             self.accumulator.drain()  # all slabs in use: let the host catch up
 
+    def _shake(self) -> None:
+        if self.chaos is not None and self.chaos.random() < 0.5:
+            torch.cuda._sleep(self.chaos.randint(1_000, 2_000_000))  # up to ~1 ms of GPU cycles
+
     def _accumulate(self, index: int, slab: int, done: torch.cuda.Event) -> None:
+        if self.chaos is not None and self.chaos.random() < 0.5:
+            time.sleep(self.chaos.random() * 2e-3)
         done.synchronize()
         with self.timeline.host_span("accumulate") if self.timeline else nullcontext():
             self._accumulate_now(index, slab)

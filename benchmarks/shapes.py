@@ -1,0 +1,29 @@
+"""Model shapes the benchmarks build (random init, weights are never carried)."""
+
+from transformers import LlamaConfig, Qwen2Config
+
+SHAPES = {
+    "llama-3.2-1b": dict(cls=LlamaConfig, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
+                         rope_theta=500000.0),
+    "llama-3.2-3b": dict(cls=LlamaConfig, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
+                         rope_theta=500000.0),
+    "qwen2.5-7b": dict(cls=Qwen2Config, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+                       rope_theta=1000000.0),
+    "qwen2.5-14b": dict(cls=Qwen2Config, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False,
+                        rope_theta=1000000.0),
+    "llama-3.1-70b": dict(cls=LlamaConfig, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                          rope_theta=500000.0),
+}
+
+
+def make_config(shape: str, layers: int | None = None, max_positions: int = 131072):
+    spec = dict(SHAPES[shape])
+    cls = spec.pop("cls")
+    if layers:
+        spec["num_hidden_layers"] = layers
+    return cls(**spec, max_position_embeddings=max_positions, attention_dropout=0.0)
