@@ -62,7 +62,7 @@ class MegaTrainTrainer(Trainer):
         check_arguments(args)
         if optimizers[0] is not None and not isinstance(optimizers[0], HostAdamW):
             raise MegaTrainError("a custom optimizer was passed; hf_megatrain steps its own HostAdamW on the host.")
-        model, tokenizer = load_model_and_tokenizer(model)
+        model, tokenizer, weights_from = load_model_and_tokenizer(model)
         processing_class = processing_class if processing_class is not None else tokenizer
         if getattr(args, "gradient_checkpointing", False):
             logger.info("gradient_checkpointing: the engine always recomputes at layer boundaries; flag ignored")
@@ -80,6 +80,8 @@ class MegaTrainTrainer(Trainer):
             decay_names=decay,
             loss_chunk_tokens=getattr(args, "loss_chunk_tokens", None),
             pipeline_options={"depth": getattr(args, "prefetch_depth", 2)} if device.type == "cuda" else None,
+            weights_from=weights_from,
+            progress=not args.disable_tqdm,
         )
 
         if train_dataset is None and getattr(args, "data_path", None):

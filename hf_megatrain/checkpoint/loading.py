@@ -1,20 +1,47 @@
-"""Turn what the user passed (hub id, local path or loaded model) into a CPU model + tokenizer."""
+"""Turn what the user passed (hub id, local path or loaded model) into what the engine needs.
+
+A loaded CPU model is used as it is. A hub id or folder becomes a *meta skeleton* (the real
+model class, no storage) plus the folder its safetensors are streamed from, so a 70B model
+never exists in RAM twice.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from ..errors import MegaTrainError
 from ..patcher.specs import spec_for
+from .stream_load import resolve_folder, shard_files
 
 logger = logging.getLogger(__name__)
 
 
-def load_model_and_tokenizer(model, attn_implementation: str | None = None):
-    """Returns (model on CPU with fp32 weights, tokenizer or None)."""
+def meta_skeleton(config, attn_implementation: str | None = None) -> PreTrainedModel:
+    """The model class built on meta; non-persistent buffers (rotary inv_freq) are rebuilt real."""
+    kwargs = {"dtype": torch.float32}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    for name, module in list(model.named_modules()):
+        if any(b.device.type == "meta" for b in module.buffers(recurse=False)):
+            if not hasattr(module, "inv_freq"):
+                raise MegaTrainError(f"{name} has buffers that cannot be rebuilt on the host")
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, type(module)(config=model.config))
+    return model
+
+
+def load_model_and_tokenizer(model, attn_implementation: str | None = None, revision: str | None = None):
+    """Returns (model, tokenizer or None, weights folder or None).
+
+    With a folder, `model` is a meta skeleton to be filled from it (StreamingEngine weights_from).
+    """
     if isinstance(model, PreTrainedModel):
         spec_for(model.config)
         devices = {p.device.type for p in model.parameters()}
@@ -23,26 +50,24 @@ def load_model_and_tokenizer(model, attn_implementation: str | None = None):
                 f"the model's parameters are on {sorted(devices)}; pass a model loaded on the CPU "
                 "(hf_megatrain moves layers to the GPU itself), e.g. from_pretrained(..., device_map='cpu')."
             )
-        return model, None
-    if not isinstance(model, str):
+        return model, None, None
+    if not isinstance(model, (str, os.PathLike)):
         raise MegaTrainError(
             f"model must be a hub id, a local path or a loaded PreTrainedModel, not {type(model).__name__}."
         )
+    folder = resolve_folder(str(model), revision)
     try:
-        config = AutoConfig.from_pretrained(model)
-    except OSError as e:
-        raise MegaTrainError(
-            f"cannot find a model config for {model!r}: {e}. Pass a local folder with config.json, "
-            "or a hub id that is already in the local HF cache."
-        ) from e
-    spec_for(config)  # refuse unsupported architectures before reading any weights
-    kwargs = {"dtype": torch.float32, "device_map": "cpu"}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    loaded = AutoModelForCausalLM.from_pretrained(model, **kwargs)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError) as e:
-        logger.warning("no tokenizer found for %s (%s); pass processing_class= to save one", model, e)
+        raise MegaTrainError(f"cannot find a model config for {model!r} in {folder}: {e}") from e
+    spec_for(config)  # refuse unsupported architectures before touching any weights
+    shard_files(folder)
+    skeleton = meta_skeleton(config, attn_implementation)
+    if os.path.isfile(os.path.join(folder, "generation_config.json")):
+        skeleton.generation_config = GenerationConfig.from_pretrained(folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as e:
+        logger.warning("no tokenizer found in %s (%s); pass processing_class= to save one", folder, e)
         tokenizer = None
-    return loaded, tokenizer
+    return skeleton, tokenizer, folder

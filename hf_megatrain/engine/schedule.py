@@ -22,6 +22,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..errors import MegaTrainError
 from ..patcher.specs import spec_for
+from ..checkpoint.stream_load import load_into_store
 from ..patcher.templates import Template, recompute_grads
 from .loss import chunked_head_loss, counted_rows, full_logits, loss_denominator
 from .pipeline import HostPipeline
@@ -50,7 +51,7 @@ class _Head(nn.Module):
         return self.lm_head(self.norm(hidden))
 
 
-def _check_model(model: nn.Module, spec) -> None:
+def _check_model(model: nn.Module, spec, skeleton: bool) -> None:
     for path in (spec.embed, spec.layers, spec.norm, spec.lm_head, spec.rotary):
         try:
             model.get_submodule(path)
@@ -59,7 +60,7 @@ def _check_model(model: nn.Module, spec) -> None:
                 f"{type(model).__name__} has no submodule {path!r}; hf_megatrain needs the causal-LM class "
                 f"(e.g. AutoModelForCausalLM), not the bare base model."
             ) from None
-    if any(p.device.type == "meta" for p in model.parameters()):
+    if not skeleton and any(p.device.type == "meta" for p in model.parameters()):
         raise MegaTrainError("the model has parameters on the meta device; load real weights first.")
 
 
@@ -74,6 +75,8 @@ class StreamingEngine(nn.Module):
     compute_dtype: dtype of the streamed weights and activations (bf16, or fp32).
     decay_names: parameter names that get weight decay (Trainer.get_decay_parameter_names).
     loss_chunk_tokens: rows of logits per loss chunk; None picks from the vocabulary size.
+    weights_from: a checkpoint folder; then `model` is a meta skeleton (see checkpoint.loading)
+        and the store is filled straight from the safetensors files.
     """
 
     def __init__(
@@ -85,10 +88,12 @@ class StreamingEngine(nn.Module):
         decay_names=None,
         loss_chunk_tokens: int | None = None,
         pipeline_options: dict | None = None,
+        weights_from: str | None = None,
+        progress: bool = True,
     ):
         super().__init__()
         self.spec = spec_for(model.config)
-        _check_model(model, self.spec)
+        _check_model(model, self.spec, skeleton=weights_from is not None)
         self.device = torch.device(device)
         self.config = model.config
         self.model_class = type(model)
@@ -96,7 +101,13 @@ class StreamingEngine(nn.Module):
         if decay_names is None:
             decay_names = [n for n, _ in model.named_parameters()]
         self.units = build_units(model, self.spec, decay_names)
-        self.store = HostStore.from_model(model, self.units, compute_dtype, pin=self.device.type == "cuda")
+        pin = self.device.type == "cuda"
+        if weights_from is None:
+            self.store = HostStore.from_model(model, self.units, compute_dtype, pin=pin)
+        else:  # a meta skeleton: its weights come straight from the checkpoint files
+            self.store = HostStore(self.units, compute_dtype, pin=pin)
+            load_into_store(self.store, self.spec, self.config, weights_from, progress=progress)
+            self.store.bind(model)
         self._templates = self._build_templates(model)
         self.rotary = self._build_rotary(model)
         vocab = self.config.vocab_size

@@ -145,9 +145,26 @@ class HostStore:
                 for s in unit.slots:
                     master[s.offset : s.offset + s.numel].copy_(params[s.name].detach().reshape(-1))
             store.refresh_compute(unit.index)
-            for s, view in zip(unit.slots, store.views(unit.index, store.compute[unit.index])):
-                params[s.name].data = view
+            store.bind(model, unit.index)
         return store
+
+    def bind(self, model: nn.Module, index: int | None = None) -> None:
+        """Make the model's parameters views of the compute copies (all units, or one).
+
+        The Parameter objects are replaced (this also works for a meta skeleton), in every
+        module that holds them, so tied weights stay one object.
+        """
+        units = self.units if index is None else [self.units[index]]
+        views = {}
+        for unit in units:
+            for s, v in zip(unit.slots, self.views(unit.index, self.compute[unit.index])):
+                views[s.name] = v
+        named = dict(model.named_parameters())
+        replace = {id(named[n]): nn.Parameter(v, requires_grad=named[n].requires_grad) for n, v in views.items()}
+        for module in model.modules():
+            for key, p in list(module._parameters.items()):
+                if p is not None and id(p) in replace:
+                    module._parameters[key] = replace[id(p)]
 
     # -- views ------------------------------------------------------------------------------
     def views(self, index: int, flat: torch.Tensor) -> list[torch.Tensor]:

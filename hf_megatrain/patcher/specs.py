@@ -8,8 +8,9 @@ decoder family that follows the Llama layout is one `register(ArchSpec(...))` ca
 
 from __future__ import annotations
 
+import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -35,6 +36,27 @@ def _always_full(config, index: int) -> str:
     return FULL
 
 
+def _same_name(name: str, config) -> tuple[str, tuple]:
+    return name, ()
+
+
+_EXPERT = re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+def _mixtral_disk(name: str, config) -> tuple[str, tuple]:
+    """Mixtral checkpoints store experts one by one (w1 gate, w3 up, w2 down); HF v5 fuses them:
+    gate_up_proj[e] = cat(w1, w3) along rows, down_proj[e] = w2 (transformers' conversion_mapping)."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return name.replace(".block_sparse_moe.", ".mlp."), ()
+    prefix, e, w = m.group(1), int(m.group(2)), m.group(3)
+    inter = config.intermediate_size
+    if w == "w2":
+        return f"{prefix}.mlp.experts.down_proj", (e,)
+    rows = slice(0, inter) if w == "w1" else slice(inter, 2 * inter)
+    return f"{prefix}.mlp.experts.gate_up_proj", (e, rows)
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     """What the engine needs to know about one model family."""
@@ -50,7 +72,8 @@ class ArchSpec:
     # and the name of the aux-loss function in the modeling module (MoE families only).
     router: str | None = None
     aux_loss_fn: str | None = None
-    extra: dict = field(default_factory=dict)
+    # Where a tensor of an on-disk checkpoint goes: (model parameter name, index into it).
+    from_disk: Callable = _same_name
 
     @property
     def has_router_loss(self) -> bool:
@@ -114,5 +137,6 @@ register(
         _uniform_window,
         router="mlp.gate",
         aux_loss_fn="load_balancing_loss_func",
+        from_disk=_mixtral_disk,
     )
 )

@@ -1,0 +1,105 @@
+"""Load an HF checkpoint folder straight into the host store.
+
+The model is built on the meta device (no memory), its units are laid out, the store is
+allocated once, and every tensor of every shard is read into its place in the fp32 masters
+(with the dtype conversion and, for Mixtral, the expert fusion that transformers applies).
+No full model is ever materialised besides the store itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import MegaTrainError
+from .safetensors_io import TensorReader, read_header
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+def resolve_folder(model_id_or_path: str, revision: str | None = None) -> str:
+    """A local folder, or the snapshot of a hub id in the local HF cache (never the network)."""
+    if os.path.isdir(model_id_or_path):
+        return model_id_or_path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(model_id_or_path, revision=revision, local_files_only=True)
+    except Exception as e:
+        raise MegaTrainError(
+            f"{model_id_or_path!r} is not a local folder and is not in the local HF cache ({e.__class__.__name__}). "
+            "Download it first (huggingface-cli download), or set HF_HUB_CACHE to the cache that holds it."
+        ) from e
+
+
+def shard_files(folder: str) -> list[str]:
+    index = os.path.join(folder, SAFE_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.isfile(os.path.join(folder, name)):
+                raise MegaTrainError(f"{index} lists {name}, which is missing from {folder}.")
+        return [os.path.join(folder, n) for n in files]
+    single = os.path.join(folder, SAFE_WEIGHTS)
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not found:
+        raise MegaTrainError(
+            f"{folder} has no safetensors weights (model.safetensors or a sharded index); "
+            "convert .bin checkpoints with save_pretrained first."
+        )
+    return [os.path.join(folder, f) for f in found]
+
+
+def load_into_store(store, spec, config, folder: str, progress: bool = True) -> None:
+    """Fill every unit's fp32 master from the checkpoint, then its compute copy."""
+    files = shard_files(folder)
+    entries = [e for path in files for e in read_header(path)]  # every header first: fail before reading
+    slots = {s.name: (u.index, s) for u in store.units for s in u.slots}
+    tied = {u.tied_local for u in store.units if u.tied_local}
+    plan, filled = [], {name: 0 for name in slots}
+    for e in entries:
+        target, index = spec.from_disk(e.name, config)
+        if target not in slots:
+            if target.endswith("lm_head.weight") and tied:
+                continue  # a tied lm_head saved anyway: the embedding already holds it
+            if "rotary_emb" in target:
+                continue  # non-persistent buffers some older checkpoints still carry
+            raise MegaTrainError(
+                f"{e.path}: tensor {e.name!r} does not belong to {type(config).__name__}'s model "
+                f"(mapped to {target!r}). Is this checkpoint for another architecture?"
+            )
+        plan.append((e, target, index))
+    reader = TensorReader()
+    total = sum(e.nbytes for e, _, _ in plan)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress)
+    try:
+        for e, target, index in plan:
+            u, slot = slots[target]
+            view = store.master[u][slot.offset : slot.offset + slot.numel].view(slot.shape)
+            dest = view[index] if index else view
+            if tuple(dest.shape) != tuple(e.shape):
+                raise MegaTrainError(
+                    f"{e.path}: tensor {e.name!r} has shape {list(e.shape)}, but the model expects "
+                    f"{list(dest.shape)} for {target}. Does config.json match these weights?"
+                )
+            reader.read_into(e, dest)
+            filled[target] += dest.numel()
+            bar.update(e.nbytes)
+    finally:
+        reader.close()
+        bar.close()
+    missing = [n for n, (_, s) in slots.items() if filled[n] != s.numel]
+    if missing:
+        raise MegaTrainError(
+            f"the checkpoint in {folder} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}."
+        )
+    for unit in store.units:
+        store.refresh_compute(unit.index)
