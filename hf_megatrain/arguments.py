@@ -45,6 +45,14 @@ class MegaTrainArguments(TrainingArguments):
     prefetch_depth: int = field(
         default=2, metadata={"help": "GPU weight slots in the ring that streams decoder layers (>= 2)."}
     )
+    save_dtype: str = field(
+        default="auto",
+        metadata={"help": "dtype of saved model weights: auto (the model's own config dtype) | float32 | bfloat16."},
+    )
+    checkpoint_hashes: bool = field(
+        default=True,
+        metadata={"help": "Hash every checkpoint file into its manifest (checked on resume); sizes are always checked."},
+    )
     hub_dir: str | None = field(
         default=None,
         metadata={"help": "Local hub directory (HF cache layout) that push_to_hub publishes into; "
@@ -90,6 +98,8 @@ def check_arguments(args, before_init: bool = False) -> None:
     dtype = getattr(args, "compute_dtype", "auto")
     if dtype not in ("auto", "bfloat16", "float32", "bf16", "fp32"):
         raise MegaTrainError(f"compute_dtype={dtype!r}; choose auto, bfloat16 or float32.")
+    if getattr(args, "save_dtype", "auto") not in ("auto", "float32", "bfloat16", "float16"):
+        raise MegaTrainError(f"save_dtype={args.save_dtype!r}; choose auto, float32, bfloat16 or float16.")
     if getattr(args, "prefetch_depth", 2) < 2:
         raise MegaTrainError("prefetch_depth must be >= 2 (double buffering needs two GPU slots).")
     if getattr(args, "max_seq_length", 1) < 1:

@@ -11,15 +11,25 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import torch
 from transformers import Trainer
-from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy, rotate_checkpoints
 
 from .arguments import MegaTrainArguments, check_arguments
 from .checkpoint.hf_format import save_hf_model
 from .checkpoint.loading import load_model_and_tokenizer
-from .checkpoint.optimizer_state import has_optimizer_state, load_optimizer_state, save_optimizer_state
+from .checkpoint.local_hub import LocalHub, default_hub_dir
+from .checkpoint.manifest import MANIFEST, commit_dir, partial_dir, verify_manifest, write_manifest
+from .checkpoint.optimizer_state import (
+    has_optimizer_state,
+    load_masters,
+    load_optimizer_state,
+    save_optimizer_state,
+)
 from .data import CausalCollator, load_raw_dataset, tokenize_dataset
 from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine, validate_tokens
@@ -186,7 +196,9 @@ class MegaTrainTrainer(Trainer):
     def _save(self, output_dir=None, state_dict=None):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         self.engine.synchronize()
-        save_hf_model(self.engine.store, self.model, output_dir)
+        choice = getattr(self.args, "save_dtype", "auto")
+        dtype = None if choice == "auto" else getattr(torch, choice)
+        save_hf_model(self.engine.store, self.model, output_dir, dtype=dtype)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
@@ -196,20 +208,110 @@ class MegaTrainTrainer(Trainer):
         save_optimizer_state(self.host_optimizer, output_dir)
         torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
+    def _save_checkpoint(self, model, trial):
+        """Trainer's checkpoint, written into a hidden folder and renamed into place when complete."""
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        final = os.path.join(run_dir, folder)
+        tmp = partial_dir(final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.save_model(tmp, _internal_call=True)
+        if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and \
+                self.state.best_global_step:
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if os.path.exists(best) or best == final:
+                self.state.best_model_checkpoint = best
+        if not self.args.save_only_model:
+            self._save_optimizer_and_scheduler(tmp)
+            self._save_scaler(tmp)
+            self._save_rng_state(tmp)
+        if self.args.should_save:
+            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+                name = cb.__class__.__name__
+                if isinstance(self.state.stateful_callbacks[name], list):
+                    self.state.stateful_callbacks[name].append(cb.state())
+                else:
+                    self.state.stateful_callbacks[name] = cb.state()
+            self.state.save_to_json(os.path.join(tmp, TRAINER_STATE_NAME))
+            write_manifest(tmp, hashes=getattr(self.args, "checkpoint_hashes", True))
+            commit_dir(tmp, final)
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(final)
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # Masters (fp32) come back with the optimizer state; the model files hold only the
-        # save dtype. Check now, before any training, that the state is there.
+        # save dtype. Check now, before any training, that the checkpoint is whole.
         if not has_optimizer_state(resume_from_checkpoint):
             raise MegaTrainError(
                 f"{resume_from_checkpoint} has no hf_megatrain optimizer state; it cannot be resumed exactly. "
                 "Start a new run from it with MegaTrainTrainer(<that folder>, args) instead."
             )
+        if os.path.isfile(os.path.join(resume_from_checkpoint, MANIFEST)):
+            verify_manifest(resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None:
             return
+        self.engine.synchronize()
         load_optimizer_state(self.host_optimizer, checkpoint)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _load_best_model(self):
+        best = self.state.best_model_checkpoint
+        logger.info("loading the best model from %s (score %s)", best, self.state.best_metric)
+        self.engine.synchronize()
+        load_masters(self.engine.store, best)
+
+    # -- the local hub ---------------------------------------------------------------------------
+    def init_hf_repo(self, token=None):
+        repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
+        self.local_hub = LocalHub(default_hub_dir(self.args), repo_id)
+        self.hub_model_id = repo_id
+        self.push_in_progress = None
+
+    def _publish(self, message: str, checkpoint_folder: str | None = None) -> str:
+        uploads = [(self.args.output_dir, "")]
+        if checkpoint_folder is not None and self.args.hub_strategy in (
+            HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS
+        ):
+            name = "last-checkpoint" if self.args.hub_strategy == HubStrategy.CHECKPOINT else \
+                os.path.basename(checkpoint_folder)
+            uploads.append((checkpoint_folder, name))
+        ignore = ("_*", f"{PREFIX_CHECKPOINT_DIR}-*", ".partial-*", "runs")
+        commit = self.local_hub.commit(uploads, message, ignore=ignore)
+        logger.info("published %s to local hub %s at commit %s", self.hub_model_id, self.local_hub.root, commit)
+        return commit
+
+    def _push_from_checkpoint(self, checkpoint_folder):
+        """Stock semantics: the checkpoint's model files go to output_dir, which is published."""
+        if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
+            return
+        out = self.args.output_dir
+        for name in os.listdir(checkpoint_folder):
+            if name.startswith(("model", "config.json", "generation_config.json")):
+                shutil.copy(os.path.join(checkpoint_folder, name), os.path.join(out, name))
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(out)
+        torch.save(self.args, os.path.join(out, TRAINING_ARGS_NAME))
+        if self.args.save_strategy == SaveStrategy.STEPS:
+            message = f"Training in progress, step {self.state.global_step}"
+        else:
+            message = f"Training in progress, epoch {int(self.state.epoch)}"
+        self._publish(message, checkpoint_folder)
+
+    def push_to_hub(self, commit_message="End of training", blocking=True, token=None, revision=None, **kwargs):
+        """Save the model to output_dir and publish it to the local hub; returns the commit id."""
+        if getattr(self, "local_hub", None) is None:
+            self.init_hf_repo()
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        return self._publish(commit_message or "End of training")
 
 
 _ENGINE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")

@@ -62,35 +62,57 @@ def has_optimizer_state(path: str) -> bool:
     return os.path.isfile(os.path.join(path, STATE_JSON))
 
 
-def load_optimizer_state(optimizer, path: str) -> None:
-    """Restore masters, moments and step; the streamed compute copies are refreshed."""
-    with open(os.path.join(path, STATE_JSON)) as f:
-        meta = json.load(f)
-    units = optimizer.store.units
+def _check_layout(meta: dict, units, path: str) -> None:
     expected = [[u.kind, u.numel] for u in units]
     if meta["units"] != expected:
         raise MegaTrainError(
             f"the optimizer state in {path} was written for a different model layout "
             f"({len(meta['units'])} units) than this one ({len(expected)} units); resume with the same model."
         )
+
+
+def _read(path: str, meta: dict, targets) -> None:
+    """targets: (unit index, kind, destination tensor) triples."""
     handles = {}
     try:
-        for u in units:
-            fname = meta["files"][str(u.index)]
+        for index, kind, buf in targets:
+            fname = meta["files"][str(index)]
             if fname not in handles:
-                handles[fname] = safe_open(os.path.join(path, fname), framework="pt", device="cpu")
-            for kind, buf in _buffers(optimizer, u.index).items():
-                key = f"{u.index}.{kind}"
                 try:
-                    t = handles[fname].get_tensor(key)
-                except Exception as e:  # missing key or truncated file
-                    raise MegaTrainError(f"cannot read tensor {key!r} from {os.path.join(path, fname)}: {e}") from e
-                if t.shape != buf.shape:
-                    raise MegaTrainError(f"{key!r} in {fname} has shape {tuple(t.shape)}, expected {tuple(buf.shape)}")
-                buf.copy_(t)
-            optimizer.store.refresh_compute(u.index)
+                    handles[fname] = safe_open(os.path.join(path, fname), framework="pt", device="cpu")
+                except Exception as e:
+                    raise MegaTrainError(f"cannot open {os.path.join(path, fname)}: {e}") from e
+            key = f"{index}.{kind}"
+            try:
+                t = handles[fname].get_tensor(key)
+            except Exception as e:  # missing key or truncated file
+                raise MegaTrainError(f"cannot read tensor {key!r} from {os.path.join(path, fname)}: {e}") from e
+            if t.shape != buf.shape:
+                raise MegaTrainError(f"{key!r} in {fname} has shape {tuple(t.shape)}, expected {tuple(buf.shape)}")
+            buf.copy_(t)
     finally:
         handles.clear()
+
+
+def load_masters(store, path: str) -> None:
+    """Only the fp32 master weights (e.g. the best checkpoint at the end of training)."""
+    with open(os.path.join(path, STATE_JSON)) as f:
+        meta = json.load(f)
+    _check_layout(meta, store.units, path)
+    _read(path, meta, [(u.index, "master", store.master[u.index]) for u in store.units])
+    for u in store.units:
+        store.refresh_compute(u.index)
+
+
+def load_optimizer_state(optimizer, path: str) -> None:
+    """Restore masters, moments and step; the streamed compute copies are refreshed."""
+    with open(os.path.join(path, STATE_JSON)) as f:
+        meta = json.load(f)
+    units = optimizer.store.units
+    _check_layout(meta, units, path)
+    _read(path, meta, [(u.index, k, b) for u in units for k, b in _buffers(optimizer, u.index).items()])
+    for u in units:
+        optimizer.store.refresh_compute(u.index)
     optimizer.step_count = int(meta["step"])
     for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
         for k, v in saved.items():
