@@ -169,6 +169,10 @@ class MegaTrainTrainer(Trainer):
         scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
         ga = self.current_gradient_accumulation_steps
         scale = 1.0 if scaled else 1.0 / ga
+        if self.args.max_grad_norm <= 0 and self.accelerator.sync_gradients:
+            # No clipping: the norm is not needed before stepping, so each unit is stepped on the
+            # host as soon as its gradient lands, overlapping the CPU optimizer with the backward.
+            self.host_optimizer.step_during_backward()
         loss = self.engine.forward_backward(inputs, num_items_in_batch if scaled else None, scale)
         if not scaled:
             loss = loss / ga

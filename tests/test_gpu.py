@@ -166,3 +166,24 @@ def test_gpu_memory_is_stable_over_50_steps():
         if step in (10, 49):
             seen.append(torch.cuda.memory_allocated())
     assert seen[1] <= seen[0] + (1 << 20), seen
+
+
+def test_stepping_during_backward_is_exact():
+    """Without clipping, stepping each unit as its gradient lands equals stepping after backward."""
+
+    def run(eager):
+        model = make_model("llama_tied", num_hidden_layers=6, seed=3)
+        engine = StreamingEngine(model, device=DEV, compute_dtype=torch.float32).train()
+        opt = HostAdamW(engine, lr=1e-3, weight_decay=0.1)
+        for step in range(5):
+            for micro in range(2):
+                if eager and micro == 1:
+                    assert opt.step_during_backward()
+                engine.forward_backward(make_batch(seed=10 * step + micro), scale=0.5)
+            opt.step()
+            engine.zero_grad()
+        return dict(engine.named_master_params())
+
+    plain, eager = run(False), run(True)
+    for name in plain:
+        assert torch.equal(plain[name], eager[name]), name

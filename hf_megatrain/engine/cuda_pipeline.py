@@ -23,6 +23,7 @@ slab and a host worker adds them in.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ class CudaPipeline:
         self.plan: list[_Entry] = []
         self.pos = 0
         self.timeline = None  # a Timeline records busy spans when attached (timeline.py)
+        self.on_final_grad = None  # set by HostAdamW.step_during_backward()
         # Test hook: random GPU sleeps on the copy streams and host sleeps in the accumulator,
         # to shake out missing event dependencies (tests/test_gpu.py).
         self.chaos: random.Random | None = None
@@ -209,8 +211,20 @@ class CudaPipeline:
             grad.record_stream(self.d2h)
         if first:
             self._pending.append(done)
+            landed = done.synchronize
         else:
-            self.accumulator.submit(lambda: self._accumulate(index, slab, done))
+            added = threading.Event()
+
+            def job():
+                try:
+                    self._accumulate(index, slab, done)
+                finally:
+                    added.set()
+
+            self.accumulator.submit(job)
+            landed = added.wait
+        if self.on_final_grad is not None:
+            self.on_final_grad(index, landed)
 
     def span(self, lane: str, stream=None):
         """A busy span on `stream` (default: compute) when a timeline is attached."""

@@ -67,6 +67,7 @@ class HostAdamW(torch.optim.Optimizer):
             out.extend(tensors)
         self.step_count = 0
         self._clip = None  # multiplier for the next step's gradients, set by clip_grad_norm_
+        self._eager = None  # armed by step_during_backward()
         # On a GPU the step runs on a host thread, unit by unit in forward order, while the
         # next forward already streams the units that are done (store.ready gates each one).
         self._stepper = Worker("megatrain-adamw") if engine.device.type == "cuda" else None
@@ -93,6 +94,8 @@ class HostAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._eager is not None:
+            return self._finish_eager(loss)
         self.engine.pipeline.finish()
         self.step_count += 1
         hyper = self._hyper()
@@ -108,6 +111,53 @@ class HostAdamW(torch.optim.Optimizer):
             self.store.ready[unit.index].clear()
         for unit in units:
             self._stepper.submit(partial(self._step_async, unit.index, hyper, clip, counts[unit.index], self.step_count))
+        return loss
+
+    # -- stepping during the backward (exact only without clipping) -----------------------------
+    def step_during_backward(self) -> bool:
+        """Arm: during the next backward, step each unit as soon as its gradient is final.
+
+        Call it before the LAST micro-batch of an optimizer step, only when no clipping will be
+        applied (the global norm is unknown until the backward ends). The hyper-parameters are
+        taken now, which is what `step()` would read (schedulers move lr after the step). The
+        following `step()` only finishes the job. Returns False where it does not apply (CPU).
+        """
+        if self._stepper is None:
+            return False
+        self._eager = {"hyper": self._hyper(), "step": self.step_count + 1, "done": set()}
+        self.engine.pipeline.on_final_grad = self._eager_unit
+        return True
+
+    def _eager_unit(self, index: int, landed) -> None:
+        """Pipeline callback (main thread): unit `index` got its last gradient; `landed()` blocks
+        until that gradient is in the host accumulator."""
+        e = self._eager
+        e["done"].add(index)
+        self.store.ready[index].clear()
+        count = self.store.grad_count[index]
+
+        def job():
+            try:
+                landed()
+                self.step_unit(index, e["hyper"], None, count, e["step"])
+            finally:
+                self.store.ready[index].set()
+
+        self._stepper.submit(job)
+
+    def _finish_eager(self, loss):
+        e, self._eager = self._eager, None
+        self.engine.pipeline.on_final_grad = None
+        if self._clip is not None:
+            raise RuntimeError("clip_grad_norm_ was called after step_during_backward(); the steps already ran unclipped")
+        self.engine.pipeline.finish()
+        self.step_count = e["step"]
+        counts = list(self.store.grad_count)
+        for unit in self.store.units:
+            if unit.index not in e["done"]:
+                self.store.ready[unit.index].clear()
+                self._stepper.submit(partial(self._step_async, unit.index, e["hyper"], None, counts[unit.index],
+                                             self.step_count))
         return loss
 
     def _step_async(self, index, hyper, clip, count, step) -> None:
