@@ -80,17 +80,27 @@ def load_into_store(store, spec, config, folder: str, progress: bool = True) -> 
     reader = TensorReader()
     total = sum(e.nbytes for e, _, _ in plan)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress)
+    stale = set()  # units whose compute copy must be refreshed from the master at the end
     try:
         for e, target, index in plan:
             u, slot = slots[target]
-            view = store.master[u][slot.offset : slot.offset + slot.numel].view(slot.shape)
-            dest = view[index] if index else view
+            master = store.master[u][slot.offset : slot.offset + slot.numel].view(slot.shape)
+            dest = master[index] if index else master
             if tuple(dest.shape) != tuple(e.shape):
                 raise MegaTrainError(
                     f"{e.path}: tensor {e.name!r} has shape {list(e.shape)}, but the model expects "
                     f"{list(dest.shape)} for {target}. Does config.json match these weights?"
                 )
-            reader.read_into(e, dest)
+            if e.dtype == store.compute_dtype and store.compute[u] is not store.master[u]:
+                # e.g. a bf16 checkpoint and bf16 compute: the bytes go straight into the compute
+                # copy, and the master is their exact fp32 upcast (one pass, no staging).
+                compute = store.compute[u][slot.offset : slot.offset + slot.numel].view(slot.shape)
+                compute = compute[index] if index else compute
+                reader.read_into(e, compute)
+                dest.copy_(compute)
+            else:
+                reader.read_into(e, dest)
+                stale.add(u)
             filled[target] += dest.numel()
             bar.update(e.nbytes)
     finally:
@@ -101,5 +111,5 @@ def load_into_store(store, spec, config, folder: str, progress: bool = True) -> 
         raise MegaTrainError(
             f"the checkpoint in {folder} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}."
         )
-    for unit in store.units:
-        store.refresh_compute(unit.index)
+    for index in sorted(stale):
+        store.refresh_compute(index)
