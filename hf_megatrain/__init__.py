@@ -4,6 +4,7 @@ from .arguments import MegaTrainArguments
 from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine
 from .errors import MegaTrainError
+from .loop import prepare
 from .patcher.specs import supported_model_types
 from .trainer import MegaTrainTrainer
 
@@ -13,6 +14,7 @@ __all__ = [
     "MegaTrainError",
     "MegaTrainTrainer",
     "StreamingEngine",
+    "prepare",
     "supported_model_types",
 ]
 __version__ = "0.1.0"

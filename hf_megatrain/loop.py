@@ -1,0 +1,36 @@
+"""The engine without Trainer: one call, then your own loop.
+
+    engine, optimizer = hf_megatrain.prepare(model, lr=1e-5, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1000)
+    for batch in loader:
+        loss = engine.forward_backward(batch)        # accumulates gradients (scale= for GA)
+        optimizer.clip_grad_norm_(1.0)               # optional, exact
+        optimizer.step(); scheduler.step(); engine.zero_grad()
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Trainer
+
+from .checkpoint.loading import load_model_and_tokenizer
+from .engine.optimizer import HostAdamW
+from .engine.schedule import StreamingEngine
+
+
+def prepare(model, *, device=None, compute_dtype=None, lr: float = 1e-5, betas=(0.9, 0.999), eps: float = 1e-8,
+            weight_decay: float = 0.0, **engine_options):
+    """(StreamingEngine, HostAdamW) for a hub id, a folder or a loaded CPU model.
+
+    device defaults to the first GPU when there is one; compute_dtype to bf16 on a GPU and
+    fp32 on the CPU. Weight decay follows Trainer's grouping (no decay on norms and biases).
+    """
+    model, _, weights_from = load_model_and_tokenizer(model)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    engine = StreamingEngine(model, device=device, compute_dtype=compute_dtype,
+                             decay_names=Trainer.get_decay_parameter_names(None, model),
+                             weights_from=weights_from, **engine_options)
+    optimizer = HostAdamW(engine, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    return engine.train(), optimizer
