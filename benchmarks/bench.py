@@ -61,7 +61,7 @@ def build_model(shape: str, layers: int | None, device: str, seq: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shapes import make_config
+    from hf_megatrain.shapes import make_config
 
     cfg = make_config(shape, layers, max_positions=max(seq, 4096))
     cfg._attn_implementation = "sdpa"

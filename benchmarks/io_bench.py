@@ -37,7 +37,7 @@ def make_source(shape: str, folder: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shapes import make_config
+    from hf_megatrain.shapes import make_config
 
     cfg = make_config(shape)
     with torch.device("meta"):

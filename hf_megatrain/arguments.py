@@ -53,6 +53,10 @@ class MegaTrainArguments(TrainingArguments):
         default=True,
         metadata={"help": "Hash every checkpoint file into its manifest (checked on resume); sizes are always checked."},
     )
+    memory_check: bool = field(
+        default=True,
+        metadata={"help": "Refuse, before loading, a run whose estimated host RAM or GPU memory exceeds the machine."},
+    )
     hub_dir: str | None = field(
         default=None,
         metadata={"help": "Local hub directory (HF cache layout) that push_to_hub publishes into; "

@@ -3,6 +3,7 @@
     hf-megatrain demo                      train the embedded tiny model (no downloads)
     hf-megatrain train --model M --data D --output_dir OUT [any TrainingArguments flag]
     hf-megatrain train --config run.yaml   the same flags from a YAML or JSON file
+    hf-megatrain estimate MODEL --batch B --seq T   host RAM and GPU memory a run needs
 """
 
 from __future__ import annotations
@@ -73,7 +74,52 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"demo": _demo, "train": _train}
+def _estimate(argv: list[str]) -> int:
+    from .shapes import SHAPES
+
+    p = argparse.ArgumentParser(
+        prog="hf-megatrain estimate",
+        description="Host RAM and GPU memory needed to train MODEL, component by component. "
+                    f"MODEL is a hub id in the local cache, a folder with config.json, or a known shape: "
+                    f"{', '.join(SHAPES)}.",
+    )
+    p.add_argument("model")
+    p.add_argument("--batch", type=int, default=1, help="rows per micro-batch")
+    p.add_argument("--seq", type=int, default=4096, help="tokens per row")
+    p.add_argument("--compute_dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--gpu_resident_layers", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    a = p.parse_args(argv)
+    from .memory import estimate, model_shapes
+
+    config = _config_of(a.model)
+    plan = estimate(config, a.batch, a.seq, compute_dtype=a.compute_dtype, device=a.device,
+                    resident_layers=a.gpu_resident_layers)
+    if a.json:
+        import json
+
+        print(json.dumps(plan.as_dict(), indent=1))
+    else:
+        print(f"{a.model}: {model_shapes(config).params / 1e9:.2f} B parameters, "
+              f"{a.batch} x {a.seq} tokens per micro-batch, {a.compute_dtype} compute\n")
+        print(plan.table())
+    return 0
+
+
+def _config_of(model: str):
+    from .shapes import SHAPES, make_config
+
+    if model in SHAPES:
+        return make_config(model)
+    from transformers import AutoConfig
+
+    from .checkpoint.stream_load import resolve_folder
+
+    return AutoConfig.from_pretrained(resolve_folder(model))
+
+
+COMMANDS = {"demo": _demo, "train": _train, "estimate": _estimate}
 
 
 def main(argv: list[str] | None = None) -> int:

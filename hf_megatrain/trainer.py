@@ -34,6 +34,7 @@ from .data import CausalCollator, load_raw_dataset, tokenize_dataset
 from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine, validate_tokens
 from .errors import MegaTrainError
+from .memory import admit, estimate
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,11 @@ class MegaTrainTrainer(Trainer):
             args.gradient_checkpointing = False
 
         device = args.device  # resolves the device now, as Trainer would
+        if getattr(args, "memory_check", True):
+            # Before a single large allocation: does the plan fit this machine?
+            admit(estimate(model.config, args.per_device_train_batch_size, getattr(args, "max_seq_length", 1024),
+                           compute_dtype=str(resolve_compute_dtype(args, device)).replace("torch.", ""),
+                           device=device.type, prefetch_depth=getattr(args, "prefetch_depth", 2)))
         if device.type == "cpu":
             args.dataloader_pin_memory = False  # nothing to pin for
         args._n_gpu = 1 if device.type == "cuda" else args._n_gpu

@@ -1,4 +1,4 @@
-"""Model shapes the benchmarks build (random init, weights are never carried)."""
+"""Configs of public model shapes, for the estimator, the benchmarks and the notebooks (no weights)."""
 
 from transformers import LlamaConfig, Qwen2Config
 
@@ -15,13 +15,24 @@ SHAPES = {
     "qwen2.5-14b": dict(cls=Qwen2Config, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
                         num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False,
                         rope_theta=1000000.0),
+    "llama-3.1-8b": dict(cls=LlamaConfig, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                         rope_theta=500000.0),
     "llama-3.1-70b": dict(cls=LlamaConfig, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                           num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
                           rope_theta=500000.0),
+    # a 120B-class dense shape (Llama-style, 96 layers of width 10240)
+    "dense-120b": dict(cls=LlamaConfig, hidden_size=10240, intermediate_size=32768, num_hidden_layers=96,
+                       num_attention_heads=80, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                       rope_theta=500000.0),
 }
 
 
 def make_config(shape: str, layers: int | None = None, max_positions: int = 131072):
+    if shape not in SHAPES:
+        from .errors import MegaTrainError
+
+        raise MegaTrainError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
     spec = dict(SHAPES[shape])
     cls = spec.pop("cls")
     if layers:

@@ -1,0 +1,168 @@
+"""Memory estimator and admission check: refuse clearly before running out.
+
+`estimate(config, batch, seq)` returns host RAM and GPU memory component by component, from
+the same layout the engine builds (units, flat buffers, ring slots, activations, loss chunk).
+`admit(plan)` compares it with what the machine has now and raises MegaTrainError listing what
+would make it fit, instead of letting the OOM killer end a run halfway through loading.
+
+Per parameter on the host: fp32 master 4 B, bf16 compute copy 2 B (0 in fp32 mode: the master
+streams), fp32 gradient 4 B, Adam moments 8 B: 18 B, i.e. 1.26 TB for a 70B model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+GiB = 1024**3
+# Fixed costs measured on the device (torch + CUDA context + libraries, host and GPU).
+HOST_RUNTIME = 3.0 * GiB
+GPU_RUNTIME = 1.0 * GiB
+LOSS_CHUNK_BYTES = 2 * GiB  # the engine's default budget for fp32 logits (+ grad, softmax) per chunk
+
+
+@dataclass
+class Shapes:
+    params: int
+    embed: int
+    head: int
+    layer: int  # largest decoder layer
+    layers: int
+    hidden: int
+    inter: int
+    vocab: int
+    kv_dim: int
+    tied: bool
+
+
+def model_shapes(config) -> Shapes:
+    """Parameter counts per unit, from the config alone (no model is built)."""
+    h, v, n = config.hidden_size, config.vocab_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or h // heads
+    kv = getattr(config, "num_key_value_heads", heads) * hd
+    q = heads * hd
+    bias = q + 2 * kv if getattr(config, "attention_bias", False) or config.model_type == "qwen2" else 0
+    attn = h * q + 2 * h * kv + q * h + bias
+    if config.model_type == "qwen3":
+        attn += 2 * hd  # q_norm, k_norm
+    experts = getattr(config, "num_local_experts", None)
+    inter = config.intermediate_size
+    mlp = 3 * h * inter * (experts or 1) + (experts * h if experts else 0)
+    layer = attn + mlp + 2 * h
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    embed = v * h
+    head = h + (0 if tied else v * h)
+    return Shapes(embed + n * layer + head, embed, head, layer, n, h, inter, v, kv, tied)
+
+
+@dataclass
+class MemoryPlan:
+    host: dict = field(default_factory=dict)
+    gpu: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+    resident_layers: int = 0
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
+
+    @property
+    def gpu_total(self) -> float:
+        return sum(self.gpu.values())
+
+    def table(self) -> str:
+        lines = [f"{'host RAM':34} {'GiB':>9}"]
+        lines += [f"  {k:32} {v / GiB:9.2f}" for k, v in self.host.items()]
+        lines += [f"  {'total':32} {self.host_total / GiB:9.2f}", "", f"{'GPU memory':34} {'GiB':>9}"]
+        lines += [f"  {k:32} {v / GiB:9.2f}" for k, v in self.gpu.items()]
+        lines += [f"  {'total':32} {self.gpu_total / GiB:9.2f}"]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+    def as_dict(self) -> dict:
+        return {"host": self.host, "gpu": self.gpu, "host_total": self.host_total, "gpu_total": self.gpu_total,
+                "resident_layers": self.resident_layers}
+
+
+def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", device: str = "cuda",
+             prefetch_depth: int = 2, loss_chunk_tokens: int | None = None, resident_layers: int = 0) -> MemoryPlan:
+    """What training `config` at `batch` x `seq` tokens per micro-batch needs, by component."""
+    s = model_shapes(config)
+    cbytes = 2 if compute_dtype in ("bfloat16", "bf16") else 4
+    tokens = batch * seq
+    streamed = s.params - resident_layers * s.layer
+    plan = MemoryPlan(resident_layers=resident_layers)
+    plan.host["fp32 master weights"] = 4 * streamed
+    plan.host["compute copy (streamed)"] = cbytes * streamed if cbytes == 2 else 0
+    plan.host["fp32 gradient accumulator"] = 4 * streamed
+    plan.host["Adam moments (fp32 x2)"] = 8 * streamed
+    if device == "cuda":
+        plan.host["pinned staging slabs"] = 2 * 4 * s.layer
+    plan.host["runtime (torch, CUDA, Python)"] = HOST_RUNTIME
+    if device != "cuda":
+        plan.notes.append("CPU run: the compute happens in host RAM; the GPU column does not apply.")
+        return plan
+
+    chunk = loss_chunk_tokens or max(1, int(LOSS_CHUNK_BYTES // (s.vocab * 4 * 3)))
+    chunk = min(chunk, tokens)
+    plan.gpu["weight ring (prefetch slots)"] = prefetch_depth * cbytes * s.layer
+    plan.gpu["embedding + head buffers"] = cbytes * (s.embed + s.head)
+    plan.gpu["gradient ring (fp32)"] = 2 * 4 * s.layer
+    plan.gpu["resident layers (18 B/param)"] = 18 * resident_layers * s.layer
+    plan.gpu["saved layer inputs"] = s.layers * tokens * s.hidden * cbytes
+    # One layer's recompute with autograd: its inputs, norms, q/k/v, attention output, MLP
+    # gate/up/act/product and their gradients, plus the per-parameter weight gradients.
+    act = tokens * (8 * s.hidden + 4 * s.kv_dim + 4 * s.inter) * cbytes
+    plan.gpu["one layer's recompute + grads"] = act + cbytes * s.layer
+    plan.gpu["loss chunk (fp32 logits x3)"] = chunk * s.vocab * 4 * 3 + tokens * s.hidden * cbytes
+    plan.gpu["embedding / lm_head gradients (fp32)"] = 4 * s.embed * (2 if s.tied else 1) + 4 * (s.head - s.hidden)
+    plan.gpu["runtime (CUDA context, cuBLAS)"] = GPU_RUNTIME
+    return plan
+
+
+def host_available() -> float:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), in bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def gpu_available(device=None) -> float:
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    return float(free)
+
+
+def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float | None = None,
+          margin: float = 0.05) -> None:
+    """Raise MegaTrainError, with what would make it fit, if the plan exceeds the machine."""
+    from .errors import MegaTrainError
+
+    host_free = host_available() if host_free is None else host_free
+    problems = []
+    if plan.host_total > host_free * (1 - margin):
+        problems.append(f"host RAM: needs {plan.host_total / GiB:.1f} GiB, {host_free / GiB:.1f} GiB available")
+    if plan.gpu:
+        gpu_free = gpu_available() if gpu_free is None else gpu_free
+        if plan.gpu_total > gpu_free * (1 - margin):
+            problems.append(f"GPU memory: needs {plan.gpu_total / GiB:.1f} GiB, {gpu_free / GiB:.1f} GiB free")
+    if not problems:
+        return
+    fixes = []
+    if any(p.startswith("GPU") for p in problems):
+        fixes += ["a smaller per_device_train_batch_size or max_seq_length (activations scale with tokens)",
+                  "fewer gpu_resident_layers" if plan.resident_layers else "a smaller loss_chunk_tokens"]
+    if any(p.startswith("host") for p in problems):
+        fixes += ["gpu_resident_layers > 0 to keep some layers' state on the GPU instead",
+                  "a host with more RAM (18 bytes per parameter: fp32 master, gradient and Adam states)",
+                  "LoRA (peft_config) instead of full fine-tuning: about 2 bytes per frozen parameter"]
+    raise MegaTrainError(
+        "this run does not fit: " + "; ".join(problems) + ".\n" + plan.table() + "\nWould fit with: "
+        + "; or ".join(fixes) + "."
+    )

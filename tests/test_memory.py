@@ -1,0 +1,56 @@
+"""The estimator counts what the engine allocates; admission refuses clearly."""
+
+import pytest
+import torch
+
+from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
+from hf_megatrain.cli import main
+from hf_megatrain.memory import GiB, admit, estimate, model_shapes
+from tiny import KINDS, make_model
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_parameter_count_from_config(kind):
+    model = make_model(kind)
+    assert model_shapes(model.config).params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_estimate_equals_the_store(dtype):
+    model = make_model("llama")
+    plan = estimate(model.config, 2, 16, compute_dtype=str(dtype).split(".")[1], device="cpu")
+    engine = StreamingEngine(model, compute_dtype=dtype)
+    opt = HostAdamW(engine)
+    arenas = engine.store._arenas + opt._arenas
+    allocated = sum(a.nbytes for a in arenas)
+    counted = plan.host_total - plan.host["runtime (torch, CUDA, Python)"]
+    # the arenas round each unit up to a 4 KiB page; nothing else may differ
+    assert counted <= allocated <= counted + 4096 * len(engine.units) * len(arenas)
+
+
+def test_admission_refuses_with_a_way_out():
+    model = make_model("llama")
+    plan = estimate(model.config, 8, 4096, device="cuda")
+    with pytest.raises(MegaTrainError, match="(?s)does not fit.*host RAM.*Would fit with.*gpu_resident_layers"):
+        admit(plan, host_free=1e6, gpu_free=1e12)
+    with pytest.raises(MegaTrainError, match="(?s)GPU memory.*batch"):
+        admit(plan, host_free=1e12, gpu_free=1e6)
+    admit(plan, host_free=1e12, gpu_free=1e12)
+
+
+def test_trainer_checks_before_loading(tmp_path, monkeypatch):
+    import hf_megatrain.memory as memory
+
+    monkeypatch.setattr(memory, "host_available", lambda: 1.0 * GiB)
+    args = MegaTrainArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with pytest.raises(MegaTrainError, match="does not fit"):
+        MegaTrainTrainer(make_model("llama"), args)
+
+
+def test_estimate_command(capsys):
+    assert main(["estimate", "llama-3.1-70b", "--batch", "1", "--seq", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "70.55 B parameters" in out and "Adam moments" in out and "saved layer inputs" in out
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--help"])
+    assert e.value.code == 0 and "known shape" in capsys.readouterr().out
