@@ -13,7 +13,6 @@ this file only says in which order units are needed.
 
 from __future__ import annotations
 
-import copy
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -23,7 +22,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..errors import MegaTrainError
 from ..patcher.specs import spec_for
 from ..checkpoint.stream_load import load_into_store
-from ..patcher.templates import Template, recompute_grads
+from ..patcher.templates import Template, meta_copy, recompute_grads
 from .loss import chunked_head_loss, counted_rows, full_logits, loss_denominator
 from .pipeline import HostPipeline
 from .store import HostStore, build_units
@@ -119,20 +118,17 @@ class StreamingEngine(nn.Module):
 
     # -- construction -----------------------------------------------------------------------
     def _build_templates(self, model) -> dict[str, Template]:
-        """One template per distinct unit structure, built on meta (no storage)."""
-        with torch.device("meta"):
-            skel = self.model_class(copy.deepcopy(model.config))
-        for m in skel.modules():  # follow later changes to the real config (e.g. attention backend)
-            if getattr(m, "config", None) is not None:
-                m.config = model.config
-        layers = skel.get_submodule(self.spec.layers)
+        """One template per distinct unit structure: a meta copy of the model's own module."""
+        cfg = [model.config]
+        layers = model.get_submodule(self.spec.layers)
         templates = {
-            "embed": Template(_Embed(skel.get_submodule(self.spec.embed))),
-            "head": Template(_Head(skel.get_submodule(self.spec.norm), skel.get_submodule(self.spec.lm_head))),
+            "embed": Template(_Embed(meta_copy(model.get_submodule(self.spec.embed), cfg))),
+            "head": Template(_Head(meta_copy(model.get_submodule(self.spec.norm), cfg),
+                                   meta_copy(model.get_submodule(self.spec.lm_head), cfg))),
         }
         for unit in self.units:
             if unit.kind == "layer" and unit.template_key not in templates:
-                tmpl = Template(layers[unit.layer])
+                tmpl = Template(meta_copy(layers[unit.layer], cfg))
                 if self.spec.has_router_loss:
                     tmpl.capture(self.spec.router)
                 templates[unit.template_key] = tmpl

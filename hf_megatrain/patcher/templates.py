@@ -13,11 +13,24 @@ unit's layout, ready for a single device-to-host copy. No autograd graph outlive
 
 from __future__ import annotations
 
+import copy
+import itertools
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.func import functional_call
+
+
+def meta_copy(module: nn.Module, share=()) -> nn.Module:
+    """A copy of `module` whose parameters and buffers live on meta: same classes, same
+    attributes and wrappers (e.g. PEFT's LoRA layers), no storage. Objects in `share` (the
+    config) are shared, not copied, so later changes to them reach the template."""
+    memo = {id(o): o for o in share}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
 
 
 class Template:
