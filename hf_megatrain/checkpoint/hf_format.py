@@ -49,7 +49,10 @@ def unit_state_dict(store, skeleton, index: int, dtype: torch.dtype) -> dict[str
     """One unit's master weights in `dtype`, under the names HF writes to disk."""
     unit = store.units[index]
     tensors = {}
-    for slot, view in zip(unit.slots, store.views(index, store.master[index])):
+    for slot in unit.slots:
+        # trainable weights from the fp32 master; frozen ones (a LoRA base) from the streamed copy
+        src = store.master[index] if slot.trainable else store.compute[index]
+        view = src[slot.offset : slot.offset + slot.numel].view(slot.shape)
         tensors[slot.name] = view.to(dtype) if view.dtype != dtype else view
     return revert_weight_conversion(skeleton, tensors)
 

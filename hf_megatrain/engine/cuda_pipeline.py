@@ -69,9 +69,10 @@ class CudaPipeline:
         for u in store.units:
             if u.kind != "layer":
                 self.fixed[u.index] = _Buffer(torch.empty(u.numel, dtype=dt, device=device))
-        self.grad_ring = [_Buffer(torch.empty(n, dtype=torch.float32, device=device)) for _ in range(grad_slots)]
+        g = max(store.max_layer_numel(trainable=True), 1)  # gradients cover the trainable prefix only
+        self.grad_ring = [_Buffer(torch.empty(g, dtype=torch.float32, device=device)) for _ in range(grad_slots)]
         self._grad_next = 0
-        self.slabs = [torch.empty(n, dtype=torch.float32, pin_memory=True) for _ in range(staging_slabs)]
+        self.slabs = [torch.empty(g, dtype=torch.float32, pin_memory=True) for _ in range(staging_slabs)]
         self._slab_free = [True] * staging_slabs
         self.accumulator = Worker("megatrain-accumulate")
         self._pending: list[torch.cuda.Event] = []
@@ -159,7 +160,7 @@ class CudaPipeline:
 
     # -- gradients ------------------------------------------------------------------------------
     def grad_buffer(self, index: int) -> torch.Tensor:
-        numel = self.store.units[index].numel
+        numel = self.store.units[index].n_train
         if self.store.units[index].kind != "layer":
             return torch.empty(numel, dtype=torch.float32, device=self.device)
         slot = self.grad_ring[self._grad_next]
@@ -184,7 +185,7 @@ class CudaPipeline:
         first = store.grad_count[index] == 0
         store.grad_count[index] += 1
         if first:
-            views = [grad[s.offset : s.offset + s.numel] for s in unit.slots]
+            views = [grad[s.offset : s.offset + s.numel] for s in unit.train_slots]
             self._gpu_norms[index] = torch.stack(torch._foreach_norm(views, 2))
         produced = torch.cuda.Event()
         produced.record(compute)
@@ -194,14 +195,14 @@ class CudaPipeline:
             if first:
                 store.grad[index].copy_(grad, non_blocking=True)
                 gpu_norms = self._gpu_norms.pop(index)
-                norms_host = torch.empty(len(unit.slots), dtype=torch.float32, pin_memory=True)
+                norms_host = torch.empty(len(unit.train_slots), dtype=torch.float32, pin_memory=True)
                 norms_host.copy_(gpu_norms, non_blocking=True)
                 gpu_norms.record_stream(self.d2h)
                 self.norms[index] = norms_host
                 slab = None
             else:
                 slab = self._take_slab()
-                self.slabs[slab][: unit.numel].copy_(grad, non_blocking=True)
+                self.slabs[slab][: unit.n_train].copy_(grad, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.d2h)
         slot = self._slot_of(grad)
@@ -254,9 +255,9 @@ class CudaPipeline:
     def _accumulate_now(self, index: int, slab: int) -> None:
         unit = self.store.units[index]
         acc = self.store.grad[index]
-        acc.add_(self.slabs[slab][: unit.numel])
+        acc.add_(self.slabs[slab][: unit.n_train])
         self._slab_free[slab] = True
-        views = [acc[s.offset : s.offset + s.numel] for s in unit.slots]
+        views = [acc[s.offset : s.offset + s.numel] for s in unit.train_slots]
         self.norms[index] = torch.stack(torch._foreach_norm(views, 2))
 
     def finish(self) -> None:
@@ -271,7 +272,7 @@ class CudaPipeline:
         out = []
         for u in self.store.units:
             if self.store.grad_count[u.index] == 0:
-                out.append(torch.zeros(len(u.slots)))
+                out.append(torch.zeros(len(u.train_slots)))
             elif self.norms[u.index] is None:
                 return None
             else:

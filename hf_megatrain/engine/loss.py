@@ -45,14 +45,18 @@ def chunked_head_loss(
     seed: torch.Tensor | None,
     chunk: int,
     rows: torch.Tensor | None = None,
+    trainable: list[bool] | None = None,
 ):
     """Loss of the head over `hidden`, and (when `seed` is given) its gradients.
 
     run_head(weights, rows[N, H]) -> logits[N, V]
     seed: d(total loss)/d(loss), e.g. 1/GA, as an fp32 scalar tensor on the device.
 
+    trainable: which weights get a gradient (frozen ones, e.g. under LoRA, get None).
+
     Returns (loss, grad_hidden or None, fp32 grads of `weights` or None).
     """
+    trainable = trainable if trainable is not None else [True] * len(weights)
     hidden_size = hidden.shape[-1]
     flat_h = hidden.reshape(-1, hidden_size)
     flat_l = shift_labels(labels).reshape(-1)
@@ -61,7 +65,10 @@ def chunked_head_loss(
     rows = rows.to(hidden.device, non_blocking=True)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_h = torch.zeros_like(flat_h) if seed is not None else None
-    grad_w = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in weights] if seed is not None else None
+    grad_w = None
+    if seed is not None:
+        grad_w = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) if t else None
+                  for w, t in zip(weights, trainable)]
     chunk_seed = seed / denom if seed is not None else None
 
     for idx in rows.split(chunk):
@@ -71,14 +78,15 @@ def chunked_head_loss(
             with torch.no_grad():
                 total += F.cross_entropy(run_head(weights, h).float(), target, reduction="sum")
             continue
-        leaves = [w.detach().requires_grad_() for w in weights]
+        bound = [w.detach().requires_grad_() if t else w for w, t in zip(weights, trainable)]
+        leaves = [b for b, t in zip(bound, trainable) if t]
         h.requires_grad_()
         with torch.enable_grad():
-            ce = F.cross_entropy(run_head(leaves, h).float(), target, reduction="sum")
+            ce = F.cross_entropy(run_head(bound, h).float(), target, reduction="sum")
             grads = torch.autograd.grad(ce, [h] + leaves, grad_outputs=chunk_seed, materialize_grads=True, allow_unused=True)
         total += ce.detach()
         grad_h.index_copy_(0, idx, grads[0])
-        for acc, g in zip(grad_w, grads[1:]):
+        for acc, g in zip([a for a in grad_w if a is not None], grads[1:]):
             acc.add_(g)
 
     loss = total / denom

@@ -44,8 +44,8 @@ class HostAdamW(torch.optim.Optimizer):
             if unit.n_decay:
                 self.segments[unit.index].append((0, unit.n_decay, 0))
                 decay.append(m[: unit.n_decay])
-            if unit.numel > unit.n_decay:
-                self.segments[unit.index].append((unit.n_decay, unit.numel, 1))
+            if unit.n_train > unit.n_decay:
+                self.segments[unit.index].append((unit.n_decay, unit.n_train, 1))
                 no_decay.append(m[unit.n_decay :])
         groups = [
             {"params": decay, "weight_decay": weight_decay},
@@ -56,7 +56,7 @@ class HostAdamW(torch.optim.Optimizer):
             self.segments = [[(a, b, 0) for a, b, _ in segs] for segs in self.segments]
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         # Moments never cross PCIe (the step runs on the host), so they need no pinning.
-        numels = [u.numel for u in store.units]
+        numels = [u.n_train for u in store.units]
         self._arenas = []
         self.exp_avg, self.exp_avg_sq = [], []
         for out in (self.exp_avg, self.exp_avg_sq):
@@ -185,7 +185,7 @@ class HostAdamW(torch.optim.Optimizer):
         master, grad = store.master[index], store.grad[index]
         m, v = self.exp_avg[index], self.exp_avg_sq[index]
         compute = store.compute[index]
-        separate = compute is not master
+        separate = not store.aliased
         for start, end, group in self.segments[index]:
             h = hyper[group]
             for a in range(start, end, TILE):

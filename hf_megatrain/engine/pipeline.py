@@ -37,7 +37,7 @@ class HostPipeline:
         pass
 
     def grad_buffer(self, index: int) -> torch.Tensor:
-        return torch.empty(self.store.units[index].numel, dtype=self.store.compute_dtype, device=self.device)
+        return torch.empty(self.store.units[index].n_train, dtype=self.store.compute_dtype, device=self.device)
 
     def emit_grad(self, index: int, grad: torch.Tensor) -> None:
         self.store.accumulate(index, grad)

@@ -181,7 +181,7 @@ class StreamingEngine(nn.Module):
         if per_unit is None:
             norms = torch._foreach_norm([g for _, g in self.named_grads()], 2)
         else:
-            by_name = {s.name: per_unit[u.index][j] for u in self.units for j, s in enumerate(u.slots)}
+            by_name = {s.name: per_unit[u.index][j] for u in self.units for j, s in enumerate(u.train_slots)}
             norms = [by_name[n] for n in self.store.order]
         return torch.linalg.vector_norm(torch.stack(norms), 2)
 
@@ -229,14 +229,17 @@ class StreamingEngine(nn.Module):
         return tmpl.call(named, x, **ctx.layer_kwargs(unit))
 
     def _head_weights(self, head_flat, embed_flat):
+        """Names, tensors and trainable flags of what the head reads (a tied lm_head is the embedding)."""
         head = self.units[-1]
         names = [s.local for s in head.slots]
         weights = Template.views(head_flat, head.slots)
+        trainable = [s.trainable for s in head.slots]
         if head.tied_local:
             embed_slot = self.units[0].slots[0]
             names.append(head.tied_local)
             weights.append(embed_flat.view(embed_slot.shape))
-        return names, weights
+            trainable.append(embed_slot.trainable)
+        return names, weights, trainable
 
     def _run_head(self, names):
         tmpl = self._templates["head"]
@@ -278,18 +281,20 @@ class StreamingEngine(nn.Module):
 
         head = self.units[-1]
         h_w = pipe.weights(head.index)
-        names, weights = self._head_weights(h_w, e_w)
+        names, weights, trainable = self._head_weights(h_w, e_w)
         seed = torch.full((), scale, dtype=torch.float32, device=self.device)
         denom = loss_denominator(labels, num_items_in_batch)
         with pipe.span("compute"):
             loss, grad_x, grad_w = chunked_head_loss(
-                self._run_head(names), weights, x, labels, denom, seed, self.loss_chunk_tokens, rows
+                self._run_head(names), weights, x, labels, denom, seed, self.loss_chunk_tokens, rows, trainable
             )
             del x
             n_own = len(head.slots)
-            head_grad = torch.cat([g.reshape(-1) for g in grad_w[:n_own]])
-        pipe.emit_grad(head.index, head_grad)
-        tied_grad = grad_w[n_own].reshape(-1) if head.tied_local else None
+            own = [g.reshape(-1) for g in grad_w[:n_own] if g is not None]
+            head_grad = torch.cat(own) if own else None
+        if head_grad is not None:
+            pipe.emit_grad(head.index, head_grad)
+        tied_grad = grad_w[n_own].reshape(-1) if head.tied_local and grad_w[n_own] is not None else None
         pipe.release(head.index)
 
         router_seeds = [None] * len(acts)
@@ -299,11 +304,12 @@ class StreamingEngine(nn.Module):
 
         for unit, x_in, r_seed in reversed(list(zip(self.units[1:-1], acts, router_seeds))):
             w = pipe.weights(unit.index)
-            gbuf = pipe.grad_buffer(unit.index)
+            gbuf = pipe.grad_buffer(unit.index) if unit.n_train else None
             with pipe.span("compute"):
                 grad_x = self._layer_backward(unit, w, gbuf, x_in, grad_x, r_seed, ctx)
             acts[unit.layer] = None  # free the activation as soon as its layer is done
-            pipe.emit_grad(unit.index, gbuf)
+            if gbuf is not None:
+                pipe.emit_grad(unit.index, gbuf)
             pipe.release(unit.index)
 
         self._embed_backward(e_w, ids, grad_x, tied_grad)
@@ -320,11 +326,14 @@ class StreamingEngine(nn.Module):
             return outs, [x]
 
         seeds = [grad_out] + ([router_seed] if router_seed is not None else [])
-        (grad_x,) = recompute_grads(tmpl, unit.slots, w, gbuf, run, seeds)
+        (grad_x,) = recompute_grads(unit.slots, w, gbuf, run, seeds)
         return grad_x
 
     def _embed_backward(self, e_w, ids, grad_x, tied_grad):
         embed = self.units[0]
+        if not embed.n_train:  # frozen embedding (LoRA): nothing to compute
+            self.pipeline.release(embed.index)
+            return
         tmpl = self._templates["embed"]
         gbuf = self.pipeline.grad_buffer(embed.index)
 
@@ -332,7 +341,7 @@ class StreamingEngine(nn.Module):
             return [tmpl.call(named, ids)], []
 
         with self.pipeline.span("compute"):
-            recompute_grads(tmpl, embed.slots, e_w, gbuf, run, [grad_x])
+            recompute_grads(embed.slots, e_w, gbuf, run, [grad_x])
             if tied_grad is not None:
                 # Both uses of a tied weight meet in fp32, as they would in an fp32 .grad.
                 tied_grad.add_(gbuf)
@@ -365,7 +374,7 @@ class StreamingEngine(nn.Module):
         pipe.start(self._unit_plan(backward=False))
         x, ctx, _, routers, e_w = self._forward_layers(ids, mask, pos, keep=False)
         head = self.units[-1]
-        names, weights = self._head_weights(pipe.weights(head.index), e_w)
+        names, weights, _ = self._head_weights(pipe.weights(head.index), e_w)
         run_head = self._run_head(names)
         loss = logits = None
         if labels is not None:

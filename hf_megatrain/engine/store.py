@@ -2,14 +2,16 @@
 
 A *unit* is what the GPU sees at once: the embedding, one decoder layer, or the head (final
 norm + lm_head). Each unit has a layout mapping every HF parameter name to (offset, shape)
-inside its flat buffers; parameters that get weight decay come first and the others after,
-so the optimizer steps two contiguous segments with their own weight decay.
+inside its flat buffers. Trainable parameters come first (those that get weight decay, then
+the others), frozen ones (a LoRA base model) last: the optimizer steps two contiguous
+segments with their own weight decay, and frozen weights exist only as the streamed copy.
 
 Buffers per unit:
-  compute  what streams to the GPU (bf16 by default; the fp32 master itself in fp32 mode)
-  master   fp32 source of truth
-  grad     fp32 accumulator, never memset: the first gradient of a step is copied in, the
-           next ones are added
+  compute  what streams to the GPU, every parameter (bf16 by default; in fp32 mode the master
+           itself when everything is trainable)
+  master   fp32 source of truth of the trainable prefix
+  grad     fp32 accumulator of the trainable prefix, never memset: the first gradient of a
+           step is copied in, the next ones are added
 All three are carved from exact-size page-locked arenas when the device is a GPU (pinned.py).
 Adam moments live in the optimizer (`HostAdamW`), in the same layout.
 """
@@ -35,6 +37,7 @@ class Slot:
     shape: torch.Size
     decay: bool
     order: int  # position in model.named_parameters()
+    trainable: bool = True
 
     @property
     def numel(self) -> int:
@@ -50,9 +53,14 @@ class Unit:
     attn_kind: str | None = None
     numel: int = 0
     n_decay: int = 0
+    n_train: int = 0  # the trainable prefix: master, grad and Adam moments cover only these
     # Only for the head of a tied model: its lm_head weight is the embedding unit's weight.
     tied_local: str | None = None
     template_key: str = field(default="")
+
+    @property
+    def train_slots(self) -> list[Slot]:
+        return [s for s in self.slots if s.trainable]
 
 
 def _unit_of(name: str, spec: ArchSpec) -> tuple[str, int | None, str]:
@@ -76,20 +84,21 @@ def build_units(model: nn.Module, spec: ArchSpec, decay_names) -> list[Unit]:
     groups: dict[tuple, list] = {}
     for pos, (name, p) in enumerate(model.named_parameters()):
         kind, layer, local = _unit_of(name, spec)
-        groups.setdefault((kind, layer), []).append((name, local, p.shape, pos))
+        groups.setdefault((kind, layer), []).append((name, local, p.shape, pos, p.requires_grad))
 
     units = []
     order = [("embed", None)] + [("layer", i) for i in range(config.num_hidden_layers)] + [("head", None)]
     for idx, key in enumerate(order):
         entries = groups.get(key, [])
-        # Decayed parameters first, then the rest; the relative order is the model's.
-        entries = sorted(entries, key=lambda e: e[0] not in decay_names)
+        # Trainable decayed, trainable not decayed, frozen; the relative order is the model's.
+        entries = sorted(entries, key=lambda e: (not e[4], e[0] not in decay_names))
         slots, offset = [], 0
-        for name, local, shape, pos in entries:
-            slots.append(Slot(name, local, offset, torch.Size(shape), name in decay_names, pos))
+        for name, local, shape, pos, trainable in entries:
+            slots.append(Slot(name, local, offset, torch.Size(shape), trainable and name in decay_names, pos, trainable))
             offset += torch.Size(shape).numel()
         kind, layer = key
-        unit = Unit(idx, kind, slots, layer=layer, numel=offset, n_decay=sum(s.numel for s in slots if s.decay))
+        unit = Unit(idx, kind, slots, layer=layer, numel=offset, n_decay=sum(s.numel for s in slots if s.decay),
+                    n_train=sum(s.numel for s in slots if s.trainable))
         if kind == "layer":
             unit.attn_kind = kinds[layer]
             unit.template_key = f"layer:{unit.attn_kind}"
@@ -109,12 +118,13 @@ class HostStore:
         self.units = units
         self.compute_dtype = compute_dtype
         self.pin = pin
-        numels = [u.numel for u in units]
         self._arenas = []
-        self.master = self._alloc(numels, torch.float32)
-        # fp32 compute mode: the master itself streams to the device
-        self.compute = self.master if compute_dtype == torch.float32 else self._alloc(numels, compute_dtype)
-        self.grad = self._alloc(numels, torch.float32)
+        trained = [u.n_train for u in units]
+        self.master = self._alloc(trained, torch.float32)
+        # fp32 compute mode with everything trainable: the master itself streams to the device
+        self.aliased = compute_dtype == torch.float32 and all(u.n_train == u.numel for u in units)
+        self.compute = self.master if self.aliased else self._alloc([u.numel for u in units], compute_dtype)
+        self.grad = self._alloc(trained, torch.float32)
         # How many gradient contributions each unit's accumulator holds since zero_grad().
         self.grad_count = [0] * len(units)
         # Set while a unit's master and compute copy are current; cleared while an optimizer
@@ -122,7 +132,7 @@ class HostStore:
         self.ready = [threading.Event() for _ in units]
         for e in self.ready:
             e.set()
-        self.order = [n for n, _ in sorted(((s.name, s.order) for u in units for s in u.slots), key=lambda t: t[1])]
+        self.order = [s.name for s in sorted((s for u in units for s in u.train_slots), key=lambda s: s.order)]
 
     def _alloc(self, numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
         arena, tensors = arena_tensors(numels, dtype, self.pin)
@@ -140,10 +150,11 @@ class HostStore:
         store = cls(units, compute_dtype, pin)
         params = dict(model.named_parameters())
         for unit in units:
-            master = store.master[unit.index]
+            master, compute = store.master[unit.index], store.compute[unit.index]
             with torch.no_grad():
                 for s in unit.slots:
-                    master[s.offset : s.offset + s.numel].copy_(params[s.name].detach().reshape(-1))
+                    dest = master if s.trainable else compute
+                    dest[s.offset : s.offset + s.numel].copy_(params[s.name].detach().reshape(-1))
             store.refresh_compute(unit.index)
             store.bind(model, unit.index)
         return store
@@ -168,13 +179,17 @@ class HostStore:
 
     # -- views ------------------------------------------------------------------------------
     def views(self, index: int, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.units[index].slots]
+        """Views of a unit's flat buffer: every slot for a compute copy, the trainable ones for
+        a master / gradient / moment buffer (which cover only the trainable prefix)."""
+        unit = self.units[index]
+        slots = unit.slots if flat.numel() == unit.numel else unit.train_slots
+        return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in slots]
 
     def named(self, buffers: list) -> "list[tuple[str, torch.Tensor]]":
-        """(name, view) for every parameter, in the model's own named_parameters() order."""
+        """(name, view) for every trainable parameter, in the model's named_parameters() order."""
         where = {}
         for unit in self.units:
-            for s, v in zip(unit.slots, self.views(unit.index, buffers[unit.index])):
+            for s, v in zip(unit.train_slots, self.views(unit.index, buffers[unit.index])):
                 where[s.name] = v
         return [(name, where[name]) for name in self.order]
 
@@ -184,8 +199,9 @@ class HostStore:
 
     def refresh_compute(self, index: int) -> None:
         """Bring the streamed copy of a unit up to date with its master (after a step)."""
-        if self.compute[index] is not self.master[index]:
-            self.compute[index].copy_(self.master[index])
+        if not self.aliased:
+            n = self.units[index].n_train
+            self.compute[index][:n].copy_(self.master[index])
 
     # -- gradients --------------------------------------------------------------------------
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
@@ -198,7 +214,7 @@ class HostStore:
 
     def grad_or_zeros(self, index: int) -> torch.Tensor:
         if self.grad_count[index] == 0:
-            return torch.zeros(self.units[index].numel, dtype=torch.float32)
+            return torch.zeros(self.units[index].n_train, dtype=torch.float32)
         return self.grad[index]
 
     def zero_grad(self) -> None:
@@ -209,5 +225,5 @@ class HostStore:
     def num_parameters(self) -> int:
         return sum(u.numel for u in self.units)
 
-    def max_layer_numel(self) -> int:
-        return max((u.numel for u in self.units if u.kind == "layer"), default=0)
+    def max_layer_numel(self, trainable: bool = False) -> int:
+        return max(((u.n_train if trainable else u.numel) for u in self.units if u.kind == "layer"), default=0)

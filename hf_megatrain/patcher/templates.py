@@ -72,21 +72,19 @@ class Template:
             self._captures = None
 
 
-def recompute_grads(
-    template: Template,
-    slots,
-    flat: torch.Tensor,
-    grad_flat: torch.Tensor,
-    run,
-    grad_seeds,
-) -> tuple:
-    """Re-run `run(named_params)` with grad, backprop `grad_seeds` and write dW into grad_flat.
+def recompute_grads(slots, flat: torch.Tensor, grad_flat: torch.Tensor | None, run, grad_seeds) -> tuple:
+    """Re-run `run(named_params)` with grad, backprop `grad_seeds`, write dW into grad_flat.
 
-    `run` returns (outputs, inputs_needing_grad): outputs pair one-to-one with grad_seeds.
-    Returns the gradients of the extra inputs (e.g. the layer's input activations).
+    Trainable slots become fresh leaves; frozen ones (a LoRA base) stay plain views and get
+    no gradient. `run` returns (outputs, inputs_needing_grad): outputs pair one-to-one with
+    grad_seeds. Returns the gradients of those extra inputs (e.g. the layer's input).
     """
-    leaves = [v.detach().requires_grad_() for v in Template.views(flat, slots)]
-    named = {s.local: t for s, t in zip(slots, leaves)}
+    named, leaves = {}, []
+    for s, v in zip(slots, Template.views(flat, slots)):
+        if s.trainable:
+            v = v.detach().requires_grad_()
+            leaves.append(v)
+        named[s.local] = v
     with torch.enable_grad():
         outputs, extra_inputs = run(named)
         grads = torch.autograd.grad(
@@ -97,6 +95,7 @@ def recompute_grads(
             materialize_grads=True,
         )
     n = len(extra_inputs)
-    # One kernel writes every weight gradient into its place in the flat layout.
-    torch.cat([g.reshape(-1) for g in grads[n:]], out=grad_flat)
+    if leaves:
+        # One kernel writes every weight gradient into its place in the flat layout.
+        torch.cat([g.reshape(-1) for g in grads[n:]], out=grad_flat)
     return grads[:n]
