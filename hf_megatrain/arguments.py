@@ -38,6 +38,11 @@ class MegaTrainArguments(TrainingArguments):
         default=True,
         metadata={"help": "Pack short documents into full rows (position ids restart at every document)."},
     )
+    peft_config: object = field(
+        default=None,
+        metadata={"help": "Train LoRA adapters instead of all weights: a peft LoraConfig, a dict of its fields, "
+                  "or a JSON file. The frozen base streams as compute weights only (~2 bytes/param of host RAM)."},
+    )
     loss_chunk_tokens: int | None = field(
         default=None,
         metadata={"help": "Rows of [tokens, vocab] logits computed at once by the chunked loss (auto when unset)."},

@@ -21,7 +21,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveS
 
 from .arguments import MegaTrainArguments, check_arguments
 from .checkpoint.hf_format import save_hf_model
-from .checkpoint.loading import load_model_and_tokenizer
+from .checkpoint.loading import _is_peft, load_model_and_tokenizer, with_adapters
+from .checkpoint.peft_export import save_adapter, save_merged
 from .checkpoint.local_hub import LocalHub, default_hub_dir
 from .checkpoint.manifest import MANIFEST, commit_dir, partial_dir, verify_manifest, write_manifest
 from .checkpoint.optimizer_state import (
@@ -74,6 +75,10 @@ class MegaTrainTrainer(Trainer):
         if optimizers[0] is not None and not isinstance(optimizers[0], HostAdamW):
             raise MegaTrainError("a custom optimizer was passed; hf_megatrain steps its own HostAdamW on the host.")
         model, tokenizer, weights_from = load_model_and_tokenizer(model)
+        device = args.device  # resolves the device now, as Trainer would
+        if getattr(args, "peft_config", None) is not None:
+            model = with_adapters(model, args.peft_config, weights_from, resolve_compute_dtype(args, device))
+            weights_from = None
         processing_class = processing_class if processing_class is not None else tokenizer
         if getattr(args, "gradient_checkpointing", False):
             logger.info("gradient_checkpointing: the engine always recomputes at layer boundaries; flag ignored")
@@ -82,13 +87,14 @@ class MegaTrainTrainer(Trainer):
         device = args.device  # resolves the device now, as Trainer would
         if getattr(args, "memory_check", True):
             # Before a single large allocation: does the plan fit this machine?
-            admit(estimate(model.config, args.per_device_train_batch_size, getattr(args, "max_seq_length", 1024),
+            admit(estimate(_config(model), args.per_device_train_batch_size, getattr(args, "max_seq_length", 1024),
                            compute_dtype=str(resolve_compute_dtype(args, device)).replace("torch.", ""),
                            device=device.type, prefetch_depth=getattr(args, "prefetch_depth", 2)))
         if device.type == "cpu":
             args.dataloader_pin_memory = False  # nothing to pin for
         args._n_gpu = 1 if device.type == "cuda" else args._n_gpu
-        decay = Trainer.get_decay_parameter_names(None, model)
+        base = model.get_base_model() if _is_peft(model) else model
+        decay = Trainer.get_decay_parameter_names(None, base)
         self.engine = StreamingEngine(
             model,
             device=device,
@@ -206,12 +212,25 @@ class MegaTrainTrainer(Trainer):
     def _save(self, output_dir=None, state_dict=None):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         self.engine.synchronize()
-        choice = getattr(self.args, "save_dtype", "auto")
-        dtype = None if choice == "auto" else getattr(torch, choice)
-        save_hf_model(self.engine.store, self.model, output_dir, dtype=dtype)
+        if self.engine.peft_model is not None:
+            save_adapter(self.engine, output_dir)  # what PeftModel.from_pretrained loads
+        else:
+            save_hf_model(self.engine.store, self.model, output_dir, dtype=self._save_dtype())
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _save_dtype(self):
+        choice = getattr(self.args, "save_dtype", "auto")
+        return None if choice == "auto" else getattr(torch, choice)
+
+    def save_merged(self, output_dir: str, dtype=None) -> None:
+        """LoRA runs: base + merged adapters as a full HF checkpoint (merge_and_unload, streamed)."""
+        if self.engine.peft_model is None:
+            raise MegaTrainError("save_merged is for LoRA runs; use save_model for full fine-tuning.")
+        save_merged(self.engine, output_dir, dtype=dtype or self._save_dtype())
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
 
     def _save_optimizer_and_scheduler(self, output_dir):
         self.engine.synchronize()
@@ -327,8 +346,12 @@ class MegaTrainTrainer(Trainer):
 _ENGINE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 
 
+def _config(model):
+    return model.get_base_model().config if _is_peft(model) else model.config
+
+
 def _pad_id(tokenizer, model) -> int:
-    for src in (tokenizer, getattr(model, "config", None)):
+    for src in (tokenizer, _config(model)):
         pid = getattr(src, "pad_token_id", None)
         if pid is not None:
             return int(pid)

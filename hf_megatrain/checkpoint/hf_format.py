@@ -58,8 +58,13 @@ def unit_state_dict(store, skeleton, index: int, dtype: torch.dtype) -> dict[str
 
 
 def save_hf_model(store, skeleton, out_dir: str, dtype: torch.dtype | None = None,
-                  max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None) -> list[str]:
-    """Write `out_dir` so that `AutoModelForCausalLM.from_pretrained(out_dir)` loads the masters."""
+                  max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None, unit_tensors=None) -> list[str]:
+    """Write `out_dir` so that `AutoModelForCausalLM.from_pretrained(out_dir)` loads the masters.
+
+    unit_tensors(index, dtype) -> {name: tensor} replaces the default per-unit source (the LoRA
+    export merges adapters there).
+    """
+    unit_tensors = unit_tensors or (lambda index, dt: unit_state_dict(store, skeleton, index, dt))
     os.makedirs(out_dir, exist_ok=True)
     dtype = dtype or model_dtype(skeleton.config)
     shards = _plan_shards(store.units, dtype, max_bytes=max_shard_bytes)
@@ -70,7 +75,7 @@ def save_hf_model(store, skeleton, out_dir: str, dtype: torch.dtype | None = Non
     for fname, unit_ids in zip(names, shards):
         tensors = {}
         for index in unit_ids:
-            tensors.update(unit_state_dict(store, skeleton, index, dtype))
+            tensors.update(unit_tensors(index, dtype))
             if progress is not None:
                 progress.update(1)
         for k, t in tensors.items():

@@ -20,6 +20,36 @@ from .stream_load import resolve_folder, shard_files
 logger = logging.getLogger(__name__)
 
 
+def _is_peft(model) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def with_adapters(model, peft_config, folder: str | None, compute_dtype: torch.dtype):
+    """A PEFT model for `peft_config` (a peft config object, a dict, or a JSON file path).
+
+    The frozen base is loaded for real (it streams as compute weights only, 2 bytes/param in
+    bf16), in the compute dtype; the adapters are created by PEFT and trained in fp32.
+    """
+    import json
+
+    from peft import LoraConfig, PeftConfig, get_peft_model
+
+    if isinstance(peft_config, str):
+        with open(peft_config) as f:
+            peft_config = json.load(f)
+    if isinstance(peft_config, dict):
+        peft_config = LoraConfig(**{"task_type": "CAUSAL_LM", **peft_config})
+    if not isinstance(peft_config, PeftConfig):
+        raise MegaTrainError(f"peft_config must be a peft config, a dict or a JSON path, not {type(peft_config).__name__}")
+    if _is_peft(model):
+        raise MegaTrainError("the model already has adapters; pass either a PEFT model or peft_config, not both.")
+    if folder is not None:  # a meta skeleton: LoRA needs the real base weights to wrap
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=compute_dtype, device_map="cpu")
+    return get_peft_model(model, peft_config)
+
+
 def meta_skeleton(config, attn_implementation: str | None = None) -> PreTrainedModel:
     """The model class built on meta; non-persistent buffers (rotary inv_freq) are rebuilt real."""
     kwargs = {"dtype": torch.float32}
@@ -42,8 +72,8 @@ def load_model_and_tokenizer(model, attn_implementation: str | None = None, revi
 
     With a folder, `model` is a meta skeleton to be filled from it (StreamingEngine weights_from).
     """
-    if isinstance(model, PreTrainedModel):
-        spec_for(model.config)
+    if isinstance(model, PreTrainedModel) or _is_peft(model):
+        spec_for(model.config if isinstance(model, PreTrainedModel) else model.get_base_model().config)
         devices = {p.device.type for p in model.parameters()}
         if devices - {"cpu"}:
             raise MegaTrainError(

@@ -50,6 +50,14 @@ class _Head(nn.Module):
         return self.lm_head(self.norm(hidden))
 
 
+def _is_peft(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return isinstance(model, PeftModel)
+
+
 def _check_model(model: nn.Module, spec, skeleton: bool) -> None:
     for path in (spec.embed, spec.layers, spec.norm, spec.lm_head, spec.rotary):
         try:
@@ -91,6 +99,11 @@ class StreamingEngine(nn.Module):
         progress: bool = True,
     ):
         super().__init__()
+        # A PEFT model trains through its underlying causal LM: the adapter layers are part of
+        # the decoder layers (so of the templates), and only they are trainable.
+        self.peft_model = model if _is_peft(model) else None
+        if self.peft_model is not None:
+            model = model.get_base_model()
         self.spec = spec_for(model.config)
         _check_model(model, self.spec, skeleton=weights_from is not None)
         self.device = torch.device(device)
@@ -108,6 +121,10 @@ class StreamingEngine(nn.Module):
             load_into_store(self.store, self.spec, self.config, weights_from, progress=progress)
             self.store.bind(model)
         self._templates = self._build_templates(model)
+        cfg = model.config
+        self.stochastic = any(
+            float(getattr(cfg, k, 0.0) or 0.0) > 0 for k in ("attention_dropout", "router_jitter_noise", "hidden_dropout")
+        ) or any(isinstance(m, nn.Dropout) and m.p > 0 for t in self._templates.values() for m in t.module.modules())
         self.rotary = self._build_rotary(model)
         vocab = self.config.vocab_size
         self.loss_chunk_tokens = loss_chunk_tokens or max(
@@ -403,10 +420,7 @@ class _BatchContext:
         self.pos_emb = engine.rotary(embeds, position_ids=pos)
         self.router = engine.spec.has_router_loss and bool(getattr(cfg, "output_router_logits", False))
         # Dropout / router jitter draw random numbers: the recompute must draw the same ones.
-        stochastic = any(
-            float(getattr(cfg, k, 0.0) or 0.0) > 0 for k in ("attention_dropout", "router_jitter_noise", "hidden_dropout")
-        )
-        self.stochastic = stochastic and engine.training
+        self.stochastic = engine.training and engine.stochastic
         self.rng: dict[int, tuple] = {}
 
     def layer_kwargs(self, unit) -> dict:

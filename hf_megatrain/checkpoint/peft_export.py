@@ -1,0 +1,71 @@
+"""LoRA runs: the adapter as PEFT saves it, and a merged full HF checkpoint.
+
+The adapter is written by PEFT itself (`save_pretrained` with a state dict of the fp32 masters),
+so `PeftModel.from_pretrained` loads it. The merged export streams unit by unit: the frozen base
+weights (the streamed copy, upcast) plus scaling * B @ A for every LoRA layer, written under the
+base model's own names, like `merge_and_unload()` followed by `save_pretrained`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.core_model_loading import revert_weight_conversion
+
+from ..errors import MegaTrainError
+from .hf_format import save_hf_model
+
+PEFT_PREFIX = "base_model.model."
+
+
+def save_adapter(engine, out_dir: str) -> None:
+    engine.synchronize()
+    state = {PEFT_PREFIX + name: t for name, t in engine.store.named(engine.store.master)}
+    engine.peft_model.save_pretrained(out_dir, state_dict=state)
+
+
+def _lora_layers(base) -> dict[str, object]:
+    from peft.tuners.lora import LoraLayer
+
+    layers = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            if any(module.use_dora.values()):
+                raise MegaTrainError(f"{name} uses DoRA; the merged export supports plain LoRA only.")
+            layers[name] = module
+    return layers
+
+
+def save_merged(engine, out_dir: str, dtype: torch.dtype | None = None) -> list[str]:
+    """A full HF checkpoint of base + merged adapters; from_pretrained loads it as the base class."""
+    engine.synchronize()
+    store, base = engine.store, engine.peft_model.get_base_model()
+    lora = _lora_layers(base)
+    adapters = {name: m.active_adapters[0] if m.active_adapters else "default" for name, m in lora.items()}
+
+    def merged_unit(index: int, dt: torch.dtype) -> dict[str, torch.Tensor]:
+        unit = store.units[index]
+        full = {}
+        for slot in unit.slots:
+            src = store.master[index] if slot.trainable else store.compute[index]
+            full[slot.name] = src[slot.offset : slot.offset + slot.numel].view(slot.shape).float()
+        out = {}
+        for name, t in full.items():
+            owner = next((m for m in lora if name.startswith(m + ".")), None)
+            if owner is None:
+                out[name] = t
+                continue
+            rest = name[len(owner) + 1 :]
+            if not rest.startswith("base_layer."):
+                continue  # lora_A / lora_B / dropout: folded into the base weight below
+            key = f"{owner}.{rest[len('base_layer.'):]}"
+            if rest == "base_layer.weight":
+                a = adapters[owner]
+                m = lora[owner]
+                delta = full[f"{owner}.lora_B.{a}.weight"] @ full[f"{owner}.lora_A.{a}.weight"]
+                delta = delta.T if m.fan_in_fan_out else delta
+                t = t + delta * m.scaling[a]
+            out[key] = t
+        out = {k: v.to(dt) for k, v in out.items()}
+        return revert_weight_conversion(base, out)
+
+    return save_hf_model(store, base, out_dir, dtype=dtype, unit_tensors=merged_unit)

@@ -1,0 +1,106 @@
+"""LoRA through the engine: gradients and Trainer equal stock peft; adapters and merged exports load."""
+
+import copy
+
+import datasets
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
+
+from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainTrainer, StreamingEngine
+from tiny import make_batch, make_model
+
+PREFIX = "base_model.model."
+
+
+def lora(kind="llama_tied", seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
+               init_lora_weights=False)
+    cfg.update(kw)
+    return get_peft_model(make_model(kind, seed=seed), LoraConfig(**cfg))
+
+
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen2", "mixtral"])
+def test_lora_gradients_match_stock_peft(kind):
+    targets = ["q_proj", "o_proj"] if kind == "mixtral" else ["q_proj", "v_proj", "down_proj"]
+    pm = lora(kind, target_modules=targets)
+    ref = copy.deepcopy(pm)
+    batch = make_batch()
+    nib = batch["labels"][..., 1:].ne(-100).sum()
+    ref(**batch, num_items_in_batch=nib).loss.backward()
+    engine = StreamingEngine(pm, compute_dtype=torch.float32).train()
+    engine.forward_backward(batch, num_items_in_batch=nib)
+    grads = dict(engine.named_grads())
+    expected = {n.removeprefix(PREFIX): p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    assert list(grads) == list(expected) and all("lora_" in n for n in grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, expected[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_frozen_base_has_no_master_grad_or_moments():
+    pm = lora()
+    engine = StreamingEngine(pm, compute_dtype=torch.bfloat16)
+    opt = HostAdamW(engine)
+    trainable = sum(p.numel() for p in pm.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in pm.parameters())
+    assert sum(m.numel() for m in engine.store.master) == trainable
+    assert sum(m.numel() for m in opt.exp_avg) == trainable
+    assert sum(c.numel() for c in engine.store.compute) == total  # the base streams, 2 bytes/param
+
+
+def rows(n, seed):
+    parts = [make_batch(1, 12, seed=seed + i, pad_rows=int(i % 3 == 0)) for i in range(n)]
+    return datasets.Dataset.from_dict({k: [p[k][0].tolist() for p in parts] for k in parts[0]})
+
+
+KW = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=0.5, warmup_steps=1,
+          learning_rate=1e-2, weight_decay=0.1, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+          use_cpu=True, max_steps=4, dataloader_num_workers=0, disable_tqdm=True)
+
+
+def test_lora_trainer_matches_stock_and_saves(tmp_path):
+    train = rows(16, 0)
+    pm = lora()
+    ref = copy.deepcopy(pm)
+    stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "s"), **KW), train_dataset=train,
+                    data_collator=default_data_collator)
+    stock.train()
+    mega = MegaTrainTrainer(pm, MegaTrainArguments(output_dir=str(tmp_path / "m"), **KW), train_dataset=train,
+                            data_collator=default_data_collator)
+    mega.train()
+    a = [(h["loss"], h["grad_norm"]) for h in stock.state.log_history if "loss" in h]
+    b = [(h["loss"], h["grad_norm"]) for h in mega.state.log_history if "loss" in h]
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert abs(x[0] - y[0]) < 1e-5 and abs(x[1] - y[1]) < 1e-5 * max(1, x[1]), (x, y)
+    trained = {n.removeprefix(PREFIX): p.detach() for n, p in ref.named_parameters() if p.requires_grad}
+    masters = dict(mega.engine.named_master_params())
+    for n, t in trained.items():
+        torch.testing.assert_close(masters[n], t, atol=1e-5, rtol=1e-5, msg=n)
+
+    # the adapter, as PEFT writes it
+    mega.save_model(str(tmp_path / "adapter"))
+    reloaded = PeftModel.from_pretrained(make_model("llama_tied"), str(tmp_path / "adapter"))
+    for n, p in reloaded.named_parameters():
+        if "lora_" in n:
+            torch.testing.assert_close(p.detach(), masters[n.removeprefix(PREFIX)], atol=0, rtol=0, msg=n)
+
+    # the merged export equals stock merge_and_unload of the same adapters
+    mega.save_merged(str(tmp_path / "merged"), dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    expect = reloaded.merge_and_unload()
+    for (n, p), (n2, q) in zip(merged.named_parameters(), expect.named_parameters()):
+        assert n == n2
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_peft_config_argument_is_one_flag(tmp_path):
+    train = rows(8, 0)
+    args = MegaTrainArguments(output_dir=str(tmp_path), peft_config={"r": 2, "target_modules": ["q_proj"]},
+                              **dict(KW, max_steps=2))
+    trainer = MegaTrainTrainer(make_model("llama"), args, train_dataset=train, data_collator=default_data_collator)
+    trainer.train()
+    names = [n for n, _ in trainer.engine.named_master_params()]
+    assert names and all("lora_" in n for n in names)
