@@ -4,6 +4,7 @@
     hf-megatrain train --model M --data D --output_dir OUT [any TrainingArguments flag]
     hf-megatrain train --config run.yaml   the same flags from a YAML or JSON file
     hf-megatrain estimate MODEL --batch B --seq T   host RAM and GPU memory a run needs
+    hf-megatrain push FOLDER --repo org/name [--hub_dir DIR]   publish a saved model to a local hub
 """
 
 from __future__ import annotations
@@ -119,7 +120,32 @@ def _config_of(model: str):
     return AutoConfig.from_pretrained(resolve_folder(model))
 
 
-COMMANDS = {"demo": _demo, "train": _train, "estimate": _estimate}
+def _push(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="hf-megatrain push",
+        description="Publish a saved model folder (config, safetensors, tokenizer) as a new commit of a LOCAL hub "
+                    "in the standard HF cache layout; nothing is uploaded. Load it with HF_HUB_CACHE=<hub_dir> "
+                    "HF_HUB_OFFLINE=1 and from_pretrained('org/name').",
+    )
+    p.add_argument("folder", help="a folder written by save_model / save_pretrained")
+    p.add_argument("--repo", required=True, help="repository id, e.g. my-org/my-model")
+    p.add_argument("--hub_dir", default=None, help="the hub cache folder (default: $HF_HUB_CACHE)")
+    p.add_argument("--message", default="Upload with hf-megatrain push")
+    a = p.parse_args(argv)
+    from types import SimpleNamespace
+
+    from .checkpoint.local_hub import LocalHub, default_hub_dir
+
+    if not os.path.isfile(os.path.join(a.folder, "config.json")) and \
+            not os.path.isfile(os.path.join(a.folder, "adapter_config.json")):
+        raise MegaTrainError(f"{a.folder} holds no config.json or adapter_config.json: not a saved model.")
+    hub = LocalHub(default_hub_dir(SimpleNamespace(hub_dir=a.hub_dir)), a.repo)
+    commit = hub.commit([(a.folder, "")], a.message, ignore=("checkpoint-*", ".partial-*", "runs", "_*"))
+    print(f"{a.repo} @ {commit} in {hub.root}")
+    return 0
+
+
+COMMANDS = {"demo": _demo, "train": _train, "estimate": _estimate, "push": _push}
 
 
 def main(argv: list[str] | None = None) -> int:
