@@ -122,7 +122,8 @@ def _render(tokenizer, messages, generation_prompt=False) -> str:
 
 
 def _clean(messages, row):
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 for m in messages):
         raise MegaTrainError(f"row {row}: 'messages' must be a list of {{'role', 'content'}} dicts, got {messages!r}.")
     # Arrow gives every message every key any message had (None where absent); templates test
     # `is defined`, so absent keys must stay absent.
