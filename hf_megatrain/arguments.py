@@ -58,6 +58,14 @@ class MegaTrainArguments(TrainingArguments):
         default=True,
         metadata={"help": "Hash every checkpoint file into its manifest (checked on resume); sizes are always checked."},
     )
+    log_pipeline: bool = field(
+        default=True,
+        metadata={"help": "Add to every training log: real tokens/s, model TFLOPS, and the busy fraction of H2D, "
+                  "compute, D2H and the host optimizer (a GPU sync per log)."},
+    )
+    gpu_peak_tflops: float | None = field(
+        default=None, metadata={"help": "The GPU's bf16 matmul peak; when set, logs include MFU."}
+    )
     memory_check: bool = field(
         default=True,
         metadata={"help": "Refuse, before loading, a run whose estimated host RAM or GPU memory exceeds the machine."},

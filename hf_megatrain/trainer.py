@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 
 import torch
 from transformers import Trainer
@@ -31,9 +32,10 @@ from .checkpoint.optimizer_state import (
     load_optimizer_state,
     save_optimizer_state,
 )
-from .data import CausalCollator, load_raw_dataset, tokenize_dataset
+from .data import CausalCollator, count_real_tokens, load_raw_dataset, tokenize_dataset
 from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine, validate_tokens
+from .engine.timeline import Timeline
 from .errors import MegaTrainError
 from .memory import admit, estimate
 
@@ -130,6 +132,12 @@ class MegaTrainTrainer(Trainer):
         )
         if self.label_smoother is not None or self.compute_loss_func is not None:
             raise MegaTrainError("custom losses (compute_loss_func, label smoothing) are not supported by the engine.")
+        # What the logs show besides Trainer's own: real tokens/s, model TFLOPS (6 * P * tokens),
+        # MFU against args.gpu_peak_tflops, and how busy each pipeline lane was.
+        self._tokens_since_log = 0
+        self._last_log = None
+        if getattr(args, "log_pipeline", True):
+            self.engine.pipeline.timeline = Timeline()
 
     @staticmethod
     def _dataset_from(path, tokenizer, args):
@@ -185,10 +193,34 @@ class MegaTrainTrainer(Trainer):
             # No clipping: the norm is not needed before stepping, so each unit is stepped on the
             # host as soon as its gradient lands, overlapping the CPU optimizer with the backward.
             self.host_optimizer.step_during_backward()
+        if self._last_log is None:
+            self._last_log = time.perf_counter()
+        self._tokens_since_log += count_real_tokens(inputs)
         loss = self.engine.forward_backward(inputs, num_items_in_batch if scaled else None, scale)
         if not scaled:
             loss = loss / ga
         return loss.to(self.args.device)
+
+    def log(self, logs, start_time=None):
+        if "loss" in logs and self._last_log is not None:
+            logs.update(self._throughput())
+        super().log(logs, start_time)
+
+    def _throughput(self) -> dict:
+        now = time.perf_counter()
+        seconds, tokens = max(now - self._last_log, 1e-9), self._tokens_since_log
+        self._last_log, self._tokens_since_log = now, 0
+        out = {"tokens_per_second": round(tokens / seconds, 1)}
+        tflops = 6 * self.engine.num_parameters * tokens / seconds / 1e12
+        out["model_tflops"] = round(tflops, 2)
+        peak = getattr(self.args, "gpu_peak_tflops", None)
+        if peak:
+            out["mfu"] = round(tflops / peak, 4)
+        timeline = self.engine.pipeline.timeline
+        if timeline is not None:
+            busy = timeline.collect()
+            out.update({f"pipe_{k}": v for k, v in busy.items() if k.endswith("_busy") or k == "gpu_idle"})
+        return out
 
     def _clip_grad_norm(self, model):
         return self.host_optimizer.clip_grad_norm_(self.args.max_grad_norm)

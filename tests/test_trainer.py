@@ -114,3 +114,17 @@ def test_resume_matches_uninterrupted(tmp_path):
     m1, m2 = dict(full.engine.named_master_params()), dict(resumed.engine.named_master_params())
     for n in m1:
         assert torch.equal(m1[n], m2[n]), n
+
+
+def test_logs_show_throughput_and_pipeline(tmp_path):
+    train = rows(16, 0)
+    args = MegaTrainArguments(output_dir=str(tmp_path), **dict(COMMON, eval_strategy="no", gpu_peak_tflops=1.0))
+    trainer = MegaTrainTrainer(make_model("llama"), args, train_dataset=train, data_collator=default_data_collator)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    for h in logs:
+        assert h["tokens_per_second"] > 0 and h["model_tflops"] > 0 and 0 < h["mfu"]
+        assert 0 < h["pipe_compute_busy"] <= 1 and 0 < h["pipe_optimizer_busy"] <= 1
+    # real tokens: the padded rows of the data are not counted
+    real = sum(int(torch.tensor(r["attention_mask"]).sum()) for r in train.select(range(24 if False else 16)))
+    assert real < 16 * 12
