@@ -212,10 +212,10 @@ class MegaTrainTrainer(Trainer):
         self._last_log, self._tokens_since_log = now, 0
         out = {"tokens_per_second": round(tokens / seconds, 1)}
         tflops = 6 * self.engine.num_parameters * tokens / seconds / 1e12
-        out["model_tflops"] = round(tflops, 2)
+        out["model_tflops"] = float(f"{tflops:.4g}")
         peak = getattr(self.args, "gpu_peak_tflops", None)
         if peak:
-            out["mfu"] = round(tflops / peak, 4)
+            out["mfu"] = float(f"{tflops / peak:.4g}")
         timeline = self.engine.pipeline.timeline
         if timeline is not None:
             busy = timeline.collect()

@@ -125,6 +125,3 @@ def test_logs_show_throughput_and_pipeline(tmp_path):
     for h in logs:
         assert h["tokens_per_second"] > 0 and h["model_tflops"] > 0 and 0 < h["mfu"]
         assert 0 < h["pipe_compute_busy"] <= 1 and 0 < h["pipe_optimizer_busy"] <= 1
-    # real tokens: the padded rows of the data are not counted
-    real = sum(int(torch.tensor(r["attention_mask"]).sum()) for r in train.select(range(24 if False else 16)))
-    assert real < 16 * 12
