@@ -145,7 +145,7 @@ def worker(opts) -> None:
                 from hf_megatrain import MegaTrainArguments, MegaTrainTrainer
                 from hf_megatrain.engine.timeline import Timeline
 
-                trainer = MegaTrainTrainer(model, MegaTrainArguments(**common), train_dataset=data,
+                trainer = MegaTrainTrainer(model, MegaTrainArguments(**common, log_pipeline=False), train_dataset=data,
                                            data_collator=_collate)
                 engine = trainer.engine
 

@@ -10,15 +10,21 @@ from __future__ import annotations
 import queue
 import threading
 
+import torch
+
 
 class Worker:
     def __init__(self, name: str):
+        # OpenMP's thread count is per thread: a new thread may start with a team of one,
+        # which would leave the host optimizer on one core. Give it the creator's count.
+        self._threads = torch.get_num_threads()
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        torch.set_num_threads(self._threads)
         while True:
             job = self._jobs.get()
             try:
