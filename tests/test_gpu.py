@@ -40,10 +40,7 @@ def rel_err(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen2", "mixtral"])
-def test_fp32_gradients_match_stock_on_gpu(kind):
-    model = make_model(kind)
-    batch = make_batch(batch=3, seq=24)
+def assert_fp32_matches_stock(model, batch):
     nib = batch["labels"][..., 1:].ne(-100).sum()
     ref_loss, ref = stock_grads(model, batch, nib)
     engine = StreamingEngine(model, device=DEV, compute_dtype=torch.float32).train()
@@ -51,6 +48,11 @@ def test_fp32_gradients_match_stock_on_gpu(kind):
     assert abs(float(loss) - ref_loss) < 1e-5
     for name, g in engine.named_grads():
         torch.testing.assert_close(g, ref[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen2", "mixtral"])
+def test_fp32_gradients_match_stock_on_gpu(kind):
+    assert_fp32_matches_stock(make_model(kind), make_batch(batch=3, seq=24))
 
 
 def test_bf16_gradients_close_to_fp32_reference():
@@ -71,14 +73,7 @@ def test_odd_shapes_match_stock():
             batch["attention_mask"][1] = 0
             batch["input_ids"][1] = 0
             batch["labels"][1] = -100
-        model = make_model("mistral")
-        nib = batch["labels"][..., 1:].ne(-100).sum()
-        ref_loss, ref = stock_grads(model, batch, nib)
-        engine = StreamingEngine(model, device=DEV, compute_dtype=torch.float32).train()
-        loss = engine.forward_backward(batch, num_items_in_batch=nib)
-        assert abs(float(loss) - ref_loss) < 1e-5
-        for name, g in engine.named_grads():
-            torch.testing.assert_close(g, ref[name], atol=1e-6, rtol=1e-5, msg=name)
+        assert_fp32_matches_stock(make_model("mistral"), batch)
 
 
 def _train_masters(chaos_seed, steps=20, ga=2):
