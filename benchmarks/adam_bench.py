@@ -44,11 +44,28 @@ def run(kind, n, p, g, m, v, c, s, pool):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--numel", type=int, default=200_000_000)
+    ap.add_argument("--registered", action="store_true",
+                    help="master, grad and compute copy in cudaHostRegister'ed arenas, as the engine keeps them")
     a = ap.parse_args()
     n = a.numel
-    p, g, m, v = (torch.randn(n) for _ in range(4))
+    if a.registered:
+        import sys, os
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from hf_megatrain.engine.pinned import arena_tensors
+
+        keep = []
+        tensors = []
+        for dtype in (torch.float32, torch.float32, torch.bfloat16):
+            arena, (t,) = arena_tensors([n], dtype, pin=True)
+            keep.append(arena)
+            tensors.append(t)
+        p, g, c = tensors
+        p.normal_(), g.normal_()
+        m, v = torch.randn(n), torch.randn(n)
+    else:
+        p, g, m, v = (torch.randn(n) for _ in range(4))
+        c = torch.empty(n, dtype=torch.bfloat16)
     v.abs_()
-    c = torch.empty(n, dtype=torch.bfloat16)
     s = torch.tensor(10.0)
     print("torch threads", torch.get_num_threads(), "interop", torch.get_num_interop_threads())
     pool = ThreadPoolExecutor(torch.get_num_threads())

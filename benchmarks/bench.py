@@ -16,6 +16,7 @@ Writes $OUT/bench.json (every number) and prints a table last.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -183,9 +184,10 @@ def worker(opts) -> None:
                         json.dump({"spans": b["spans"][-4000:], "wall_s": b["wall_s"]}, f)
             print("RESULT " + json.dumps(row), flush=True)
             results.append(row)
-            del trainer
-            if engine is not None:
-                engine.pipeline.timeline = None
+            # Drop every reference to this run's engine before the next one builds its store:
+            # two host stores of a 3B model do not fit in 128 GiB.
+            del trainer, engine, timeline, on_warm, clock
+            gc.collect()
             torch.cuda.empty_cache()
 
 

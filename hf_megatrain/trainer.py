@@ -136,8 +136,9 @@ class MegaTrainTrainer(Trainer):
         # MFU against args.gpu_peak_tflops, and how busy each pipeline lane was.
         self._tokens_since_log = 0
         self._last_log = None
-        if getattr(args, "log_pipeline", True):
-            self.engine.pipeline.timeline = Timeline()
+        self._timeline = Timeline() if getattr(args, "log_pipeline", True) else None
+        if self._timeline is not None:
+            self.engine.pipeline.timeline = self._timeline
 
     @staticmethod
     def _dataset_from(path, tokenizer, args):
@@ -216,8 +217,8 @@ class MegaTrainTrainer(Trainer):
         peak = getattr(self.args, "gpu_peak_tflops", None)
         if peak:
             out["mfu"] = float(f"{tflops / peak:.4g}")
-        timeline = self.engine.pipeline.timeline
-        if timeline is not None:
+        timeline = self._timeline  # only our own: someone else's (a benchmark's) is theirs to read
+        if timeline is not None and self.engine.pipeline.timeline is timeline:
             busy = timeline.collect()
             out.update({f"pipe_{k}": v for k, v in busy.items() if k.endswith("_busy") or k == "gpu_idle"})
         return out
