@@ -1,0 +1,91 @@
+"""Time HostAdamW.step_unit itself (the engine's real code path) on a model-shaped store.
+
+    python benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4
+
+For each of: store pinned (cudaHostRegister, as on a GPU) or pageable; clipping on or off; the
+main thread or the optimizer's worker thread: G params/s of one full step. Compare with
+benchmarks/adam_bench.py (the bare kernel) to see what the engine adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hf_megatrain.engine.optimizer import HostAdamW  # noqa: E402
+from hf_megatrain.engine.store import HostStore, build_units  # noqa: E402
+from hf_megatrain.patcher.specs import spec_for  # noqa: E402
+from hf_megatrain.shapes import make_config  # noqa: E402
+
+
+class _Engine:
+    """Just enough of StreamingEngine for HostAdamW: a store, a device, a pipeline stub."""
+
+    def __init__(self, store, device):
+        self.store, self.device = store, torch.device(device)
+        self.pipeline = type("P", (), {"timeline": None, "finish": lambda self: None})()
+
+
+def build(shape, layers, pin):
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_config(shape, layers)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    units = build_units(model, spec_for(cfg), [n for n, _ in model.named_parameters()])
+    store = HostStore(units, torch.bfloat16, pin=pin)
+    for u in units:
+        store.master[u.index].normal_()
+        store.grad[u.index].normal_()
+        store.grad_count[u.index] = 1
+    engine = _Engine(store, "cuda" if pin else "cpu")
+    return engine, HostAdamW(engine, lr=1e-4, weight_decay=0.1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-3.2-1b")
+    ap.add_argument("--layers", type=int, default=4)
+    a = ap.parse_args()
+    print("torch threads", torch.get_num_threads())
+    for pin in ([False, True] if torch.cuda.is_available() else [False]):
+        engine, opt = build(a.shape, a.layers, pin)
+        n = sum(u.n_train for u in engine.store.units)
+        hyper = opt._hyper()
+        for clip in (None, torch.tensor(0.5)):
+            for where in ("main", "thread"):
+                def one():
+                    t0 = time.perf_counter()
+                    for u in engine.store.units:
+                        opt.step_unit(u.index, hyper, clip, 1, 1)
+                    return n / (time.perf_counter() - t0) / 1e9
+
+                res = {}
+                if where == "main":
+                    one()
+                    res["r"] = max(one() for _ in range(2))
+                else:
+                    threads = torch.get_num_threads()
+
+                    def go():
+                        torch.set_num_threads(threads)
+                        one()
+                        res["r"] = max(one() for _ in range(2))
+
+                    t = threading.Thread(target=go)
+                    t.start()
+                    t.join()
+                print(f"pinned={pin!s:5} clip={'on ' if clip is not None else 'off'} {where:6} "
+                      f"{res['r']:.2f} G params/s  ({n / 1e9:.2f} B params)", flush=True)
+        del engine, opt
+
+
+if __name__ == "__main__":
+    main()
