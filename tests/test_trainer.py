@@ -125,3 +125,22 @@ def test_logs_show_throughput_and_pipeline(tmp_path):
     for h in logs:
         assert h["tokens_per_second"] > 0 and h["model_tflops"] > 0 and 0 < h["mfu"]
         assert 0 < h["pipe_compute_busy"] <= 1 and 0 < h["pipe_optimizer_busy"] <= 1
+
+
+def test_tensorboard_logs_offline(tmp_path, monkeypatch):
+    """report_to tensorboard writes event files with the engine's metrics, no network involved."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    args = MegaTrainArguments(output_dir=str(tmp_path),
+                              **dict(COMMON, eval_strategy="no", max_steps=3, report_to=["tensorboard"]))
+    trainer = MegaTrainTrainer(make_model("llama"), args, train_dataset=rows(12, 0),
+                               data_collator=default_data_collator)
+    trainer.train()
+    runs = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "tb") for f in fs if "tfevents" in f]
+    assert runs
+    acc = EventAccumulator(os.path.dirname(runs[0]))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert "train/loss" in tags and "train/tokens_per_second" in tags and "train/pipe_compute_busy" in tags
