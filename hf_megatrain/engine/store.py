@@ -12,7 +12,8 @@ Buffers per unit:
   master   fp32 source of truth of the trainable prefix
   grad     fp32 accumulator of the trainable prefix, never memset: the first gradient of a
            step is copied in, the next ones are added
-All three are carved from exact-size page-locked arenas when the device is a GPU (pinned.py).
+All three are carved from exact-size arenas; on a GPU the compute copy and the gradient (what
+crosses PCIe) are page-locked (pinned.py), the master is not.
 Adam moments live in the optimizer (`HostAdamW`), in the same layout.
 """
 
@@ -120,9 +121,11 @@ class HostStore:
         self.pin = pin
         self._arenas = []
         trained = [u.n_train for u in units]
-        self.master = self._alloc(trained, torch.float32)
         # fp32 compute mode with everything trainable: the master itself streams to the device
         self.aliased = compute_dtype == torch.float32 and all(u.n_train == u.numel for u in units)
+        # Only what crosses PCIe is page-locked: the streamed copy (H2D) and the gradient
+        # accumulator (the D2H lands in it). The master never leaves the host.
+        self.master = self._alloc(trained, torch.float32, pin=pin and self.aliased)
         self.compute = self.master if self.aliased else self._alloc([u.numel for u in units], compute_dtype)
         self.grad = self._alloc(trained, torch.float32)
         # How many gradient contributions each unit's accumulator holds since zero_grad().
@@ -134,8 +137,8 @@ class HostStore:
             e.set()
         self.order = [s.name for s in sorted((s for u in units for s in u.train_slots), key=lambda s: s.order)]
 
-    def _alloc(self, numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
-        arena, tensors = arena_tensors(numels, dtype, self.pin)
+    def _alloc(self, numels: list[int], dtype: torch.dtype, pin: bool | None = None) -> list[torch.Tensor]:
+        arena, tensors = arena_tensors(numels, dtype, self.pin if pin is None else pin)
         self._arenas.append(arena)
         return tensors
 
