@@ -47,6 +47,11 @@ class MegaTrainArguments(TrainingArguments):
         default=None,
         metadata={"help": "Rows of [tokens, vocab] logits computed at once by the chunked loss (auto when unset)."},
     )
+    mlp_tile_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Run each layer's MLP on sequence tiles of this many tokens, bounding its memory by the "
+                  "tile (exact). Unset: tiles of 16384 tokens once a micro-batch holds more than 32768 tokens."},
+    )
     prefetch_depth: int = field(
         default=2, metadata={"help": "GPU weight slots in the ring that streams decoder layers (>= 2)."}
     )

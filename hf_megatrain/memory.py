@@ -85,7 +85,8 @@ class MemoryPlan:
 
 
 def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", device: str = "cuda",
-             prefetch_depth: int = 2, loss_chunk_tokens: int | None = None, resident_layers: int = 0) -> MemoryPlan:
+             prefetch_depth: int = 2, loss_chunk_tokens: int | None = None, resident_layers: int = 0,
+             mlp_tile_tokens: int | None = None) -> MemoryPlan:
     """What training `config` at `batch` x `seq` tokens per micro-batch needs, by component."""
     s = model_shapes(config)
     cbytes = 2 if compute_dtype in ("bfloat16", "bf16") else 4
@@ -112,7 +113,8 @@ def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", d
     plan.gpu["saved layer inputs"] = s.layers * tokens * s.hidden * cbytes
     # One layer's recompute with autograd: its inputs, norms, q/k/v, attention output, MLP
     # gate/up/act/product and their gradients, plus the per-parameter weight gradients.
-    act = tokens * (8 * s.hidden + 4 * s.kv_dim + 4 * s.inter) * cbytes
+    mlp_tokens = min(tokens, mlp_tile_tokens) if mlp_tile_tokens else tokens  # a tiled MLP holds one tile
+    act = (tokens * (8 * s.hidden + 4 * s.kv_dim) + mlp_tokens * 4 * s.inter) * cbytes
     plan.gpu["one layer's recompute + grads"] = act + cbytes * s.layer
     plan.gpu["loss chunk (fp32 logits x3)"] = chunk * s.vocab * 4 * 3 + tokens * s.hidden * cbytes
     plan.gpu["embedding / lm_head gradients (fp32)"] = 4 * s.embed * (2 if s.tied else 1) + 4 * (s.head - s.hidden)

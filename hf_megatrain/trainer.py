@@ -91,7 +91,8 @@ class MegaTrainTrainer(Trainer):
             # Before a single large allocation: does the plan fit this machine?
             admit(estimate(_config(model), args.per_device_train_batch_size, getattr(args, "max_seq_length", 1024),
                            compute_dtype=str(resolve_compute_dtype(args, device)).replace("torch.", ""),
-                           device=device.type, prefetch_depth=getattr(args, "prefetch_depth", 2)))
+                           device=device.type, prefetch_depth=getattr(args, "prefetch_depth", 2),
+                           mlp_tile_tokens=mlp_tiles(args)))
         if device.type == "cpu":
             args.dataloader_pin_memory = False  # nothing to pin for
         args._n_gpu = 1 if device.type == "cuda" else args._n_gpu
@@ -106,6 +107,7 @@ class MegaTrainTrainer(Trainer):
             pipeline_options={"depth": getattr(args, "prefetch_depth", 2)} if device.type == "cuda" else None,
             weights_from=weights_from,
             progress=not args.disable_tqdm,
+            mlp_tile_tokens=mlp_tiles(args),
         )
 
         if train_dataset is None and getattr(args, "data_path", None):
@@ -377,6 +379,15 @@ class MegaTrainTrainer(Trainer):
 
 
 _ENGINE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
+
+
+def mlp_tiles(args) -> int | None:
+    """The MLP tile: the user's, or 16K tokens once a micro-batch is long enough for it to matter."""
+    tile = getattr(args, "mlp_tile_tokens", None)
+    if tile:
+        return tile
+    tokens = args.per_device_train_batch_size * getattr(args, "max_seq_length", 0)
+    return 16384 if tokens > 32768 else None
 
 
 def _config(model):

@@ -23,6 +23,7 @@ from ..errors import MegaTrainError
 from ..patcher.specs import spec_for
 from ..checkpoint.stream_load import load_into_store
 from ..patcher.templates import Template, meta_copy, recompute_grads
+from ..patcher.tiling import tile_mlp
 from .loss import chunked_head_loss, counted_rows, full_logits, loss_denominator
 from .pipeline import HostPipeline
 from .store import HostStore, build_units
@@ -82,6 +83,7 @@ class StreamingEngine(nn.Module):
     compute_dtype: dtype of the streamed weights and activations (bf16, or fp32).
     decay_names: parameter names that get weight decay (Trainer.get_decay_parameter_names).
     loss_chunk_tokens: rows of logits per loss chunk; None picks from the vocabulary size.
+    mlp_tile_tokens: run each layer's MLP on sequence tiles of this many tokens (long context).
     weights_from: a checkpoint folder; then `model` is a meta skeleton (see checkpoint.loading)
         and the store is filled straight from the safetensors files.
     """
@@ -97,6 +99,7 @@ class StreamingEngine(nn.Module):
         pipeline_options: dict | None = None,
         weights_from: str | None = None,
         progress: bool = True,
+        mlp_tile_tokens: int | None = None,
     ):
         super().__init__()
         # A PEFT model trains through its underlying causal LM: the adapter layers are part of
@@ -121,6 +124,7 @@ class StreamingEngine(nn.Module):
             load_into_store(self.store, self.spec, self.config, weights_from, progress=progress)
             self.store.bind(model)
         self._templates = self._build_templates(model)
+        self.set_mlp_tiling(mlp_tile_tokens)
         cfg = model.config
         self.stochastic = any(
             float(getattr(cfg, k, 0.0) or 0.0) > 0 for k in ("attention_dropout", "router_jitter_noise", "hidden_dropout")
@@ -150,6 +154,15 @@ class StreamingEngine(nn.Module):
                     tmpl.capture(self.spec.router)
                 templates[unit.template_key] = tmpl
         return templates
+
+    def set_mlp_tiling(self, tokens: int | None) -> None:
+        """Run every layer's MLP on sequence tiles of at most `tokens` tokens (None: untiled)."""
+        self.mlp_tile_tokens = tokens
+        if not tokens:
+            return
+        for key, tmpl in self._templates.items():
+            if key.startswith("layer"):
+                tile_mlp(tmpl.module.get_submodule(self.spec.mlp), tokens)
 
     def _build_rotary(self, model) -> nn.Module:
         src = model.get_submodule(self.spec.rotary)
@@ -279,7 +292,7 @@ class StreamingEngine(nn.Module):
                 with pipe.span("compute"), ctx.rng_for(unit, save=True), ctx.router_capture(unit) as cap:
                     x = self._layer_call(unit, w, x, ctx)
                 if cap is not None:
-                    routers.append(cap[0])
+                    routers.append(_router_logits(cap, ids.shape[0]))
                 pipe.release(unit.index)
         return x, ctx, acts, routers, e_w
 
@@ -339,7 +352,7 @@ class StreamingEngine(nn.Module):
             x = x_in.detach().requires_grad_()
             with ctx.rng_for(unit, save=False), ctx.router_capture(unit) as cap:
                 out = tmpl.call(named, x, **ctx.layer_kwargs(unit))
-            outs = [out] + ([cap[0]] if router_seed is not None else [])
+            outs = [out] + ([_router_logits(cap, x.shape[0])] if router_seed is not None else [])
             return outs, [x]
 
         seeds = [grad_out] + ([router_seed] if router_seed is not None else [])
@@ -452,6 +465,15 @@ class _BatchContext:
         if not self.router:
             return nullcontext(None)
         return self.engine._templates[unit.template_key].capturing()
+
+
+def _router_logits(captured: list, batch: int) -> torch.Tensor:
+    """One layer's router logits as [batch * seq, experts] in (row, position) order, also when a
+    tiled MLP routed the sequence tile by tile (each tile gives [batch * tile, experts])."""
+    if len(captured) == 1:
+        return captured[0]
+    experts = captured[0].shape[-1]
+    return torch.cat([c.view(batch, -1, experts) for c in captured], dim=1).view(-1, experts)
 
 
 def validate_tokens(ids: torch.Tensor, labels: torch.Tensor | None, vocab: int) -> None:

@@ -68,6 +68,7 @@ class ArchSpec:
     norm: str = "model.norm"
     lm_head: str = "lm_head"
     rotary: str = "model.rotary_emb"
+    mlp: str = "mlp"  # inside a decoder layer: the per-token block that sequence tiling splits
     # Module attribute of the router inside a layer whose output[0] is the router logits,
     # and the name of the aux-loss function in the modeling module (MoE families only).
     router: str | None = None

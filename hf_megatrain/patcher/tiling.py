@@ -1,0 +1,50 @@
+"""Sequence tiling of a layer's MLP (and MoE experts): memory bounded by the tile, not the sequence.
+
+At long context a decoder layer's MLP intermediates ([tokens, intermediate] several times, plus
+their gradients) dwarf everything else the layer holds. The MLP is per token, so running it on
+tiles of the sequence computes exactly the same outputs. In the recompute (grad enabled) each
+tile is checkpointed: only its input is kept, and the tile is recomputed when its gradient is
+needed, so at most one tile's intermediates exist at a time. Weight gradients are summed over
+tiles (fp32-rounding-level differences from the untiled sum).
+
+The MLP's own forward is replaced on the (meta) template instance only, so parameter names,
+classes and HF's math stay as they are.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+
+def tile_mlp(mlp: torch.nn.Module, tokens_per_tile: int) -> None:
+    """Make `mlp(x)` (x: [batch, seq, hidden]) run on tiles of at most `tokens_per_tile` tokens."""
+    if getattr(mlp, "_megatrain_tiled", None) is not None:
+        mlp._megatrain_tiled = tokens_per_tile
+        return
+    original = type(mlp).forward
+    mlp._megatrain_tiled = tokens_per_tile
+
+    def forward(self, hidden_states, *args, **kwargs):
+        batch, seq = hidden_states.shape[0], hidden_states.shape[1]
+        rows = max(1, self._megatrain_tiled // max(batch, 1))
+        if seq <= rows:
+            return original(self, hidden_states, *args, **kwargs)
+        tiles = [t.contiguous() for t in hidden_states.split(rows, dim=1)]  # MoE blocks .view() their input
+        if not torch.is_grad_enabled():
+            return torch.cat([original(self, t, *args, **kwargs) for t in tiles], dim=1)
+        # The parameters bound right now (views of the streamed buffer, as grad leaves) are
+        # captured so that the checkpoint's recompute, which runs after functional_call has
+        # unbound them, uses the same tensors.
+        bound = dict(self.named_parameters())
+
+        def run(t):
+            return functional_call(self, bound, (t, *args), kwargs, tie_weights=False)
+
+        outs = [checkpoint(run, t, use_reentrant=False) for t in tiles]
+        return torch.cat(outs, dim=1)
+
+    mlp.forward = types.MethodType(forward, mlp)
