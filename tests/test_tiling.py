@@ -51,3 +51,15 @@ def test_tiling_bounds_the_mlp_intermediate():
         with Largest(model.config.intermediate_size) as probe:
             engine.forward_backward(batch)
         assert probe.rows == expect, (tile, probe.rows)
+
+
+def test_sequence_longer_than_the_model_warns_once():
+    model = make_model("llama", max_position_embeddings=16)
+    engine = StreamingEngine(model, compute_dtype=torch.float32).train()
+    with pytest.warns(UserWarning, match="max_position_embeddings=16.*rope"):
+        engine.forward_backward(make_batch(batch=1, seq=24, pad_rows=0))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.forward_backward(make_batch(batch=1, seq=24, pad_rows=0))

@@ -13,6 +13,7 @@ this file only says in which order units are needed.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -232,6 +233,7 @@ class StreamingEngine(nn.Module):
         labels = batch.get("labels")
         if ids.device.type == "cpu":
             validate_tokens(ids, labels, self.config.vocab_size)
+        self._check_length(ids.shape[1])
         rows = counted_rows(labels) if labels is not None and labels.device.type == "cpu" else None
         if rows is not None and self.device.type == "cuda":
             rows = rows.pin_memory()
@@ -246,6 +248,17 @@ class StreamingEngine(nn.Module):
         else:
             pos = pos.to(dev, non_blocking=True)
         return ids, mask, labels, pos, rows
+
+    def _check_length(self, seq: int) -> None:
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if limit and seq > limit and not getattr(self, "_warned_length", False):
+            self._warned_length = True
+            warnings.warn(
+                f"sequences of {seq} tokens are longer than config.max_position_embeddings={limit}: the model was "
+                "not trained at this length. Extend it deliberately: set config.rope_parameters (rope_scaling: "
+                "'yarn', 'linear', 'dynamic' or 'llama3') and config.max_position_embeddings before training.",
+                stacklevel=3,
+            )
 
     # -- the schedule ---------------------------------------------------------------------------
     def _unit_plan(self, backward: bool) -> list[int]:
