@@ -146,7 +146,9 @@ def worker(opts) -> None:
                 from hf_megatrain import MegaTrainArguments, MegaTrainTrainer
                 from hf_megatrain.engine.timeline import Timeline
 
-                trainer = MegaTrainTrainer(model, MegaTrainArguments(**common, log_pipeline=False), train_dataset=data,
+                trainer = MegaTrainTrainer(model, MegaTrainArguments(**common, log_pipeline=False,
+                                                                     gpu_resident_layers=opts.resident),
+                                           train_dataset=data,
                                            data_collator=_collate)
                 engine = trainer.engine
 
@@ -203,6 +205,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--stock_micro", type=int, default=16, help="stock Trainer rows per micro-batch")
+    p.add_argument("--resident", default="0", help="hf_megatrain gpu_resident_layers: 0 (stream all), N or auto")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--system", help=argparse.SUPPRESS)
     p.add_argument("--trace_out", default=None, help=argparse.SUPPRESS)
@@ -219,7 +222,8 @@ def main() -> None:
     for system in opts.systems.split(","):
         cmd = [sys.executable, __file__, "--system", system, "--shape", opts.shape, "--seq", str(opts.seq),
                "--steps", str(opts.steps), "--warmup", str(opts.warmup), "--tokens", *map(str, opts.tokens),
-               "--clip", *map(str, opts.clip), "--stock_micro", str(opts.stock_micro)]
+               "--clip", *map(str, opts.clip), "--stock_micro", str(opts.stock_micro),
+               "--resident", opts.resident]
         if opts.layers:
             cmd += ["--layers", str(opts.layers)]
         if system == "megatrain":

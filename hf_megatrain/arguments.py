@@ -52,6 +52,12 @@ class MegaTrainArguments(TrainingArguments):
         metadata={"help": "Run each layer's MLP on sequence tiles of this many tokens, bounding its memory by the "
                   "tile (exact). Unset: tiles of 16384 tokens once a micro-batch holds more than 32768 tokens."},
     )
+    gpu_resident_layers: str = field(
+        default="auto",
+        metadata={"help": "auto | N | 0. Keep the embedding, the head and the first N decoder layers entirely on "
+                  "the GPU (weights, fp32 master, gradients, Adam states; stepped there by the GPU); stream the "
+                  "rest. auto: as many as the memory plan allows. 0: stream everything."},
+    )
     prefetch_depth: int = field(
         default=2, metadata={"help": "GPU weight slots in the ring that streams decoder layers (>= 2)."}
     )
@@ -122,6 +128,9 @@ def check_arguments(args, before_init: bool = False) -> None:
         raise MegaTrainError(f"compute_dtype={dtype!r}; choose auto, bfloat16 or float32.")
     if getattr(args, "save_dtype", "auto") not in ("auto", "float32", "bfloat16", "float16"):
         raise MegaTrainError(f"save_dtype={args.save_dtype!r}; choose auto, float32, bfloat16 or float16.")
+    resident = str(getattr(args, "gpu_resident_layers", "auto"))
+    if resident != "auto" and not (resident.isdigit()):
+        raise MegaTrainError(f"gpu_resident_layers={resident!r}; use 'auto', 0 or a number of layers.")
     if getattr(args, "prefetch_depth", 2) < 2:
         raise MegaTrainError("prefetch_depth must be >= 2 (double buffering needs two GPU slots).")
     if getattr(args, "max_seq_length", 1) < 1:

@@ -91,14 +91,18 @@ def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", d
     s = model_shapes(config)
     cbytes = 2 if compute_dtype in ("bfloat16", "bf16") else 4
     tokens = batch * seq
-    streamed = s.params - resident_layers * s.layer
+    resident_layers = max(0, min(resident_layers, s.layers))
+    # resident: the embedding, the head and the first N layers (engine.schedule.mark_resident)
+    on_gpu = resident_layers * s.layer + (s.embed + s.head if resident_layers else 0)
+    streamed = s.params - on_gpu
     plan = MemoryPlan(resident_layers=resident_layers)
     plan.host["fp32 master weights"] = 4 * streamed
     plan.host["compute copy (streamed)"] = cbytes * streamed if cbytes == 2 else 0
     plan.host["fp32 gradient accumulator"] = 4 * streamed
     plan.host["Adam moments (fp32 x2)"] = 8 * streamed
     if device == "cuda":
-        plan.host["pinned staging slabs"] = 2 * 4 * s.layer
+        plan.host["pinned staging slabs"] = 2 * 4 * s.layer if streamed else 0
+    plan.host["host copy of resident weights"] = cbytes * on_gpu
     plan.host["runtime (torch, CUDA, Python)"] = HOST_RUNTIME
     if device != "cuda":
         plan.notes.append("CPU run: the compute happens in host RAM; the GPU column does not apply.")
@@ -106,10 +110,11 @@ def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", d
 
     chunk = loss_chunk_tokens or max(1, int(LOSS_CHUNK_BYTES // (s.vocab * 4 * 3)))
     chunk = min(chunk, tokens)
-    plan.gpu["weight ring (prefetch slots)"] = prefetch_depth * cbytes * s.layer
-    plan.gpu["embedding + head buffers"] = cbytes * (s.embed + s.head)
-    plan.gpu["gradient ring (fp32)"] = 2 * 4 * s.layer
-    plan.gpu["resident layers (18 B/param)"] = 18 * resident_layers * s.layer
+    streams_layers = resident_layers < s.layers
+    plan.gpu["weight ring (prefetch slots)"] = prefetch_depth * cbytes * s.layer if streams_layers else 0
+    plan.gpu["embedding + head buffers"] = 0 if resident_layers else cbytes * (s.embed + s.head)
+    plan.gpu["gradient ring (fp32)"] = 2 * 4 * s.layer if streams_layers else 0
+    plan.gpu["resident units (weights, master, grad, Adam)"] = (cbytes + 16) * on_gpu
     plan.gpu["saved layer inputs"] = s.layers * tokens * s.hidden * cbytes
     # One layer's recompute with autograd: its inputs, norms, q/k/v, attention output, MLP
     # gate/up/act/product and their gradients, plus the per-parameter weight gradients.
@@ -120,6 +125,22 @@ def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", d
     plan.gpu["embedding / lm_head gradients (fp32)"] = 4 * s.embed * (2 if s.tied else 1) + 4 * (s.head - s.hidden)
     plan.gpu["runtime (CUDA context, cuBLAS)"] = GPU_RUNTIME
     return plan
+
+
+def plan_residency(config, batch: int, seq: int, gpu_free: float, *, margin: float = 0.1, **kw) -> int:
+    """The most decoder layers that can live on the GPU (0 = stream everything), from the plan.
+
+    Resident units cost (compute bytes + 16) per parameter on the GPU and nothing in the host
+    optimizer; everything else in the plan (activations, the loss chunk, ring slots) must still fit.
+    """
+    budget = gpu_free * (1 - margin)
+    best = 0
+    for n in range(0, model_shapes(config).layers + 1):
+        if estimate(config, batch, seq, resident_layers=n, **kw).gpu_total <= budget:
+            best = n
+        else:
+            break
+    return best
 
 
 def host_available() -> float:

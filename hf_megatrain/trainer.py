@@ -37,7 +37,7 @@ from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine, validate_tokens
 from .engine.timeline import Timeline
 from .errors import MegaTrainError
-from .memory import admit, estimate
+from .memory import admit, estimate, gpu_available, plan_residency
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +87,14 @@ class MegaTrainTrainer(Trainer):
             args.gradient_checkpointing = False
 
         device = args.device  # resolves the device now, as Trainer would
+        plan_kw = dict(compute_dtype=str(resolve_compute_dtype(args, device)).replace("torch.", ""),
+                       device=device.type, prefetch_depth=getattr(args, "prefetch_depth", 2),
+                       mlp_tile_tokens=mlp_tiles(args))
+        batch, seq = args.per_device_train_batch_size, getattr(args, "max_seq_length", 1024)
+        resident = resolve_residency(args, _config(model), batch, seq, device, plan_kw)
         if getattr(args, "memory_check", True):
             # Before a single large allocation: does the plan fit this machine?
-            admit(estimate(_config(model), args.per_device_train_batch_size, getattr(args, "max_seq_length", 1024),
-                           compute_dtype=str(resolve_compute_dtype(args, device)).replace("torch.", ""),
-                           device=device.type, prefetch_depth=getattr(args, "prefetch_depth", 2),
-                           mlp_tile_tokens=mlp_tiles(args)))
+            admit(estimate(_config(model), batch, seq, resident_layers=resident, **plan_kw))
         if device.type == "cpu":
             args.dataloader_pin_memory = False  # nothing to pin for
         args._n_gpu = 1 if device.type == "cuda" else args._n_gpu
@@ -108,6 +110,7 @@ class MegaTrainTrainer(Trainer):
             weights_from=weights_from,
             progress=not args.disable_tqdm,
             mlp_tile_tokens=mlp_tiles(args),
+            resident_layers=resident,
         )
 
         if train_dataset is None and getattr(args, "data_path", None):
@@ -379,6 +382,18 @@ class MegaTrainTrainer(Trainer):
 
 
 _ENGINE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
+
+
+def resolve_residency(args, config, batch, seq, device, plan_kw) -> int:
+    """gpu_resident_layers: a number, or 'auto' = as many layers as the memory plan allows (GPU only)."""
+    choice = str(getattr(args, "gpu_resident_layers", "auto"))
+    if device.type != "cuda":
+        return 0 if choice == "auto" else int(choice)
+    if choice != "auto":
+        return int(choice)
+    n = plan_residency(config, batch, seq, gpu_available(device), **plan_kw)
+    logger.info("gpu_resident_layers=auto: %d of %d layers resident on the GPU", n, config.num_hidden_layers)
+    return n
 
 
 def mlp_tiles(args) -> int | None:

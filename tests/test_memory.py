@@ -54,3 +54,19 @@ def test_estimate_command(capsys):
     with pytest.raises(SystemExit) as e:
         main(["estimate", "--help"])
     assert e.value.code == 0 and "known shape" in capsys.readouterr().out
+
+
+def test_residency_plan_fills_the_gpu_and_no_more():
+    from hf_megatrain.memory import plan_residency
+    from hf_megatrain.shapes import make_config
+
+    cfg = make_config("qwen2.5-7b")
+    assert plan_residency(cfg, 16, 1024, gpu_free=1e15) == cfg.num_hidden_layers
+    assert plan_residency(cfg, 16, 1024, gpu_free=1 * GiB) == 0
+    n = plan_residency(cfg, 16, 1024, gpu_free=80 * GiB)
+    assert 0 < n < cfg.num_hidden_layers
+    assert estimate(cfg, 16, 1024, resident_layers=n).gpu_total <= 0.9 * 80 * GiB
+    assert estimate(cfg, 16, 1024, resident_layers=n + 1).gpu_total > 0.9 * 80 * GiB
+    # what moves to the GPU leaves the host: 18 B/param -> 2 B/param (the model's own view)
+    host0 = estimate(cfg, 16, 1024, resident_layers=0).host_total
+    assert estimate(cfg, 16, 1024, resident_layers=n).host_total < host0

@@ -53,7 +53,7 @@ def unit_state_dict(store, skeleton, index: int, dtype: torch.dtype) -> dict[str
         # trainable weights from the fp32 master; frozen ones (a LoRA base) from the streamed copy
         src = store.master[index] if slot.trainable else store.compute[index]
         view = src[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        tensors[slot.name] = view.to(dtype) if view.dtype != dtype else view
+        tensors[slot.name] = view.to(device="cpu", dtype=dtype)  # no copy when it already is
     return revert_weight_conversion(skeleton, tensors)
 
 

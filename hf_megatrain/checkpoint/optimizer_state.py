@@ -44,7 +44,7 @@ def save_optimizer_state(optimizer, out_dir: str) -> None:
     files = {}
     for i, unit_ids in enumerate(shards):
         fname = f"megatrain_optimizer-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {f"{idx}.{k}": t for idx in unit_ids for k, t in _buffers(optimizer, idx).items()}
+        tensors = {f"{idx}.{k}": t.cpu() for idx in unit_ids for k, t in _buffers(optimizer, idx).items()}
         save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
         files.update({str(idx): fname for idx in unit_ids})
     small = optimizer.state_dict()

@@ -19,7 +19,7 @@ PEFT_PREFIX = "base_model.model."
 
 def save_adapter(engine, out_dir: str) -> None:
     engine.synchronize()
-    state = {PEFT_PREFIX + name: t for name, t in engine.store.named(engine.store.master)}
+    state = {PEFT_PREFIX + name: t.cpu() for name, t in engine.store.named(engine.store.master)}
     engine.peft_model.save_pretrained(out_dir, state_dict=state)
 
 
@@ -47,7 +47,7 @@ def save_merged(engine, out_dir: str, dtype: torch.dtype | None = None) -> list[
         full = {}
         for slot in unit.slots:
             src = store.master[index] if slot.trainable else store.compute[index]
-            full[slot.name] = src[slot.offset : slot.offset + slot.numel].view(slot.shape).float()
+            full[slot.name] = src[slot.offset : slot.offset + slot.numel].view(slot.shape).float().cpu()
         out = {}
         for name, t in full.items():
             owner = next((m for m in lora if name.startswith(m + ".")), None)

@@ -96,7 +96,7 @@ class TensorReader:
             )
         f = self._file(entry.path)
         f.seek(entry.start)
-        if dest.dtype == entry.dtype and dest.is_contiguous():
+        if dest.dtype == entry.dtype and dest.is_contiguous() and dest.device.type == "cpu":
             target = dest
         else:
             if self._staging.numel() < entry.nbytes:

@@ -91,7 +91,7 @@ def load_into_store(store, spec, config, folder: str, progress: bool = True) -> 
                     f"{e.path}: tensor {e.name!r} has shape {list(e.shape)}, but the model expects "
                     f"{list(dest.shape)} for {target}. Does config.json match these weights?"
                 )
-            if e.dtype == store.compute_dtype and store.compute[u] is not store.master[u]:
+            if e.dtype == store.compute_dtype and store.compute[u] is not store.master[u] and not store.units[u].resident:
                 # e.g. a bf16 checkpoint and bf16 compute: the bytes go straight into the compute
                 # copy, and the master is their exact fp32 upcast (one pass, no staging).
                 compute = store.compute[u][slot.offset : slot.offset + slot.numel].view(slot.shape)
@@ -113,3 +113,5 @@ def load_into_store(store, spec, config, folder: str, progress: bool = True) -> 
         )
     for index in sorted(stale):
         store.refresh_compute(index)
+    for unit in store.units:
+        store.upload_resident(unit.index)

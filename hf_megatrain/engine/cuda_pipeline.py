@@ -62,14 +62,18 @@ class CudaPipeline:
         self.depth = depth
         self.h2d = torch.cuda.Stream(device)
         self.d2h = torch.cuda.Stream(device)
-        n = max(store.max_layer_numel(), 1)
+        streamed = [u for u in store.units if not u.resident]
+        n = max([u.numel for u in streamed if u.kind == "layer"] + [1])
         dt = store.compute_dtype
-        self.ring = [_Buffer(torch.empty(n, dtype=dt, device=device)) for _ in range(depth)]
+        self.ring = [_Buffer(torch.empty(n, dtype=dt, device=device)) for _ in range(depth if n > 1 else 0)]
         self.fixed: dict[int, _Buffer] = {}
         for u in store.units:
-            if u.kind != "layer":
+            if u.resident:  # already on the device: its "buffer" is the resident copy, never loaded
+                self.fixed[u.index] = _Buffer(store.device_compute[u.index])
+            elif u.kind != "layer":
                 self.fixed[u.index] = _Buffer(torch.empty(u.numel, dtype=dt, device=device))
-        g = max(store.max_layer_numel(trainable=True), 1)  # gradients cover the trainable prefix only
+        # gradients cover the trainable prefix only
+        g = max([u.n_train for u in streamed if u.kind == "layer"] + [1])
         self.grad_ring = [_Buffer(torch.empty(g, dtype=torch.float32, device=device)) for _ in range(grad_slots)]
         self._grad_next = 0
         self.slabs = [torch.empty(g, dtype=torch.float32, pin_memory=True) for _ in range(staging_slabs)]
@@ -95,8 +99,9 @@ class CudaPipeline:
         content = [None] * self.depth
         last_use = [-1] * self.depth
         for k, u in enumerate(plan):
-            if self.store.units[u].kind != "layer":
-                entries.append(_Entry(u, self.fixed[u], u not in seen_fixed, None))
+            unit = self.store.units[u]
+            if unit.kind != "layer" or unit.resident:
+                entries.append(_Entry(u, self.fixed[u], u not in seen_fixed and not unit.resident, None))
                 seen_fixed.add(u)
                 continue
             if u in content:
@@ -160,8 +165,11 @@ class CudaPipeline:
 
     # -- gradients ------------------------------------------------------------------------------
     def grad_buffer(self, index: int) -> torch.Tensor:
-        numel = self.store.units[index].n_train
-        if self.store.units[index].kind != "layer":
+        unit = self.store.units[index]
+        numel = unit.n_train
+        if unit.resident and self.store.grad_count[index] == 0:
+            return self.store.grad[index]  # the first gradient is written straight into place
+        if unit.kind != "layer" or unit.resident:
             return torch.empty(numel, dtype=torch.float32, device=self.device)
         slot = self.grad_ring[self._grad_next]
         self._grad_next = (self._grad_next + 1) % len(self.grad_ring)
@@ -184,6 +192,15 @@ class CudaPipeline:
             grad = grad.float()
         first = store.grad_count[index] == 0
         store.grad_count[index] += 1
+        if unit.resident:  # accumulate and take norms where it lives; nothing crosses PCIe
+            acc = store.grad[index]
+            if not first:
+                acc.add_(grad)
+            elif grad.data_ptr() != acc.data_ptr():
+                acc.copy_(grad)
+            views = [acc[s.offset : s.offset + s.numel] for s in unit.train_slots]
+            self.norms[index] = torch.stack(torch._foreach_norm(views, 2))
+            return
         if first:
             views = [grad[s.offset : s.offset + s.numel] for s in unit.train_slots]
             self._gpu_norms[index] = torch.stack(torch._foreach_norm(views, 2))
@@ -276,7 +293,7 @@ class CudaPipeline:
             elif self.norms[u.index] is None:
                 return None
             else:
-                out.append(self.norms[u.index])
+                out.append(self.norms[u.index].cpu())
         return out
 
     def wait_for_step(self, index: int) -> None:

@@ -55,14 +55,18 @@ class HostAdamW(torch.optim.Optimizer):
         if len(groups) == 1 and not decay:
             self.segments = [[(a, b, 0) for a, b, _ in segs] for segs in self.segments]
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        # Moments never cross PCIe (the step runs on the host), so they need no pinning.
-        numels = [u.n_train for u in store.units]
+        # Moments never cross PCIe (the step runs where the master is), so they need no pinning;
+        # a resident unit's moments live on the device with its master.
+        numels = [0 if u.resident else u.n_train for u in store.units]
         self._arenas = []
         self.exp_avg, self.exp_avg_sq = [], []
         for out in (self.exp_avg, self.exp_avg_sq):
             arena, tensors = arena_tensors(numels, torch.float32, pin=False)
             for t in tensors:
                 t.zero_()
+            for u in store.units:
+                if u.resident:
+                    tensors[u.index] = torch.zeros(u.n_train, dtype=torch.float32, device=store.device)
             self._arenas.append(arena)
             out.extend(tensors)
         self.step_count = 0
@@ -102,16 +106,22 @@ class HostAdamW(torch.optim.Optimizer):
         clip = self._clip
         self._clip = None
         counts = list(self.store.grad_count)  # zero_grad() may run before the steps do
-        units = self.store.units
-        if self._stepper is None:
-            for unit in units:
-                self.step_unit(unit.index, hyper, clip, counts[unit.index], self.step_count)
-            return loss
-        for unit in units:
-            self.store.ready[unit.index].clear()
-        for unit in units:
-            self._stepper.submit(partial(self._step_async, unit.index, hyper, clip, counts[unit.index], self.step_count))
+        self._submit([u.index for u in self.store.units], hyper, clip, counts, self.step_count)
         return loss
+
+    def _submit(self, indices, hyper, clip, counts, step) -> None:
+        """Step these units: resident ones now, on the device's stream (before the next forward is
+        queued behind them); streamed ones on the host worker, each gating its next load."""
+        host = []
+        for index in indices:
+            if self._stepper is None or self.store.units[index].resident:
+                self.step_unit(index, hyper, clip, counts[index], step)
+            else:
+                host.append(index)
+        for index in host:
+            self.store.ready[index].clear()
+        for index in host:
+            self._stepper.submit(partial(self._step_async, index, hyper, clip, counts[index], step))
 
     # -- stepping during the backward (exact only without clipping) -----------------------------
     def step_during_backward(self) -> bool:
@@ -152,12 +162,8 @@ class HostAdamW(torch.optim.Optimizer):
             raise RuntimeError("clip_grad_norm_ was called after step_during_backward(); the steps already ran unclipped")
         self.engine.pipeline.finish()
         self.step_count = e["step"]
-        counts = list(self.store.grad_count)
-        for unit in self.store.units:
-            if unit.index not in e["done"]:
-                self.store.ready[unit.index].clear()
-                self._stepper.submit(partial(self._step_async, unit.index, e["hyper"], None, counts[unit.index],
-                                             self.step_count))
+        rest = [u.index for u in self.store.units if u.index not in e["done"]]
+        self._submit(rest, e["hyper"], None, list(self.store.grad_count), self.step_count)
         return loss
 
     def _step_async(self, index, hyper, clip, count, step) -> None:
@@ -181,15 +187,19 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _adamw(self, index: int, hyper: list[dict], clip, step: int) -> None:
         store = self.store
-        step_t = torch.tensor(float(step), dtype=torch.float32)
         master, grad = store.master[index], store.grad[index]
+        step_t = torch.tensor(float(step), dtype=torch.float32, device=master.device)
         m, v = self.exp_avg[index], self.exp_avg_sq[index]
-        compute = store.compute[index]
-        separate = not store.aliased
+        resident = store.units[index].resident
+        compute = store.device_compute[index] if resident else store.compute[index]
+        separate = compute is not master
+        # On the host, tiles keep grad, master and moments in cache between the clip, the update
+        # and the refresh of the compute copy; a GPU wants whole segments.
+        tile = TILE if master.device.type == "cpu" else max(1, master.numel())
         for start, end, group in self.segments[index]:
             h = hyper[group]
-            for a in range(start, end, TILE):
-                b = min(a + TILE, end)
+            for a in range(start, end, tile):
+                b = min(a + tile, end)
                 g = grad[a:b]
                 if clip is not None:
                     g.mul_(clip)

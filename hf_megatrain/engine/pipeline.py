@@ -31,12 +31,15 @@ class HostPipeline:
         """The order in which units will be asked for during this forward/backward."""
 
     def weights(self, index: int) -> torch.Tensor:
-        return self.store.compute[index]
+        dev = self.store.device_compute[index]
+        return dev if dev is not None else self.store.compute[index]
 
     def release(self, index: int) -> None:
         pass
 
     def grad_buffer(self, index: int) -> torch.Tensor:
+        if self.store.units[index].resident and self.store.grad_count[index] == 0:
+            return self.store.grad[index]  # the first gradient is written straight into place
         return torch.empty(self.store.units[index].n_train, dtype=self.store.compute_dtype, device=self.device)
 
     def emit_grad(self, index: int, grad: torch.Tensor) -> None:

@@ -52,6 +52,20 @@ class _Head(nn.Module):
         return self.lm_head(self.norm(hidden))
 
 
+def mark_resident(units, layers: int) -> int:
+    """Mark the embedding, the head and the first `layers` decoder layers resident (none if 0).
+
+    The first layers are the ones the next forward needs first: while the GPU runs them the
+    host optimizer can work on the streamed ones behind them.
+    """
+    decoder = [u for u in units if u.kind == "layer"]
+    layers = max(0, min(int(layers or 0), len(decoder)))
+    if layers:
+        for u in units:
+            u.resident = u.kind != "layer" or u.layer < layers
+    return layers
+
+
 def _is_peft(model) -> bool:
     try:
         from peft import PeftModel
@@ -85,6 +99,8 @@ class StreamingEngine(nn.Module):
     decay_names: parameter names that get weight decay (Trainer.get_decay_parameter_names).
     loss_chunk_tokens: rows of logits per loss chunk; None picks from the vocabulary size.
     mlp_tile_tokens: run each layer's MLP on sequence tiles of this many tokens (long context).
+    resident_layers: keep the embedding, the head and the first N decoder layers entirely on
+        the compute device (weights, fp32 master, gradient, Adam moments; stepped there).
     weights_from: a checkpoint folder; then `model` is a meta skeleton (see checkpoint.loading)
         and the store is filled straight from the safetensors files.
     """
@@ -101,6 +117,7 @@ class StreamingEngine(nn.Module):
         weights_from: str | None = None,
         progress: bool = True,
         mlp_tile_tokens: int | None = None,
+        resident_layers: int = 0,
     ):
         super().__init__()
         # A PEFT model trains through its underlying causal LM: the adapter layers are part of
@@ -117,11 +134,12 @@ class StreamingEngine(nn.Module):
         if decay_names is None:
             decay_names = [n for n, _ in model.named_parameters()]
         self.units = build_units(model, self.spec, decay_names)
+        self.resident_layers = mark_resident(self.units, resident_layers)
         pin = self.device.type == "cuda"
         if weights_from is None:
-            self.store = HostStore.from_model(model, self.units, compute_dtype, pin=pin)
+            self.store = HostStore.from_model(model, self.units, compute_dtype, pin=pin, device=self.device)
         else:  # a meta skeleton: its weights come straight from the checkpoint files
-            self.store = HostStore(self.units, compute_dtype, pin=pin)
+            self.store = HostStore(self.units, compute_dtype, pin=pin, device=self.device)
             load_into_store(self.store, self.spec, self.config, weights_from, progress=progress)
             self.store.bind(model)
         self._templates = self._build_templates(model)
@@ -194,6 +212,7 @@ class StreamingEngine(nn.Module):
         if self.optimizer is not None:
             self.optimizer.synchronize()
         self.store.wait_ready()
+        self.store.sync_host()  # the model object sees resident units' current weights
 
     # -- inspection API (tests rely on it) -------------------------------------------------
     def named_grads(self):
@@ -219,7 +238,7 @@ class StreamingEngine(nn.Module):
     def named_master_params(self):
         """(name, fp32 CPU master weight) for every parameter of the original model."""
         self.synchronize()
-        yield from self.store.named(self.store.master)
+        yield from self.store.named([m.cpu() for m in self.store.master])
 
     @property
     def num_parameters(self) -> int:

@@ -55,6 +55,9 @@ class Unit:
     numel: int = 0
     n_decay: int = 0
     n_train: int = 0  # the trainable prefix: master, grad and Adam moments cover only these
+    # Resident: the unit's weights, fp32 master, gradient and Adam moments live on the compute
+    # device and it is stepped there; it never crosses PCIe during training.
+    resident: bool = False
     # Only for the head of a tied model: its lm_head weight is the embedding unit's weight.
     tied_local: str | None = None
     template_key: str = field(default="")
@@ -115,19 +118,33 @@ def build_units(model: nn.Module, spec: ArchSpec, decay_names) -> list[Unit]:
 class HostStore:
     """Flat host buffers for every unit (see module docstring)."""
 
-    def __init__(self, units: list[Unit], compute_dtype: torch.dtype, pin: bool):
+    def __init__(self, units: list[Unit], compute_dtype: torch.dtype, pin: bool, device=None):
         self.units = units
         self.compute_dtype = compute_dtype
         self.pin = pin
+        self.device = torch.device(device or "cpu")
         self._arenas = []
-        trained = [u.n_train for u in units]
+        # Host state exists only for streamed units; a resident unit keeps just the host compute
+        # copy that the model object views (refreshed by sync_host()).
+        trained = [0 if u.resident else u.n_train for u in units]
         # fp32 compute mode with everything trainable: the master itself streams to the device
         self.aliased = compute_dtype == torch.float32 and all(u.n_train == u.numel for u in units)
         # Only what crosses PCIe is page-locked: the streamed copy (H2D) and the gradient
         # accumulator (the D2H lands in it). The master never leaves the host.
         self.master = self._alloc(trained, torch.float32, pin=pin and self.aliased)
-        self.compute = self.master if self.aliased else self._alloc([u.numel for u in units], compute_dtype)
+        self.compute = list(self.master) if self.aliased else self._alloc([u.numel for u in units], compute_dtype)
         self.grad = self._alloc(trained, torch.float32)
+        # Device-side state of resident units (None for streamed ones).
+        self.device_compute: list[torch.Tensor | None] = [None] * len(units)
+        for u in units:
+            if u.resident:
+                self.master[u.index] = torch.empty(u.n_train, dtype=torch.float32, device=self.device)
+                self.grad[u.index] = torch.empty(u.n_train, dtype=torch.float32, device=self.device)
+                if self.aliased:
+                    self.compute[u.index] = torch.empty(u.numel, dtype=compute_dtype)  # the model's view
+                    self.device_compute[u.index] = self.master[u.index]
+                else:
+                    self.device_compute[u.index] = torch.empty(u.numel, dtype=compute_dtype, device=self.device)
         # How many gradient contributions each unit's accumulator holds since zero_grad().
         self.grad_count = [0] * len(units)
         # Set while a unit's master and compute copy are current; cleared while an optimizer
@@ -143,14 +160,15 @@ class HostStore:
         return tensors
 
     @classmethod
-    def from_model(cls, model: nn.Module, units: list[Unit], compute_dtype: torch.dtype, pin: bool = False):
+    def from_model(cls, model: nn.Module, units: list[Unit], compute_dtype: torch.dtype, pin: bool = False,
+                   device=None):
         """Copy a loaded model into flat buffers, unit by unit, and re-point its parameters.
 
         After this the model's parameters are views of the compute buffers (so the model
         object stays a usable, savable skeleton) and its original storage is freed as we go:
         peak memory is the store plus one unit of the original.
         """
-        store = cls(units, compute_dtype, pin)
+        store = cls(units, compute_dtype, pin, device)
         params = dict(model.named_parameters())
         for unit in units:
             master, compute = store.master[unit.index], store.compute[unit.index]
@@ -159,6 +177,7 @@ class HostStore:
                     dest = master if s.trainable else compute
                     dest[s.offset : s.offset + s.numel].copy_(params[s.name].detach().reshape(-1))
             store.refresh_compute(unit.index)
+            store.upload_resident(unit.index)
             store.bind(model, unit.index)
         return store
 
@@ -201,16 +220,38 @@ class HostStore:
             e.wait()
 
     def refresh_compute(self, index: int) -> None:
-        """Bring the streamed copy of a unit up to date with its master (after a step)."""
-        if not self.aliased:
-            n = self.units[index].n_train
-            self.compute[index][:n].copy_(self.master[index])
+        """Bring the copy the GPU reads up to date with the master (after a step)."""
+        unit = self.units[index]
+        if unit.resident:
+            if self.device_compute[index] is not self.master[index]:
+                self.device_compute[index][: unit.n_train].copy_(self.master[index])
+        elif not self.aliased:
+            self.compute[index][: unit.n_train].copy_(self.master[index])
+
+    def upload_resident(self, index: int) -> None:
+        """After loading: a resident unit's frozen weights (host compute copy) and its master go to
+        the device copy, and the host copy is made current."""
+        unit = self.units[index]
+        if not unit.resident:
+            return
+        if unit.numel > unit.n_train:
+            self.device_compute[index][unit.n_train :].copy_(self.compute[index][unit.n_train :])
+        self.refresh_compute(index)
+        self.sync_host(index)
+
+    def sync_host(self, index: int | None = None) -> None:
+        """Copy resident units' current weights into the host copy that the model object views."""
+        for unit in self.units if index is None else [self.units[index]]:
+            if unit.resident:
+                src = self.device_compute[unit.index]
+                self.compute[unit.index][: unit.n_train].copy_(src[: unit.n_train])
 
     # -- gradients --------------------------------------------------------------------------
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
         """Add one gradient contribution (any float dtype, host) into the fp32 accumulator."""
         if self.grad_count[index] == 0:
-            self.grad[index].copy_(grad)
+            if grad.data_ptr() != self.grad[index].data_ptr():
+                self.grad[index].copy_(grad)
         else:
             self.grad[index].add_(grad)
         self.grad_count[index] += 1
@@ -218,7 +259,7 @@ class HostStore:
     def grad_or_zeros(self, index: int) -> torch.Tensor:
         if self.grad_count[index] == 0:
             return torch.zeros(self.units[index].n_train, dtype=torch.float32)
-        return self.grad[index]
+        return self.grad[index].cpu()
 
     def zero_grad(self) -> None:
         self.grad_count = [0] * len(self.units)
