@@ -190,6 +190,8 @@ class CudaPipeline:
         grad = grad.reshape(-1)
         if grad.dtype != torch.float32:
             grad = grad.float()
+        if store.sharding is not None:  # data parallel: sum over ranks, keep this rank's slice
+            grad = store.sharding.reduce(grad, unit.n_train)
         first = store.grad_count[index] == 0
         store.grad_count[index] += 1
         if unit.resident:  # accumulate and take norms where it lives; nothing crosses PCIe
@@ -201,7 +203,7 @@ class CudaPipeline:
             views = [acc[s.offset : s.offset + s.numel] for s in unit.train_slots]
             self.norms[index] = torch.stack(torch._foreach_norm(views, 2))
             return
-        if first:
+        if first and store.sharding is None:  # sliced gradients: the engine sums squares over ranks
             views = [grad[s.offset : s.offset + s.numel] for s in unit.train_slots]
             self._gpu_norms[index] = torch.stack(torch._foreach_norm(views, 2))
         produced = torch.cuda.Event()
@@ -211,15 +213,16 @@ class CudaPipeline:
             self._shake()
             if first:
                 store.grad[index].copy_(grad, non_blocking=True)
-                gpu_norms = self._gpu_norms.pop(index)
-                norms_host = torch.empty(len(unit.train_slots), dtype=torch.float32, pin_memory=True)
-                norms_host.copy_(gpu_norms, non_blocking=True)
-                gpu_norms.record_stream(self.d2h)
-                self.norms[index] = norms_host
+                gpu_norms = self._gpu_norms.pop(index, None)
+                if gpu_norms is not None:
+                    norms_host = torch.empty(len(unit.train_slots), dtype=torch.float32, pin_memory=True)
+                    norms_host.copy_(gpu_norms, non_blocking=True)
+                    gpu_norms.record_stream(self.d2h)
+                    self.norms[index] = norms_host
                 slab = None
             else:
                 slab = self._take_slab()
-                self.slabs[slab][: unit.n_train].copy_(grad, non_blocking=True)
+                self.slabs[slab][: grad.numel()].copy_(grad, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.d2h)
         slot = self._slot_of(grad)
@@ -272,10 +275,11 @@ class CudaPipeline:
     def _accumulate_now(self, index: int, slab: int) -> None:
         unit = self.store.units[index]
         acc = self.store.grad[index]
-        acc.add_(self.slabs[slab][: unit.n_train])
+        acc.add_(self.slabs[slab][: acc.numel()])
         self._slab_free[slab] = True
-        views = [acc[s.offset : s.offset + s.numel] for s in unit.train_slots]
-        self.norms[index] = torch.stack(torch._foreach_norm(views, 2))
+        if self.store.sharding is None:
+            views = [acc[s.offset : s.offset + s.numel] for s in unit.train_slots]
+            self.norms[index] = torch.stack(torch._foreach_norm(views, 2))
 
     def finish(self) -> None:
         for ev in self._pending:

@@ -41,12 +41,12 @@ class HostAdamW(torch.optim.Optimizer):
         self.segments: list[list[tuple[int, int, int]]] = [[] for _ in store.units]
         for unit in store.units:
             m = store.master[unit.index]
-            if unit.n_decay:
-                self.segments[unit.index].append((0, unit.n_decay, 0))
-                decay.append(m[: unit.n_decay])
-            if unit.n_train > unit.n_decay:
-                self.segments[unit.index].append((unit.n_decay, unit.n_train, 1))
-                no_decay.append(m[unit.n_decay :])
+            lo, hi = store.bounds[unit.index]  # this rank's slice (all of it without data parallel)
+            for a, b, group, out in ((0, unit.n_decay, 0, decay), (unit.n_decay, unit.n_train, 1, no_decay)):
+                a, b = max(a, lo) - lo, min(b, hi) - lo
+                if a < b:
+                    self.segments[unit.index].append((a, b, group))
+                    out.append(m[a:b])
         groups = [
             {"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
@@ -57,7 +57,7 @@ class HostAdamW(torch.optim.Optimizer):
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         # Moments never cross PCIe (the step runs where the master is), so they need no pinning;
         # a resident unit's moments live on the device with its master.
-        numels = [0 if u.resident else u.n_train for u in store.units]
+        numels = [0 if u.resident else hi - lo for u, (lo, hi) in zip(store.units, store.bounds)]
         self._arenas = []
         self.exp_avg, self.exp_avg_sq = [], []
         for out in (self.exp_avg, self.exp_avg_sq):
@@ -193,6 +193,7 @@ class HostAdamW(torch.optim.Optimizer):
         resident = store.units[index].resident
         compute = store.device_compute[index] if resident else store.compute[index]
         separate = compute is not master
+        lo = store.bounds[index][0]  # the compute copy is the whole unit; the master this rank's slice
         # On the host, tiles keep grad, master and moments in cache between the clip, the update
         # and the refresh of the compute copy; a GPU wants whole segments.
         tile = TILE if master.device.type == "cpu" else max(1, master.numel())
@@ -208,7 +209,8 @@ class HostAdamW(torch.optim.Optimizer):
                     amsgrad=False, maximize=False, **h,
                 )
                 if separate:
-                    compute[a:b].copy_(master[a:b])
+                    compute[lo + a : lo + b].copy_(master[a:b])
+        store.gather_compute(index)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()

@@ -101,6 +101,7 @@ class StreamingEngine(nn.Module):
     mlp_tile_tokens: run each layer's MLP on sequence tiles of this many tokens (long context).
     resident_layers: keep the embedding, the head and the first N decoder layers entirely on
         the compute device (weights, fp32 master, gradient, Adam moments; stepped there).
+    sharding: data parallel (engine/distributed.py): this rank keeps a slice of the fp32 state.
     weights_from: a checkpoint folder; then `model` is a meta skeleton (see checkpoint.loading)
         and the store is filled straight from the safetensors files.
     """
@@ -118,6 +119,7 @@ class StreamingEngine(nn.Module):
         progress: bool = True,
         mlp_tile_tokens: int | None = None,
         resident_layers: int = 0,
+        sharding=None,
     ):
         super().__init__()
         # A PEFT model trains through its underlying causal LM: the adapter layers are part of
@@ -137,9 +139,10 @@ class StreamingEngine(nn.Module):
         self.resident_layers = mark_resident(self.units, resident_layers)
         pin = self.device.type == "cuda"
         if weights_from is None:
-            self.store = HostStore.from_model(model, self.units, compute_dtype, pin=pin, device=self.device)
+            self.store = HostStore.from_model(model, self.units, compute_dtype, pin=pin, device=self.device,
+                                              sharding=sharding)
         else:  # a meta skeleton: its weights come straight from the checkpoint files
-            self.store = HostStore(self.units, compute_dtype, pin=pin, device=self.device)
+            self.store = HostStore(self.units, compute_dtype, pin=pin, device=self.device, sharding=sharding)
             load_into_store(self.store, self.spec, self.config, weights_from, progress=progress)
             self.store.bind(model)
         self._templates = self._build_templates(model)
@@ -219,7 +222,7 @@ class StreamingEngine(nn.Module):
         """(name, fp32 CPU gradient) for every parameter of the original model."""
         self.pipeline.finish()
         grads = [self.store.grad_or_zeros(u.index) for u in self.units]
-        yield from self.store.named(grads)
+        yield from self.store.named([self.store.full(grads, u.index) for u in self.units])
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the accumulated gradients, computed as torch.nn.utils.clip_grad_norm_ does.
@@ -227,6 +230,13 @@ class StreamingEngine(nn.Module):
         On a GPU the per-parameter norms were taken on the device as each gradient left it; on
         the CPU they are taken from the accumulators (bit-identical to stock).
         """
+        if self.store.sharding is not None:  # each rank holds a slice: sum the squares over ranks
+            self.pipeline.finish()
+            local = torch.zeros((), dtype=torch.float64)
+            for u in self.units:
+                if self.store.grad_count[u.index]:
+                    local += self.store.grad[u.index].double().square().sum().cpu()
+            return self.store.sharding.all_reduce(local).sqrt().float()
         per_unit = getattr(self.pipeline, "grad_norms", lambda: None)()
         if per_unit is None:
             norms = torch._foreach_norm([g for _, g in self.named_grads()], 2)
@@ -238,7 +248,8 @@ class StreamingEngine(nn.Module):
     def named_master_params(self):
         """(name, fp32 CPU master weight) for every parameter of the original model."""
         self.synchronize()
-        yield from self.store.named([m.cpu() for m in self.store.master])
+        masters = [m.cpu() for m in self.store.master]
+        yield from self.store.named([self.store.full(masters, u.index) for u in self.units])
 
     @property
     def num_parameters(self) -> int:

@@ -118,17 +118,23 @@ def build_units(model: nn.Module, spec: ArchSpec, decay_names) -> list[Unit]:
 class HostStore:
     """Flat host buffers for every unit (see module docstring)."""
 
-    def __init__(self, units: list[Unit], compute_dtype: torch.dtype, pin: bool, device=None):
+    def __init__(self, units: list[Unit], compute_dtype: torch.dtype, pin: bool, device=None, sharding=None):
         self.units = units
         self.compute_dtype = compute_dtype
         self.pin = pin
         self.device = torch.device(device or "cpu")
+        self.sharding = sharding
+        if sharding is not None and any(u.resident for u in units):
+            raise ValueError("GPU residency and data parallel sharding cannot be combined yet")
+        # Data parallel: this rank's fp32 state covers [lo, hi) of each trainable prefix.
+        self.bounds = [sharding.bounds(u.n_train) if sharding else (0, u.n_train) for u in units]
         self._arenas = []
         # Host state exists only for streamed units; a resident unit keeps just the host compute
         # copy that the model object views (refreshed by sync_host()).
-        trained = [0 if u.resident else u.n_train for u in units]
+        trained = [0 if u.resident else hi - lo for u, (lo, hi) in zip(units, self.bounds)]
         # fp32 compute mode with everything trainable: the master itself streams to the device
-        self.aliased = compute_dtype == torch.float32 and all(u.n_train == u.numel for u in units)
+        self.aliased = compute_dtype == torch.float32 and all(u.n_train == u.numel for u in units) \
+            and sharding is None
         # Only what crosses PCIe is page-locked: the streamed copy (H2D) and the gradient
         # accumulator (the D2H lands in it). The master never leaves the host.
         self.master = self._alloc(trained, torch.float32, pin=pin and self.aliased)
@@ -161,22 +167,29 @@ class HostStore:
 
     @classmethod
     def from_model(cls, model: nn.Module, units: list[Unit], compute_dtype: torch.dtype, pin: bool = False,
-                   device=None):
+                   device=None, sharding=None):
         """Copy a loaded model into flat buffers, unit by unit, and re-point its parameters.
 
         After this the model's parameters are views of the compute buffers (so the model
         object stays a usable, savable skeleton) and its original storage is freed as we go:
         peak memory is the store plus one unit of the original.
         """
-        store = cls(units, compute_dtype, pin, device)
+        store = cls(units, compute_dtype, pin, device, sharding)
         params = dict(model.named_parameters())
         for unit in units:
             master, compute = store.master[unit.index], store.compute[unit.index]
+            lo, hi = store.bounds[unit.index]
             with torch.no_grad():
                 for s in unit.slots:
-                    dest = master if s.trainable else compute
-                    dest[s.offset : s.offset + s.numel].copy_(params[s.name].detach().reshape(-1))
-            store.refresh_compute(unit.index)
+                    flat = params[s.name].detach().reshape(-1)
+                    if not s.trainable or store.sharding is not None:
+                        compute[s.offset : s.offset + s.numel].copy_(flat)  # every rank streams all of it
+                    if s.trainable:  # this rank's part of the master
+                        a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+                        if a < b:
+                            master[a - lo : b - lo].copy_(flat[a - s.offset : b - s.offset])
+            if store.sharding is None:
+                store.refresh_compute(unit.index)
             store.upload_resident(unit.index)
             store.bind(model, unit.index)
         return store
@@ -226,7 +239,21 @@ class HostStore:
             if self.device_compute[index] is not self.master[index]:
                 self.device_compute[index][: unit.n_train].copy_(self.master[index])
         elif not self.aliased:
-            self.compute[index][: unit.n_train].copy_(self.master[index])
+            lo, hi = self.bounds[index]
+            self.compute[index][lo:hi].copy_(self.master[index])
+            self.gather_compute(index)
+
+    def gather_compute(self, index: int) -> None:
+        """Data parallel: every rank's compute copy gets the slices the other ranks just stepped."""
+        if self.sharding is not None:
+            self.sharding.gather(self.compute[index], self.units[index].n_train, weights=True)
+
+    def full(self, buffers: list, index: int) -> torch.Tensor:
+        """A unit's whole trainable prefix of a sliced buffer (master, grad): gathered when
+        data parallel (a collective: every rank must ask), the buffer itself otherwise."""
+        if self.sharding is None:
+            return buffers[index]
+        return self.sharding.gather_slice(buffers[index].cpu(), self.units[index].n_train)
 
     def upload_resident(self, index: int) -> None:
         """After loading: a resident unit's frozen weights (host compute copy) and its master go to
@@ -248,7 +275,11 @@ class HostStore:
 
     # -- gradients --------------------------------------------------------------------------
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
-        """Add one gradient contribution (any float dtype, host) into the fp32 accumulator."""
+        """Add one gradient contribution (any float dtype, host) into the fp32 accumulator.
+
+        Data parallel: the contribution is summed over ranks first, keeping this rank's slice."""
+        if self.sharding is not None:
+            grad = self.sharding.reduce(grad.float(), self.units[index].n_train)
         if self.grad_count[index] == 0:
             if grad.data_ptr() != self.grad[index].data_ptr():
                 self.grad[index].copy_(grad)
@@ -257,8 +288,9 @@ class HostStore:
         self.grad_count[index] += 1
 
     def grad_or_zeros(self, index: int) -> torch.Tensor:
+        lo, hi = self.bounds[index]
         if self.grad_count[index] == 0:
-            return torch.zeros(self.units[index].n_train, dtype=torch.float32)
+            return torch.zeros(hi - lo, dtype=torch.float32)
         return self.grad[index].cpu()
 
     def zero_grad(self) -> None:
