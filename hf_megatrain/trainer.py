@@ -100,6 +100,14 @@ class MegaTrainTrainer(Trainer):
         args._n_gpu = 1 if device.type == "cuda" else args._n_gpu
         base = model.get_base_model() if _is_peft(model) else model
         decay = Trainer.get_decay_parameter_names(None, base)
+        sharding = None
+        if args.world_size > 1:  # data parallel: each rank keeps a slice of the optimizer state
+            from .engine.distributed import Sharding
+
+            if resident:
+                logger.info("data parallel: GPU residency is not combined with sharding yet; streaming all layers")
+                resident = 0
+            sharding = Sharding()
         self.engine = StreamingEngine(
             model,
             device=device,
@@ -111,6 +119,7 @@ class MegaTrainTrainer(Trainer):
             progress=not args.disable_tqdm,
             mlp_tile_tokens=mlp_tiles(args),
             resident_layers=resident,
+            sharding=sharding,
         )
 
         if train_dataset is None and getattr(args, "data_path", None):
@@ -205,6 +214,10 @@ class MegaTrainTrainer(Trainer):
         loss = self.engine.forward_backward(inputs, num_items_in_batch if scaled else None, scale)
         if not scaled:
             loss = loss / ga
+        elif self.args.average_tokens_across_devices and self.args.world_size > 1:
+            # Stock Trainer reports loss * world here (num_items_in_batch counts every rank's
+            # tokens) and its logging averages over ranks; the gradients are already exact.
+            loss = loss * self.args.world_size
         return loss.to(self.args.device)
 
     def log(self, logs, start_time=None):
@@ -247,13 +260,25 @@ class MegaTrainTrainer(Trainer):
         return loss, out.logits, labels.to(out.logits.device) if labels is not None else None
 
     # -- saving and resuming -------------------------------------------------------------------
+    def save_model(self, output_dir=None, _internal_call=False):
+        if self.engine.store.sharding is None:
+            return super().save_model(output_dir, _internal_call)
+        # Data parallel: the masters are gathered from every rank's slice, so every rank takes
+        # part (Trainer would call _save on the main process only); the main process writes.
+        self._save(output_dir if output_dir is not None else self.args.output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save")
+
     def _save(self, output_dir=None, state_dict=None):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         self.engine.synchronize()
+        write = self.args.should_save
         if self.engine.peft_model is not None:
             save_adapter(self.engine, output_dir)  # what PeftModel.from_pretrained loads
         else:
-            save_hf_model(self.engine.store, self.model, output_dir, dtype=self._save_dtype())
+            save_hf_model(self.engine.store, self.model, output_dir, dtype=self._save_dtype(), write=write)
+        if not write:
+            return
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
@@ -272,8 +297,9 @@ class MegaTrainTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir):
         self.engine.synchronize()
-        save_optimizer_state(self.host_optimizer, output_dir)
-        torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        save_optimizer_state(self.host_optimizer, output_dir)  # every rank: its own slices
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _save_checkpoint(self, model, trial):
         """Trainer's checkpoint, written into a hidden folder and renamed into place when complete."""
@@ -283,7 +309,10 @@ class MegaTrainTrainer(Trainer):
         run_dir = self._get_output_dir(trial=trial)
         final = os.path.join(run_dir, folder)
         tmp = partial_dir(final)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if self.args.should_save:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        self._barrier()
         self.save_model(tmp, _internal_call=True)
         if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and \
                 self.state.best_global_step:
@@ -302,13 +331,20 @@ class MegaTrainTrainer(Trainer):
                 else:
                     self.state.stateful_callbacks[name] = cb.state()
             self.state.save_to_json(os.path.join(tmp, TRAINER_STATE_NAME))
+        self._barrier()  # every rank's optimizer slice is on disk
+        if self.args.should_save:
             write_manifest(tmp, hashes=getattr(self.args, "checkpoint_hashes", True))
             commit_dir(tmp, final)
+        self._barrier()
         if self.args.push_to_hub:
             self._push_from_checkpoint(final)
         if self.args.should_save:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _barrier(self) -> None:
+        if self.engine.store.sharding is not None:
+            self.engine.store.sharding.barrier()
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # Masters (fp32) come back with the optimizer state; the model files hold only the

@@ -49,23 +49,27 @@ def unit_state_dict(store, skeleton, index: int, dtype: torch.dtype) -> dict[str
     """One unit's master weights in `dtype`, under the names HF writes to disk."""
     unit = store.units[index]
     tensors = {}
+    master = store.full(store.master, index)  # data parallel: gathered from every rank's slice
     for slot in unit.slots:
         # trainable weights from the fp32 master; frozen ones (a LoRA base) from the streamed copy
-        src = store.master[index] if slot.trainable else store.compute[index]
+        src = master if slot.trainable else store.compute[index]
         view = src[slot.offset : slot.offset + slot.numel].view(slot.shape)
         tensors[slot.name] = view.to(device="cpu", dtype=dtype)  # no copy when it already is
     return revert_weight_conversion(skeleton, tensors)
 
 
 def save_hf_model(store, skeleton, out_dir: str, dtype: torch.dtype | None = None,
-                  max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None, unit_tensors=None) -> list[str]:
+                  max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None, unit_tensors=None,
+                  write: bool = True) -> list[str]:
     """Write `out_dir` so that `AutoModelForCausalLM.from_pretrained(out_dir)` loads the masters.
 
     unit_tensors(index, dtype) -> {name: tensor} replaces the default per-unit source (the LoRA
-    export merges adapters there).
+    export merges adapters there). Data parallel: every rank calls this (the masters are
+    gathered unit by unit) and only the one with write=True writes.
     """
     unit_tensors = unit_tensors or (lambda index, dt: unit_state_dict(store, skeleton, index, dt))
-    os.makedirs(out_dir, exist_ok=True)
+    if write:
+        os.makedirs(out_dir, exist_ok=True)
     dtype = dtype or model_dtype(skeleton.config)
     shards = _plan_shards(store.units, dtype, max_bytes=max_shard_bytes)
     names = [SAFE_WEIGHTS] if len(shards) == 1 else [
@@ -82,8 +86,12 @@ def save_hf_model(store, skeleton, out_dir: str, dtype: torch.dtype | None = Non
             weight_map[k] = fname
             total_bytes += t.numel() * t.element_size()
             total_params += t.numel()
-        save_file({k: t.contiguous() for k, t in tensors.items()}, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        if write:
+            save_file({k: t.contiguous() for k, t in tensors.items()}, os.path.join(out_dir, fname),
+                      metadata={"format": "pt"})
         del tensors
+    if not write:
+        return names
     if len(shards) > 1:
         index = {"metadata": {"total_parameters": total_params, "total_size": total_bytes}, "weight_map": weight_map}
         with open(os.path.join(out_dir, SAFE_INDEX), "w") as f:

@@ -1,8 +1,11 @@
-"""Optimizer state as sharded safetensors: fp32 master, exp_avg, exp_avg_sq per unit, plus step.
+"""Optimizer state as safetensors: fp32 master, exp_avg, exp_avg_sq per unit, plus step.
 
-No model-sized pickle: each unit's three flat fp32 buffers are written as tensors named
-`<unit>.master`, `<unit>.exp_avg`, `<unit>.exp_avg_sq`; the small rest (step, hyper-parameters,
-the unit layout used to check a resume) goes to `megatrain_optimizer.json`.
+No model-sized pickle. Each rank writes the slices it owns (the whole of every unit without data
+parallel) as tensors named `<unit>.master`, `<unit>.exp_avg`, `<unit>.exp_avg_sq`, in files
+`megatrain_optimizer-r<rank>-<i>.safetensors`; `megatrain_optimizer.json` (written by rank 0)
+records the step, the hyper-parameters, the unit layout, and which file holds which range of
+which unit. A resume with any number of ranks reads, for each unit, the ranges it now owns from
+whichever files hold them.
 """
 
 from __future__ import annotations
@@ -29,30 +32,51 @@ def _buffers(optimizer, index: int) -> dict[str, torch.Tensor]:
     }
 
 
-def save_optimizer_state(optimizer, out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    units = optimizer.store.units
-    shards, current, size = [], [], 0
-    for u in units:
-        nbytes = 12 * u.numel
-        if current and size + nbytes > SHARD_BYTES:
-            shards.append(current)
-            current, size = [], 0
-        current.append(u.index)
+def _bounds_of(store, rank: int) -> list[tuple[int, int]]:
+    if store.sharding is None:
+        return [(0, u.n_train) for u in store.units]
+    return [store.sharding.bounds(u.n_train, rank) for u in store.units]
+
+
+def _file_plan(bounds: list[tuple[int, int]], rank: int) -> dict[int, str]:
+    """unit index -> file, for one rank's slices: files of about SHARD_BYTES, in unit order."""
+    plan, part, size = {}, 1, 0
+    for index, (lo, hi) in enumerate(bounds):
+        nbytes = 12 * (hi - lo)
+        if size and size + nbytes > SHARD_BYTES:
+            part, size = part + 1, 0
+        plan[index] = f"megatrain_optimizer-r{rank:05d}-{part:05d}.safetensors"
         size += nbytes
-    shards.append(current)
-    files = {}
-    for i, unit_ids in enumerate(shards):
-        fname = f"megatrain_optimizer-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {f"{idx}.{k}": t.cpu() for idx in unit_ids for k, t in _buffers(optimizer, idx).items()}
+    return plan
+
+
+def save_optimizer_state(optimizer, out_dir: str) -> None:
+    """Every rank calls this: it writes its own slices; rank 0 also writes the index."""
+    os.makedirs(out_dir, exist_ok=True)
+    store = optimizer.store
+    sharding = store.sharding
+    rank, world = (sharding.rank, sharding.world) if sharding else (0, 1)
+    plan = _file_plan(_bounds_of(store, rank), rank)
+    for fname in sorted(set(plan.values())):
+        ids = [i for i, f in plan.items() if f == fname]
+        tensors = {f"{i}.{k}": t.cpu() for i in ids for k, t in _buffers(optimizer, i).items()}
         save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
-        files.update({str(idx): fname for idx in unit_ids})
+    if rank != 0:
+        return
+    pieces = {str(u.index): [] for u in store.units}
+    for r in range(world):
+        bounds = _bounds_of(store, r)
+        for index, fname in _file_plan(bounds, r).items():
+            lo, hi = bounds[index]
+            if hi > lo:
+                pieces[str(index)].append([fname, lo, hi])
     small = optimizer.state_dict()
     meta = {
         "step": optimizer.step_count,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in small["param_groups"]],
-        "units": [[u.kind, u.numel] for u in units],
-        "files": files,
+        "units": [[u.kind, u.numel] for u in store.units],
+        "world": world,
+        "pieces": pieces,
     }
     with open(os.path.join(out_dir, STATE_JSON), "w") as f:
         json.dump(meta, f, indent=1)
@@ -71,25 +95,32 @@ def _check_layout(meta: dict, units, path: str) -> None:
         )
 
 
-def _read(path: str, meta: dict, targets) -> None:
-    """targets: (unit index, kind, destination tensor) triples."""
+def _read(path: str, meta: dict, store, targets) -> None:
+    """targets: (unit index, kind, destination) triples; the destination covers this rank's range."""
     handles = {}
     try:
         for index, kind, buf in targets:
-            fname = meta["files"][str(index)]
-            if fname not in handles:
+            lo, hi = store.bounds[index]
+            got = 0
+            for fname, plo, phi in meta["pieces"][str(index)]:
+                a, b = max(lo, plo), min(hi, phi)
+                if a >= b:
+                    continue
+                full_path = os.path.join(path, fname)
+                if fname not in handles:
+                    try:
+                        handles[fname] = safe_open(full_path, framework="pt", device="cpu")
+                    except Exception as e:
+                        raise MegaTrainError(f"cannot open {full_path}: {e}") from e
+                key = f"{index}.{kind}"
                 try:
-                    handles[fname] = safe_open(os.path.join(path, fname), framework="pt", device="cpu")
-                except Exception as e:
-                    raise MegaTrainError(f"cannot open {os.path.join(path, fname)}: {e}") from e
-            key = f"{index}.{kind}"
-            try:
-                t = handles[fname].get_tensor(key)
-            except Exception as e:  # missing key or truncated file
-                raise MegaTrainError(f"cannot read tensor {key!r} from {os.path.join(path, fname)}: {e}") from e
-            if t.shape != buf.shape:
-                raise MegaTrainError(f"{key!r} in {fname} has shape {tuple(t.shape)}, expected {tuple(buf.shape)}")
-            buf.copy_(t)
+                    part = handles[fname].get_slice(key)[a - plo : b - plo]
+                except Exception as e:  # missing key or truncated file
+                    raise MegaTrainError(f"cannot read tensor {key!r} from {full_path}: {e}") from e
+                buf[a - lo : b - lo].copy_(part)
+                got += b - a
+            if got != hi - lo:
+                raise MegaTrainError(f"{path} holds {got} of the {hi - lo} values of unit {index}'s {kind} this rank needs.")
     finally:
         handles.clear()
 
@@ -99,20 +130,22 @@ def load_masters(store, path: str) -> None:
     with open(os.path.join(path, STATE_JSON)) as f:
         meta = json.load(f)
     _check_layout(meta, store.units, path)
-    _read(path, meta, [(u.index, "master", store.master[u.index]) for u in store.units])
+    _read(path, meta, store, [(u.index, "master", store.master[u.index]) for u in store.units])
     for u in store.units:
         store.refresh_compute(u.index)
+        store.upload_resident(u.index)
 
 
 def load_optimizer_state(optimizer, path: str) -> None:
-    """Restore masters, moments and step; the streamed compute copies are refreshed."""
+    """Restore masters, moments and step (written by any number of ranks); compute copies follow."""
     with open(os.path.join(path, STATE_JSON)) as f:
         meta = json.load(f)
-    units = optimizer.store.units
-    _check_layout(meta, units, path)
-    _read(path, meta, [(u.index, k, b) for u in units for k, b in _buffers(optimizer, u.index).items()])
-    for u in units:
-        optimizer.store.refresh_compute(u.index)
+    store = optimizer.store
+    _check_layout(meta, store.units, path)
+    _read(path, meta, store, [(u.index, k, b) for u in store.units for k, b in _buffers(optimizer, u.index).items()])
+    for u in store.units:
+        store.refresh_compute(u.index)
+        store.upload_resident(u.index)
     optimizer.step_count = int(meta["step"])
     for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
         for k, v in saved.items():

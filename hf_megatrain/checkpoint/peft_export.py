@@ -19,7 +19,9 @@ PEFT_PREFIX = "base_model.model."
 
 def save_adapter(engine, out_dir: str) -> None:
     engine.synchronize()
-    state = {PEFT_PREFIX + name: t.cpu() for name, t in engine.store.named(engine.store.master)}
+    store = engine.store
+    masters = [store.full(store.master, u.index).cpu() for u in store.units]
+    state = {PEFT_PREFIX + name: t for name, t in store.named(masters)}
     engine.peft_model.save_pretrained(out_dir, state_dict=state)
 
 
@@ -45,8 +47,9 @@ def save_merged(engine, out_dir: str, dtype: torch.dtype | None = None) -> list[
     def merged_unit(index: int, dt: torch.dtype) -> dict[str, torch.Tensor]:
         unit = store.units[index]
         full = {}
+        master = store.full(store.master, index)
         for slot in unit.slots:
-            src = store.master[index] if slot.trainable else store.compute[index]
+            src = master if slot.trainable else store.compute[index]
             full[slot.name] = src[slot.offset : slot.offset + slot.numel].view(slot.shape).float().cpu()
         out = {}
         for name, t in full.items():

@@ -47,12 +47,17 @@ class HostAdamW(torch.optim.Optimizer):
                 if a < b:
                     self.segments[unit.index].append((a, b, group))
                     out.append(m[a:b])
-        groups = [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        groups = [g for g in groups if g["params"]]
-        if len(groups) == 1 and not decay:
+        # The groups are the model's, not this rank's: with data parallel a rank's slices may hold
+        # only one kind, but every rank (and a resume with another number of ranks) must see the
+        # same groups for schedulers and checkpoints to line up. An empty group steps nothing.
+        has_decay = any(u.n_decay for u in store.units)
+        has_rest = any(u.n_train > u.n_decay for u in store.units)
+        groups = []
+        if has_decay:
+            groups.append({"params": decay, "weight_decay": weight_decay})
+        if has_rest:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        if not has_decay:
             self.segments = [[(a, b, 0) for a, b, _ in segs] for segs in self.segments]
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         # Moments never cross PCIe (the step runs where the master is), so they need no pinning;

@@ -1,0 +1,46 @@
+"""MegaTrainTrainer in one process of a data-parallel run (launched like torchrun does).
+
+    RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. python dp_trainer.py OUT BATCH [--save N] [--resume DIR]
+
+Trains a tiny Llama on a fixed sequence of rows (sequential sampler, so N ranks x BATCH rows see
+the same global batches as 1 rank x N*BATCH rows) and writes OUT/result.json on rank 0.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import datasets  # noqa: E402
+from transformers import default_data_collator  # noqa: E402
+
+from hf_megatrain import MegaTrainArguments, MegaTrainTrainer  # noqa: E402
+from tiny import make_batch, make_model  # noqa: E402
+
+
+def main():
+    out, batch = sys.argv[1], int(sys.argv[2])
+    opts = sys.argv[3:]
+    parts = [make_batch(1, 12, seed=i, pad_rows=int(i % 3 == 0)) for i in range(48)]
+    train = datasets.Dataset.from_dict({k: [p[k][0].tolist() for p in parts] for k in parts[0]})
+    save = int(opts[opts.index("--save") + 1]) if "--save" in opts else 0
+    args = MegaTrainArguments(
+        output_dir=out, per_device_train_batch_size=batch, max_steps=6, learning_rate=1e-2, warmup_steps=1,
+        max_grad_norm=0.5, weight_decay=0.1, logging_steps=1, report_to=[], seed=0, use_cpu=True,
+        dataloader_num_workers=0, disable_tqdm=True, train_sampling_strategy="sequential",
+        save_strategy="steps" if save else "no", save_steps=save or 500, log_pipeline=False,
+    )
+    trainer = MegaTrainTrainer(make_model("llama"), args, train_dataset=train, data_collator=default_data_collator)
+    resume = opts[opts.index("--resume") + 1] if "--resume" in opts else None
+    trainer.train(resume_from_checkpoint=resume)
+    masters = {n: t.tolist() for n, t in trainer.engine.named_master_params()}  # collective: every rank
+    if trainer.args.process_index == 0:
+        logs = [{k: h[k] for k in ("step", "loss", "grad_norm", "learning_rate") if k in h}
+                for h in trainer.state.log_history if "loss" in h]
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump({"logs": logs, "masters": masters, "world": trainer.args.world_size}, f)
+
+
+if __name__ == "__main__":
+    main()
