@@ -22,7 +22,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveS
 
 from .arguments import MegaTrainArguments, check_arguments
 from .checkpoint.hf_format import save_hf_model
-from .checkpoint.loading import _is_peft, load_model_and_tokenizer, with_adapters
+from .checkpoint.loading import is_peft_model, load_model_and_tokenizer, with_adapters
 from .checkpoint.peft_export import save_adapter, save_merged
 from .checkpoint.local_hub import LocalHub, default_hub_dir
 from .checkpoint.manifest import MANIFEST, commit_dir, partial_dir, verify_manifest, write_manifest
@@ -34,7 +34,7 @@ from .checkpoint.optimizer_state import (
 )
 from .data import CausalCollator, count_real_tokens, load_raw_dataset, tokenize_dataset
 from .engine.optimizer import HostAdamW
-from .engine.schedule import StreamingEngine, validate_tokens
+from .engine.schedule import StreamingEngine
 from .engine.timeline import Timeline
 from .errors import MegaTrainError
 from .memory import admit, estimate, gpu_available, plan_residency
@@ -98,7 +98,7 @@ class MegaTrainTrainer(Trainer):
         if device.type == "cpu":
             args.dataloader_pin_memory = False  # nothing to pin for
         args._n_gpu = 1 if device.type == "cuda" else args._n_gpu
-        base = model.get_base_model() if _is_peft(model) else model
+        base = model.get_base_model() if is_peft_model(model) else model
         decay = Trainer.get_decay_parameter_names(None, base)
         sharding = None
         if args.world_size > 1:  # data parallel: each rank keeps a slice of the optimizer state
@@ -197,8 +197,6 @@ class MegaTrainTrainer(Trainer):
     # -- one micro-batch ------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.engine.train()
-        if "input_ids" in inputs and inputs["input_ids"].device.type == "cpu":
-            validate_tokens(inputs["input_ids"], inputs.get("labels"), self.engine.config.vocab_size)
         # Same loss scaling rule as Trainer.training_step: HF causal LMs divide by
         # num_items_in_batch themselves; otherwise the mean loss is divided by the GA steps.
         scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
@@ -442,7 +440,7 @@ def mlp_tiles(args) -> int | None:
 
 
 def _config(model):
-    return model.get_base_model().config if _is_peft(model) else model.config
+    return model.get_base_model().config if is_peft_model(model) else model.config
 
 
 def _pad_id(tokenizer, model) -> int:

@@ -20,7 +20,7 @@ from .stream_load import resolve_folder, shard_files
 logger = logging.getLogger(__name__)
 
 
-def _is_peft(model) -> bool:
+def is_peft_model(model) -> bool:
     from peft import PeftModel
 
     return isinstance(model, PeftModel)
@@ -43,7 +43,7 @@ def with_adapters(model, peft_config, folder: str | None, compute_dtype: torch.d
         peft_config = LoraConfig(**{"task_type": "CAUSAL_LM", **peft_config})
     if not isinstance(peft_config, PeftConfig):
         raise MegaTrainError(f"peft_config must be a peft config, a dict or a JSON path, not {type(peft_config).__name__}")
-    if _is_peft(model):
+    if is_peft_model(model):
         raise MegaTrainError("the model already has adapters; pass either a PEFT model or peft_config, not both.")
     if folder is not None:  # a meta skeleton: LoRA needs the real base weights to wrap
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=compute_dtype, device_map="cpu")
@@ -72,7 +72,7 @@ def load_model_and_tokenizer(model, attn_implementation: str | None = None, revi
 
     With a folder, `model` is a meta skeleton to be filled from it (StreamingEngine weights_from).
     """
-    if isinstance(model, PreTrainedModel) or _is_peft(model):
+    if isinstance(model, PreTrainedModel) or is_peft_model(model):
         spec_for(model.config if isinstance(model, PreTrainedModel) else model.get_base_model().config)
         devices = {p.device.type for p in model.parameters()}
         if devices - {"cpu"}:

@@ -20,7 +20,6 @@ from safetensors.torch import save_file
 from ..errors import MegaTrainError
 
 STATE_JSON = "megatrain_optimizer.json"
-KINDS = ("master", "exp_avg", "exp_avg_sq")
 SHARD_BYTES = 4 * 1024**3
 
 

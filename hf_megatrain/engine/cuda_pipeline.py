@@ -299,6 +299,3 @@ class CudaPipeline:
             else:
                 out.append(self.norms[u.index].cpu())
         return out
-
-    def wait_for_step(self, index: int) -> None:
-        self.store.ready[index].wait()

@@ -47,6 +47,3 @@ class HostPipeline:
 
     def finish(self) -> None:
         """Block until every emitted gradient is in the host accumulators."""
-
-    def wait_for_step(self, index: int) -> None:
-        """Block until the optimizer has updated unit `index` (no-op when steps are synchronous)."""

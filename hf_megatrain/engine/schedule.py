@@ -20,9 +20,10 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..checkpoint.loading import is_peft_model
+from ..checkpoint.stream_load import load_into_store
 from ..errors import MegaTrainError
 from ..patcher.specs import spec_for
-from ..checkpoint.stream_load import load_into_store
 from ..patcher.templates import Template, meta_copy, recompute_grads
 from ..patcher.tiling import tile_mlp
 from .loss import chunked_head_loss, counted_rows, full_logits, loss_denominator
@@ -64,14 +65,6 @@ def mark_resident(units, layers: int) -> int:
         for u in units:
             u.resident = u.kind != "layer" or u.layer < layers
     return layers
-
-
-def _is_peft(model) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return False
-    return isinstance(model, PeftModel)
 
 
 def _check_model(model: nn.Module, spec, skeleton: bool) -> None:
@@ -124,7 +117,7 @@ class StreamingEngine(nn.Module):
         super().__init__()
         # A PEFT model trains through its underlying causal LM: the adapter layers are part of
         # the decoder layers (so of the templates), and only they are trainable.
-        self.peft_model = model if _is_peft(model) else None
+        self.peft_model = model if is_peft_model(model) else None
         if self.peft_model is not None:
             model = model.get_base_model()
         self.spec = spec_for(model.config)

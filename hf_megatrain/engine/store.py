@@ -300,6 +300,3 @@ class HostStore:
     @property
     def num_parameters(self) -> int:
         return sum(u.numel for u in self.units)
-
-    def max_layer_numel(self, trainable: bool = False) -> int:
-        return max(((u.n_train if trainable else u.numel) for u in self.units if u.kind == "layer"), default=0)
