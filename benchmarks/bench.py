@@ -1,4 +1,4 @@
-"""Side-by-side training throughput: hf_megatrain vs stock Trainer (vs FSDP2 / DeepSpeed offload).
+"""Side-by-side training throughput: hf_megatrain vs stock Trainer vs FSDP2 / DeepSpeed offload.
 
 One command, one machine, one run: every system trains the same random-init shape on the same
 synthetic tokens for a fixed number of optimizer steps, each in its own process (clean GPU
@@ -7,10 +7,22 @@ memory and RSS), and the table compares them with ratios. Model FLOPs are 6 * P 
 measured in the same run after several seconds of load (the H200 power-caps from ~790 to
 ~660 TFLOP/s); the burst peak is reported beside it.
 
-    python benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 65536 --clip 1.0 0.0 \
-        --systems megatrain,stock --steps 8 --out $OUT
+Systems:
+  megatrain  hf_megatrain (weights and optimizer in host RAM, one layer at a time on the GPU)
+  stock      transformers.Trainer, everything on the GPU, gradient checkpointing, fused AdamW
+  fsdp2      Trainer + FSDP2 with CPUOffloadPolicy (params, grads, optimizer state and step on
+             the CPU), activation checkpointing per decoder layer, fused AdamW on the CPU
+  deepspeed  Trainer + DeepSpeed ZeRO-3, offload_param and offload_optimizer to pinned CPU
+             memory, DeepSpeedCPUAdam (JIT-built on first use), gradient checkpointing
+fsdp2 and deepspeed run as a one-rank torch.distributed job, one process per (tokens, clip).
+deepspeed is imported only from --ds_site (device_run.sh installs .dswhl/*.whl there), so it is
+never visible to the other systems: transformers changes behaviour when it can import it.
 
-Writes $OUT/bench.json (every number) and prints a table last.
+    python benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 65536 --clip 1.0 0.0 \
+        --systems megatrain,stock,fsdp2,deepspeed --steps 8 --out $OUT
+
+Writes $OUT/bench_<shape>.json (every number) and prints a table last. A system that fails gets
+a row with its error (the exception, or the last error line of $OUT/<system>_<shape>.log).
 """
 
 from __future__ import annotations
@@ -19,11 +31,15 @@ import argparse
 import gc
 import json
 import os
+import re
 import resource
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -58,24 +74,28 @@ def matmul_peak(seconds: float = 8.0) -> dict:
 
 
 # -- a random-init model, fast ---------------------------------------------------------------
-def build_model(shape: str, layers: int | None, device: str, seq: int):
+def build_model(shape: str, layers: int | None, device: str, seq: int, tiny: bool = False):
     import torch
     from transformers import AutoModelForCausalLM
 
     from hf_megatrain.shapes import make_config
 
-    cfg = make_config(shape, layers, max_positions=max(seq, 4096))
+    cfg = make_config(shape, 2 if tiny else layers, max_positions=max(seq, 4096))
     cfg._attn_implementation = "sdpa"
+    if tiny:  # --dry_run: same architecture, toy widths, so the CPU-only check takes seconds
+        cfg.update(dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=512))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model = model.to_empty(device=device)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    rng = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=rng).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
             else:  # random numbers are made on the GPU: a CPU normal_ of 12 GB takes minutes
-                p.copy_(torch.randn(p.shape, device="cuda", generator=gen).mul_(0.02))
+                p.copy_(torch.randn(p.shape, device=rng, generator=gen).mul_(0.02))
     rot = model.model.rotary_emb
     model.model.rotary_emb = type(rot)(config=cfg).to(device)
     return model
@@ -103,10 +123,108 @@ def _collate(rows):
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
 
+# -- the offload baselines: Trainer set up for FSDP2 or DeepSpeed ---------------------------------
+DISTRIBUTED = ("fsdp2", "deepspeed")  # one-rank torch.distributed jobs, one process per config
+WHERE: dict = {}  # the config a worker is on, for its error row
+
+
+def deepspeed_config() -> dict:
+    """ZeRO-3 with parameters and optimizer state offloaded to pinned host memory. Trainer fills the
+    "auto" values from TrainingArguments (micro-batch, accumulation, clipping, AdamW hyper-parameters,
+    bf16) and from the model width (bucket sizes), so the run matches the stock one."""
+    return {
+        "bf16": {"enabled": "auto"},
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto", "gradient_clipping": "auto",
+        # With an "optimizer" section DeepSpeed builds the optimizer itself, and with the optimizer
+        # offloaded to the CPU that is DeepSpeedCPUAdam (AdamW mode). No "scheduler" section: Trainer's
+        # constant schedule is used, as for the other systems.
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True, "contiguous_gradients": True,
+            "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+        },
+        "steps_per_print": 2**31, "wall_clock_breakdown": False,
+    }
+
+
+def build_cpu_adam() -> str:
+    """JIT-compile DeepSpeedCPUAdam before anything else, so that the compile (ninja, the host C++
+    compiler, the Python headers) is not part of the run, and a failed build is one readable error row
+    rather than a traceback from deep inside Trainer.train(). There is no fallback optimizer."""
+    import deepspeed
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    try:
+        CPUAdamBuilder().load(verbose=False)
+    except Exception as e:
+        # torch puts the ninja / compiler output into the exception text: keep the lines naming the fault
+        lines = str(e).splitlines() or [type(e).__name__]
+        hits = [ln.strip()[:240] for ln in lines[1:] if re.search(r"error|not found|no such file", ln, re.IGNORECASE)]
+        raise RuntimeError("DeepSpeedCPUAdam JIT build failed: "
+                           + " | ".join(dict.fromkeys(hits[:4] or [lines[0][:240]]))) from e
+    return deepspeed.__version__
+
+
+def trainer_args(opts, model, common: dict):
+    """TrainingArguments for the Trainer systems. --dry_run builds them on the CPU (gloo)."""
+    from transformers import TrainingArguments
+
+    kw = dict(common, use_cpu=opts.dry_run)
+    if opts.dry_run and opts.system in DISTRIBUTED:
+        kw["ddp_backend"] = "gloo"
+    if opts.system == "stock":
+        return TrainingArguments(**kw, gradient_checkpointing=True, optim="adamw_torch_fused")
+    if opts.system == "fsdp2":
+        # cpu_offload=True becomes torch's CPUOffloadPolicy (pinned host shards, gradients moved to the
+        # host), so the optimizer steps on the CPU: the fused AdamW kernel has a CPU implementation.
+        # Checkpointing is FSDP's own (a checkpoint wrapper around each decoder layer): Trainer refuses
+        # it together with gradient_checkpointing, which would also gather every layer a second time.
+        layer = type(model.model.layers[0]).__name__
+        return TrainingArguments(**kw, optim="adamw_torch_fused", fsdp=True, fsdp_config={
+            "version": 2, "cpu_offload": True, "activation_checkpointing": True,
+            "transformer_layer_cls_to_wrap": [layer]})
+    if opts.system == "deepspeed":
+        return TrainingArguments(**kw, gradient_checkpointing=True, deepspeed=deepspeed_config())
+    raise ValueError(f"unknown system {opts.system!r}")
+
+
+def describe(trainer) -> dict:
+    """--dry_run: what the Trainer is set up to do, read back from its arguments and accelerator."""
+    a = trainer.args
+    d = dict(micro=a.per_device_train_batch_size, accumulation=a.gradient_accumulation_steps,
+             optim=getattr(a.optim, "value", a.optim), gradient_checkpointing=a.gradient_checkpointing,
+             bf16=a.bf16, world_size=a.world_size)
+    if a.fsdp_plugin_args:  # accelerate attaches FSDP on GPUs only, so build the plugin it would use
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        plugin = FullyShardedDataParallelPlugin(**a.fsdp_plugin_args)
+        d.update(fsdp_version=plugin.fsdp_version, offload=repr(plugin.cpu_offload),
+                 activation_checkpointing=plugin.activation_checkpointing,
+                 wrap=plugin.transformer_cls_names_to_wrap)
+    if trainer.is_deepspeed_enabled:
+        cfg = trainer.accelerator.state.deepspeed_plugin.hf_ds_config.config
+        d.pop("optim")  # DeepSpeed builds its own, from the config
+        d["deepspeed"] = {k: cfg[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                                              "train_batch_size", "gradient_clipping", "bf16", "optimizer",
+                                              "zero_optimization")}
+    return d
+
+
+def brief(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:500]
+
+
 # -- one system, several configs, in this process ----------------------------------------------
 def worker(opts) -> None:
     import torch
-    from transformers import TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
         def __init__(self, warmup, on_warm=None):
@@ -120,19 +238,29 @@ def worker(opts) -> None:
                 if self.on_warm:
                     self.on_warm()
 
+    if opts.dry_run and opts.system == "megatrain":
+        raise RuntimeError("--dry_run covers the Trainer systems (stock, fsdp2, deepspeed) only")
+    setup = {
+        "stock": "all on GPU, gradient checkpointing, adamw_torch_fused",
+        "fsdp2": "FSDP2 CPUOffloadPolicy, activation checkpointing per layer, adamw_torch_fused on CPU",
+        "deepspeed": "ZeRO-3, offload param+optimizer to pinned CPU, DeepSpeedCPUAdam, gradient checkpointing",
+    }.get(opts.system)
+    if opts.system == "deepspeed":
+        setup += f", deepspeed {build_cpu_adam()}"
     torch.backends.cuda.matmul.allow_tf32 = True
-    device = "cpu" if opts.system == "megatrain" else "cuda"
-    model = build_model(opts.shape, opts.layers, device, opts.seq)
+    # The offload systems get the model on the GPU, like stock: FSDP2 / ZeRO-3 move the shards to the host.
+    device = "cpu" if opts.system == "megatrain" or opts.dry_run else "cuda"
+    model = build_model(opts.shape, opts.layers, device, opts.seq, tiny=opts.dry_run)
     params = sum(p.numel() for p in model.parameters())
     vocab = model.config.vocab_size
-    results = []
     for tokens in opts.tokens:
         for clip in opts.clip:
+            WHERE.update(tokens_per_step=tokens, clip=clip)
             bs = tokens // opts.seq
             data = TokenRows(bs * (opts.steps + 1), opts.seq, vocab)
             # hf_megatrain takes the whole step as one micro-batch (the GPU holds one layer, so
-            # activations fit); stock Trainer would need [B, T, vocab] fp32 logits at once, so it
-            # runs micro-batches of --stock_micro rows with gradient accumulation.
+            # activations fit); the Trainer systems would need [B, T, vocab] fp32 logits at once, so
+            # they run micro-batches of --stock_micro rows with gradient accumulation.
             micro = bs if opts.system == "megatrain" else min(bs, opts.stock_micro)
             common = dict(
                 output_dir=tempfile.mkdtemp(), per_device_train_batch_size=micro,
@@ -141,7 +269,7 @@ def worker(opts) -> None:
                 logging_steps=opts.steps, save_strategy="no", report_to=[], disable_tqdm=True,
                 dataloader_num_workers=2, seed=0,
             )
-            timeline, on_warm, engine = None, None, None
+            timeline, engine = None, None
             if opts.system == "megatrain":
                 from hf_megatrain import MegaTrainArguments, MegaTrainTrainer
                 from hf_megatrain.engine.timeline import Timeline
@@ -152,16 +280,20 @@ def worker(opts) -> None:
                                            data_collator=_collate)
                 engine = trainer.engine
 
-                def on_warm():
+                def on_warm(engine=engine):
                     nonlocal timeline
                     timeline = Timeline()
                     engine.pipeline.timeline = timeline
             else:
                 from transformers import Trainer
 
-                trainer = Trainer(model=model, args=TrainingArguments(
-                    **common, gradient_checkpointing=True, optim="adamw_torch_fused"),
-                    train_dataset=data, data_collator=_collate)
+                on_warm = None
+                trainer = Trainer(model=model, args=trainer_args(opts, model, common),
+                                  train_dataset=data, data_collator=_collate)
+            if opts.dry_run:
+                print("DRYRUN " + json.dumps(dict(system=opts.system, shape=opts.shape, tokens_per_step=tokens,
+                                                  clip=clip, dry_run=describe(trainer))), flush=True)
+                continue
             clock = Clock(opts.warmup, on_warm)
             trainer.add_callback(clock)
             trainer.train()
@@ -178,6 +310,10 @@ def worker(opts) -> None:
                 gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                 host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
             )
+            if setup:
+                row["setup"] = setup
+            if engine is not None:  # which layers lived on the GPU (the rest streamed)
+                row["resident_layers"] = engine.resident_layers
             if timeline is not None:
                 b = timeline.collect()
                 row["breakdown"] = {k: v for k, v in b.items() if k.endswith("_busy") or k == "gpu_idle"}
@@ -185,15 +321,102 @@ def worker(opts) -> None:
                     with open(opts.trace_out, "w") as f:
                         json.dump({"spans": b["spans"][-4000:], "wall_s": b["wall_s"]}, f)
             print("RESULT " + json.dumps(row), flush=True)
-            results.append(row)
             # Drop every reference to this run's engine before the next one builds its store:
             # two host stores of a 3B model do not fit in 128 GiB.
-            del trainer, engine, timeline, on_warm, clock
+            trainer = engine = timeline = on_warm = clock = None
             gc.collect()
             torch.cuda.empty_cache()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 # -- the driver -------------------------------------------------------------------------------------
+ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*(?:Error|Exception|Interrupt)|Fatal Python error"
+                        r"|Killed|Segmentation fault)\b.*)")
+
+
+def log_error(text: str, rc: int) -> str:
+    """For a worker that died without an ERROR row (killed, crashed in C++): the last line of its log
+    that names an exception, else its last line that is not a warning."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    hits = [m.group(1) for m in map(ERROR_LINE.match, lines) if m]
+    line = hits[-1] if hits else next((ln for ln in reversed(lines) if "warn" not in ln.lower()), "")
+    how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit {rc}"
+    if rc == -signal.SIGKILL:
+        how += " (host out of memory?)"
+    return f"{how}: {line}"[:500]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(cmd: list, env: dict, log_path: str, header: str) -> tuple[list, int, str]:
+    """One worker process, stdout and stderr appended to its log; returns its rows, exit code and log text."""
+    with open(log_path, "a") as log:
+        log.write(f"===== {header}\n")
+        log.flush()
+        start = log.tell()
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    with open(log_path, errors="replace") as f:
+        f.seek(start)
+        text = f.read()
+    tags = ("RESULT {", "ERROR {", "DRYRUN {")
+    rows = [json.loads(ln.split(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(tags)]
+    return rows, rc, text
+
+
+def run_system(system: str, opts) -> list:
+    system, _, resident = system.partition(":")  # megatrain:auto, megatrain:0 = gpu_resident_layers
+    resident = resident or opts.resident
+    base = [sys.executable, __file__, "--system", system, "--shape", opts.shape, "--seq", str(opts.seq),
+            "--steps", str(opts.steps), "--warmup", str(opts.warmup), "--stock_micro", str(opts.stock_micro),
+            "--resident", resident]
+    if opts.layers:
+        base += ["--layers", str(opts.layers)]
+    if opts.dry_run:
+        base += ["--dry_run"]
+    if system == "megatrain":
+        base += ["--trace_out", os.path.join(opts.out, f"trace_{opts.shape}_resident-{resident}.json")]
+    env = dict(os.environ)
+    if system in DISTRIBUTED:  # a one-rank job, with the environment `torchrun --nproc_per_node 1` gives
+        env.update(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    if system == "deepspeed":
+        if not os.path.isdir(os.path.join(opts.ds_site, "deepspeed")):
+            return [dict(system=system, shape=opts.shape, error=f"no deepspeed package in --ds_site {opts.ds_site} "
+                                                                "(device_run.sh installs .dswhl/*.whl there)")]
+        # Only this process sees deepspeed; its bin/ has the ninja that the CPUAdam JIT build runs.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [opts.ds_site, env.get("PYTHONPATH")]))
+        env["PATH"] = os.pathsep.join(filter(None, [os.path.join(opts.ds_site, "bin"), env.get("PATH")]))
+    # FSDP2 and ZeRO-3 shard and hook the model in place, so it cannot be handed to a second Trainer:
+    # those systems get a fresh process (and model) per config, which also keeps each host peak its own.
+    clips = opts.baseline_clip if system in DISTRIBUTED and opts.baseline_clip else opts.clip
+    # hf_megatrain too: a 3B host store is ~55 GiB, and two of them do not fit a 128 GiB host.
+    if system in DISTRIBUTED or system == "megatrain":
+        configs = [([t], [c]) for t in opts.tokens for c in clips]
+    else:
+        configs = [(opts.tokens, clips)]
+    log_path = os.path.join(opts.out, f"{system}{resident if system == 'megatrain' else ''}_{opts.shape}.log")
+    open(log_path, "w").close()
+    rows = []
+    for tokens, clips in configs:
+        if system in DISTRIBUTED:
+            env["MASTER_PORT"] = str(free_port())
+        cmd = base + ["--tokens", *map(str, tokens), "--clip", *map(str, clips)]
+        got, rc, text = run_worker(cmd, env, log_path, f"tokens {tokens} clip {clips}")
+        if rc != 0 and not any("error" in r for r in got):
+            err = dict(system=system, shape=opts.shape, error=f"{log_error(text, rc)} (see {log_path})")
+            if len(tokens) == len(clips) == 1:
+                err.update(tokens_per_step=tokens[0], clip=clips[0])
+            got.append(err)
+        rows += got
+        if any("error" in r and "tokens_per_step" not in r for r in got):
+            break  # it failed before training (import, CPUAdam build, model): the other configs would too
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-3.2-3b")
@@ -201,44 +424,40 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536], help="tokens per optimizer step")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--clip", type=float, nargs="+", default=[1.0])
-    p.add_argument("--systems", default="megatrain,stock")
+    p.add_argument("--systems", default="megatrain,stock", help="comma list of megatrain, stock, fsdp2, deepspeed")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--stock_micro", type=int, default=16, help="stock Trainer rows per micro-batch")
-    p.add_argument("--resident", default="0", help="hf_megatrain gpu_resident_layers: 0 (stream all), N or auto")
+    p.add_argument("--stock_micro", type=int, default=16,
+                   help="rows per micro-batch for the Trainer systems (stock, fsdp2, deepspeed)")
+    p.add_argument("--resident", default="0", help="hf_megatrain gpu_resident_layers: 0 (stream all), N or auto; "
+                   "per run as a system name: --systems megatrain:0,megatrain:auto,stock")
+    p.add_argument("--baseline_clip", type=float, nargs="+", default=None,
+                   help="--clip values for fsdp2 / deepspeed (default: the same as --clip)")
+    p.add_argument("--ds_site", default=os.environ.get("DS_SITE", "/tmp/dssite"),
+                   help="folder holding deepspeed and its dependencies, put on the path of the deepspeed run only")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--system", help=argparse.SUPPRESS)
     p.add_argument("--trace_out", default=None, help=argparse.SUPPRESS)
+    # CPU-only check: a toy-width model, TrainingArguments and Trainer built for each system, no training
+    p.add_argument("--dry_run", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--skip_peak", action="store_true")
     opts = p.parse_args()
     if opts.system:
-        worker(opts)
+        try:
+            worker(opts)
+        except Exception as e:
+            traceback.print_exc()  # the whole story stays in the log; the row gets the gist
+            print("ERROR " + json.dumps(dict(system=opts.system, shape=opts.shape, **WHERE, error=brief(e))),
+                  flush=True)
+            sys.stderr.flush()
+            os._exit(1)  # no interpreter teardown: a half-built NCCL group or engine thread could hang it
         return
 
     os.makedirs(opts.out, exist_ok=True)
-    peak = {"burst_tflops": None, "sustained_tflops": None} if opts.skip_peak else matmul_peak()
+    skip = opts.skip_peak or opts.dry_run
+    peak = {"burst_tflops": None, "sustained_tflops": None} if skip else matmul_peak()
     print("PEAK " + json.dumps(peak), flush=True)
     rows = []
-    for system in opts.systems.split(","):
-        cmd = [sys.executable, __file__, "--system", system, "--shape", opts.shape, "--seq", str(opts.seq),
-               "--steps", str(opts.steps), "--warmup", str(opts.warmup), "--tokens", *map(str, opts.tokens),
-               "--clip", *map(str, opts.clip), "--stock_micro", str(opts.stock_micro),
-               "--resident", opts.resident]
-        if opts.layers:
-            cmd += ["--layers", str(opts.layers)]
-        if system == "megatrain":
-            cmd += ["--trace_out", os.path.join(opts.out, f"trace_{opts.shape}.json")]
-        log = open(os.path.join(opts.out, f"{system}_{opts.shape}.log"), "w")
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
-        for line in proc.stdout.splitlines():
-            if line.startswith("RESULT "):
-                rows.append(json.loads(line[7:]))
-        if proc.returncode != 0:
-            rows.append({"system": system, "shape": opts.shape, "error": f"exit {proc.returncode}, see {log.name}"})
-    sustained = peak["sustained_tflops"]
-    for r in rows:
-        if sustained and "model_tflops" in r:
-            r["mfu"] = round(r["model_tflops"] / sustained, 3)
     record = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "peak": peak, "rows": rows}
     try:
         import torch
@@ -246,8 +465,14 @@ def main() -> None:
         record["card"] = torch.cuda.get_device_name()
     except Exception:
         pass
-    with open(os.path.join(opts.out, f"bench_{opts.shape}.json"), "w") as f:
-        json.dump(record, f, indent=1)
+    sustained = peak["sustained_tflops"]
+    for system in opts.systems.split(","):
+        rows += run_system(system, opts)
+        for r in rows:
+            if sustained and "model_tflops" in r:
+                r["mfu"] = round(r["model_tflops"] / sustained, 3)
+        with open(os.path.join(opts.out, f"bench_{opts.shape}.json"), "w") as f:  # after each system: a
+            json.dump(record, f, indent=1)  # run cut short by a time limit keeps what it measured
     print_table(record)
 
 
@@ -261,14 +486,17 @@ def print_table(record) -> None:
            f"{'MFU':>5} {'x stock':>7} {'GPU GiB':>7} {'host GiB':>8}  breakdown"
     print(head)
     for r in rows:
-        if "error" in r:
-            print(f"{r['system']:10} {r['shape']:13} ERROR {r['error']}")
+        if "tokens_per_s" not in r:  # an error, or a --dry_run row
+            what = f"ERROR {r['error']}" if "error" in r else f"DRY RUN {json.dumps(r.get('dry_run'))}"
+            print(f"{r['system']:10} {r['shape']:13} {'':>3} {r.get('tokens_per_step', '-'):>8} "
+                  f"{r.get('clip', '-'):>4}  {what}")
             continue
         ref = stock.get((r["tokens_per_step"], r["clip"]))
         ratio = f"{r['tokens_per_s'] / ref:.2f}" if ref else "-"
         bd = r.get("breakdown")
         bds = " ".join(f"{k.replace('_busy', '')}={v:.2f}" for k, v in bd.items()) if bd else ""
-        print(f"{r['system']:10} {r['shape']:13} {r['layers']:>3} {r['tokens_per_step']:>8} {r['clip']:>4} "
+        name = r["system"] + (f"/r{r['resident_layers']}" if "resident_layers" in r else "")
+        print(f"{name:10} {r['shape']:13} {r['layers']:>3} {r['tokens_per_step']:>8} {r['clip']:>4} "
               f"{r['tokens_per_s']:>9.0f} {r['model_tflops']:>7.1f} {r.get('mfu', 0):>5.2f} {ratio:>7} "
               f"{r['gpu_peak_gib']:>7.1f} {r['host_peak_gib']:>8.1f}  {bds}")
 

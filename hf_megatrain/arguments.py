@@ -58,6 +58,11 @@ class MegaTrainArguments(TrainingArguments):
                   "the GPU (weights, fp32 master, gradients, Adam states; stepped there by the GPU); stream the "
                   "rest. auto: as many as the memory plan allows. 0: stream everything."},
     )
+    offload_activations: str = field(
+        default="auto",
+        metadata={"help": "auto | N | 0. Keep the saved inputs of the first N decoder layers in pinned host memory "
+                  "between forward and backward (long context). auto: only what does not fit on the GPU."},
+    )
     prefetch_depth: int = field(
         default=2, metadata={"help": "GPU weight slots in the ring that streams decoder layers (>= 2)."}
     )
@@ -131,6 +136,9 @@ def check_arguments(args, before_init: bool = False) -> None:
     resident = str(getattr(args, "gpu_resident_layers", "auto"))
     if resident != "auto" and not (resident.isdigit()):
         raise MegaTrainError(f"gpu_resident_layers={resident!r}; use 'auto', 0 or a number of layers.")
+    offload = str(getattr(args, "offload_activations", "auto"))
+    if offload != "auto" and not offload.isdigit():
+        raise MegaTrainError(f"offload_activations={offload!r}; use 'auto', 0 or a number of layers.")
     if getattr(args, "prefetch_depth", 2) < 2:
         raise MegaTrainError("prefetch_depth must be >= 2 (double buffering needs two GPU slots).")
     if getattr(args, "max_seq_length", 1) < 1:

@@ -62,6 +62,7 @@ class MemoryPlan:
     gpu: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     resident_layers: int = 0
+    offload_activations: int = 0
 
     @property
     def host_total(self) -> float:
@@ -81,21 +82,23 @@ class MemoryPlan:
 
     def as_dict(self) -> dict:
         return {"host": self.host, "gpu": self.gpu, "host_total": self.host_total, "gpu_total": self.gpu_total,
-                "resident_layers": self.resident_layers}
+                "resident_layers": self.resident_layers, "offload_activations": self.offload_activations}
 
 
 def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", device: str = "cuda",
              prefetch_depth: int = 2, loss_chunk_tokens: int | None = None, resident_layers: int = 0,
-             mlp_tile_tokens: int | None = None) -> MemoryPlan:
+             mlp_tile_tokens: int | None = None, offload_activations: int = 0) -> MemoryPlan:
     """What training `config` at `batch` x `seq` tokens per micro-batch needs, by component."""
     s = model_shapes(config)
     cbytes = 2 if compute_dtype in ("bfloat16", "bf16") else 4
     tokens = batch * seq
     resident_layers = max(0, min(resident_layers, s.layers))
+    offload = max(0, min(offload_activations, s.layers)) if device == "cuda" else 0
+    layer_input = tokens * s.hidden * cbytes  # one saved [batch, seq, hidden] layer input
     # resident: the embedding, the head and the first N layers (engine.schedule.mark_resident)
     on_gpu = resident_layers * s.layer + (s.embed + s.head if resident_layers else 0)
     streamed = s.params - on_gpu
-    plan = MemoryPlan(resident_layers=resident_layers)
+    plan = MemoryPlan(resident_layers=resident_layers, offload_activations=offload)
     plan.host["fp32 master weights"] = 4 * streamed
     plan.host["compute copy (streamed)"] = cbytes * streamed if cbytes == 2 else 0
     plan.host["fp32 gradient accumulator"] = 4 * streamed
@@ -103,6 +106,8 @@ def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", d
     if device == "cuda":
         plan.host["pinned staging slabs"] = 2 * 4 * s.layer if streamed else 0
     plan.host["host copy of resident weights"] = cbytes * on_gpu
+    if offload:
+        plan.host["offloaded layer inputs (pinned)"] = offload * layer_input
     plan.host["runtime (torch, CUDA, Python)"] = HOST_RUNTIME
     if device != "cuda":
         plan.notes.append("CPU run: the compute happens in host RAM; the GPU column does not apply.")
@@ -115,7 +120,9 @@ def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", d
     plan.gpu["embedding + head buffers"] = 0 if resident_layers else cbytes * (s.embed + s.head)
     plan.gpu["gradient ring (fp32)"] = 2 * 4 * s.layer if streams_layers else 0
     plan.gpu["resident units (weights, master, grad, Adam)"] = (cbytes + 16) * on_gpu
-    plan.gpu["saved layer inputs"] = s.layers * tokens * s.hidden * cbytes
+    plan.gpu["saved layer inputs"] = (s.layers - offload) * layer_input
+    if offload:  # brought back ahead of need (engine.activations: lookahead 2, plus the one in use)
+        plan.gpu["offloaded inputs in flight"] = min(offload, 3) * layer_input
     # One layer's recompute with autograd: its inputs, norms, q/k/v, attention output, MLP
     # gate/up/act/product and their gradients, plus the per-parameter weight gradients.
     mlp_tokens = min(tokens, mlp_tile_tokens) if mlp_tile_tokens else tokens  # a tiled MLP holds one tile
@@ -127,20 +134,33 @@ def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", d
     return plan
 
 
-def plan_residency(config, batch: int, seq: int, gpu_free: float, *, margin: float = 0.1, **kw) -> int:
-    """The most decoder layers that can live on the GPU (0 = stream everything), from the plan.
+def plan_placement(config, batch: int, seq: int, gpu_free: float, *, margin: float = 0.1,
+                   resident_layers: int | None = None, offload_activations: int | None = None,
+                   **kw) -> tuple[int, int]:
+    """(resident decoder layers, offloaded layer inputs) for this run, from the plan.
 
-    Resident units cost (compute bytes + 16) per parameter on the GPU and nothing in the host
-    optimizer; everything else in the plan (activations, the loss chunk, ring slots) must still fit.
+    Activations come first: layer inputs stay on the GPU while they fit and only the excess
+    moves to pinned host memory (each offloaded one costs PCIe traffic twice a step). Then as
+    many layers as still fit become resident: they cost (compute bytes + 16) per parameter on
+    the GPU and nothing in the host optimizer. A value given by the caller is kept as it is.
     """
+    layers = model_shapes(config).layers
     budget = gpu_free * (1 - margin)
-    best = 0
-    for n in range(0, model_shapes(config).layers + 1):
-        if estimate(config, batch, seq, resident_layers=n, **kw).gpu_total <= budget:
-            best = n
-        else:
-            break
-    return best
+
+    def gpu(n, off):
+        return estimate(config, batch, seq, resident_layers=n, offload_activations=off, **kw).gpu_total
+
+    offload = offload_activations
+    if offload is None:
+        offload = 0
+        while offload < layers and gpu(resident_layers or 0, offload) > budget:
+            offload += 1
+    resident = resident_layers
+    if resident is None:
+        resident = 0
+        while resident < layers and gpu(resident + 1, offload) <= budget:
+            resident += 1
+    return resident, offload
 
 
 def host_available() -> float:

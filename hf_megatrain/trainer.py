@@ -37,7 +37,7 @@ from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine
 from .engine.timeline import Timeline
 from .errors import MegaTrainError
-from .memory import admit, estimate, gpu_available, plan_residency
+from .memory import GiB, admit, estimate, gpu_available, plan_placement
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +91,13 @@ class MegaTrainTrainer(Trainer):
                        device=device.type, prefetch_depth=getattr(args, "prefetch_depth", 2),
                        mlp_tile_tokens=mlp_tiles(args))
         batch, seq = args.per_device_train_batch_size, getattr(args, "max_seq_length", 1024)
-        resident = resolve_residency(args, _config(model), batch, seq, device, plan_kw)
+        resident, offload = resolve_placement(args, _config(model), batch, seq, device, plan_kw)
+        plan = estimate(_config(model), batch, seq, resident_layers=resident, offload_activations=offload, **plan_kw)
+        if batch * seq >= LONG_CONTEXT_TOKENS and args.process_index == 0:
+            print(f"hf_megatrain memory plan for {batch} x {seq} tokens: MLP tiles of {mlp_tiles(args)} tokens, "
+                  f"{offload} layer inputs offloaded to host, {resident} layers resident on the GPU\n{plan.table()}")
         if getattr(args, "memory_check", True):
-            # Before a single large allocation: does the plan fit this machine?
-            admit(estimate(_config(model), batch, seq, resident_layers=resident, **plan_kw))
+            admit(plan)  # before a single large allocation: does the plan fit this machine?
         if device.type == "cpu":
             args.dataloader_pin_memory = False  # nothing to pin for
         args._n_gpu = 1 if device.type == "cuda" else args._n_gpu
@@ -120,6 +123,7 @@ class MegaTrainTrainer(Trainer):
             mlp_tile_tokens=mlp_tiles(args),
             resident_layers=resident,
             sharding=sharding,
+            offload_activations=offload,
         )
 
         if train_dataset is None and getattr(args, "data_path", None):
@@ -418,25 +422,34 @@ class MegaTrainTrainer(Trainer):
 _ENGINE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 
 
-def resolve_residency(args, config, batch, seq, device, plan_kw) -> int:
-    """gpu_resident_layers: a number, or 'auto' = as many layers as the memory plan allows (GPU only)."""
-    choice = str(getattr(args, "gpu_resident_layers", "auto"))
+LONG_CONTEXT_TOKENS = 65536  # from here on the plan (tiles, offload, residency) is printed
+
+
+def resolve_placement(args, config, batch, seq, device, plan_kw) -> tuple[int, int]:
+    """(gpu_resident_layers, offload_activations): the user's numbers, or the memory plan's for 'auto'."""
+    choices = [str(getattr(args, name, "auto")) for name in ("gpu_resident_layers", "offload_activations")]
+    fixed = [None if c == "auto" else int(c) for c in choices]
     if device.type != "cuda":
-        return 0 if choice == "auto" else int(choice)
-    if choice != "auto":
-        return int(choice)
-    n = plan_residency(config, batch, seq, gpu_available(device), **plan_kw)
-    logger.info("gpu_resident_layers=auto: %d of %d layers resident on the GPU", n, config.num_hidden_layers)
-    return n
+        return fixed[0] or 0, fixed[1] or 0
+    if None not in fixed:
+        return fixed[0], fixed[1]
+    resident, offload = plan_placement(config, batch, seq, gpu_available(device), resident_layers=fixed[0],
+                                       offload_activations=fixed[1], **plan_kw)
+    logger.info("memory plan: %d of %d layers resident on the GPU, %d layer inputs offloaded (%.0f GiB free)",
+                resident, config.num_hidden_layers, offload, gpu_available(device) / GiB)
+    return resident, offload
 
 
 def mlp_tiles(args) -> int | None:
-    """The MLP tile: the user's, or 16K tokens once a micro-batch is long enough for it to matter."""
+    """The MLP tile: the user's, or 16K tokens once sequences are long (> 32K tokens).
+
+    Tiles cut along the sequence, so they only pay off for long rows; many short rows are
+    better split into micro-batches (per_device_train_batch_size) than into thin slices.
+    """
     tile = getattr(args, "mlp_tile_tokens", None)
     if tile:
         return tile
-    tokens = args.per_device_train_batch_size * getattr(args, "max_seq_length", 0)
-    return 16384 if tokens > 32768 else None
+    return 16384 if getattr(args, "max_seq_length", 0) > 32768 else None
 
 
 def _config(model):

@@ -57,16 +57,35 @@ def test_estimate_command(capsys):
 
 
 def test_residency_plan_fills_the_gpu_and_no_more():
-    from hf_megatrain.memory import plan_residency
+    from hf_megatrain.memory import plan_placement
     from hf_megatrain.shapes import make_config
 
     cfg = make_config("qwen2.5-7b")
-    assert plan_residency(cfg, 16, 1024, gpu_free=1e15) == cfg.num_hidden_layers
-    assert plan_residency(cfg, 16, 1024, gpu_free=1 * GiB) == 0
-    n = plan_residency(cfg, 16, 1024, gpu_free=80 * GiB)
+    assert plan_placement(cfg, 16, 1024, gpu_free=1e15) == (cfg.num_hidden_layers, 0)
+    assert plan_placement(cfg, 16, 1024, gpu_free=40 * GiB) == (0, 0)
+    n, off = plan_placement(cfg, 16, 1024, gpu_free=80 * GiB)
+    assert off == 0
     assert 0 < n < cfg.num_hidden_layers
     assert estimate(cfg, 16, 1024, resident_layers=n).gpu_total <= 0.9 * 80 * GiB
     assert estimate(cfg, 16, 1024, resident_layers=n + 1).gpu_total > 0.9 * 80 * GiB
     # what moves to the GPU leaves the host: 18 B/param -> 2 B/param (the model's own view)
     host0 = estimate(cfg, 16, 1024, resident_layers=0).host_total
     assert estimate(cfg, 16, 1024, resident_layers=n).host_total < host0
+
+
+def test_long_context_plan_offloads_activations_only_when_they_do_not_fit():
+    """At 512K tokens the 3B shape's 28 layer inputs (84 GiB) exceed an 80 GiB card: the plan
+    offloads just enough of them, and keeps them all on a card where they fit."""
+    from hf_megatrain.memory import plan_placement
+    from hf_megatrain.shapes import make_config
+
+    cfg = make_config("llama-3.2-3b", max_positions=524288)
+    kw = dict(mlp_tile_tokens=16384)
+    n, off = plan_placement(cfg, 1, 524288, gpu_free=80 * GiB, **kw)
+    assert n == 0 and 0 < off < cfg.num_hidden_layers
+    assert estimate(cfg, 1, 524288, offload_activations=off, **kw).gpu_total <= 0.9 * 80 * GiB
+    assert estimate(cfg, 1, 524288, offload_activations=off - 1, **kw).gpu_total > 0.9 * 80 * GiB
+    plan = estimate(cfg, 1, 524288, offload_activations=off, **kw)
+    assert plan.host["offloaded layer inputs (pinned)"] == off * 524288 * cfg.hidden_size * 2
+    assert plan_placement(cfg, 1, 32768, gpu_free=80 * GiB, **kw)[1] == 0
+    assert plan_placement(cfg, 1, 524288, gpu_free=1e15, **kw) == (cfg.num_hidden_layers, 0)

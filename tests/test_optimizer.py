@@ -62,3 +62,27 @@ def test_bf16_compute_copy_is_refreshed_after_step():
     opt.step()
     for unit in engine.units:
         assert torch.equal(engine.store.compute[unit.index], engine.store.master[unit.index].to(torch.bfloat16))
+
+
+def test_worker_keeps_its_thread_count_when_another_thread_sets_one():
+    """DataLoader's pin-memory thread calls torch.set_num_threads(1); torch applies the last count
+    set anywhere to a thread's first parallel op, which once left the host AdamW on one core."""
+    import threading
+
+    from hf_megatrain.engine.worker import Worker
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        worker = Worker("test-threads")
+        worker.submit(lambda: None)
+        worker.drain()  # the worker thread is up
+        other = threading.Thread(target=lambda: torch.set_num_threads(1))
+        other.start()
+        other.join()
+        seen = []
+        worker.submit(lambda: seen.append(torch.get_num_threads()))
+        worker.drain()
+        assert seen == [2]
+    finally:
+        torch.set_num_threads(before)

@@ -26,7 +26,10 @@ import torch
 from .pinned import arena_tensors
 from .worker import Worker
 
-TILE = 1 << 20  # elements per tile: a tile of grad, master and moments stays in L2/L3
+# Elements per tile. Measured on the H200 box (benchmarks/results/2026-12-03_h200_adam_bench.txt):
+# in a worker thread 1M-element tiles ran at 1.2-1.8 G params/s, 8M at 2.3-2.4 (per-call
+# parallel-region overhead); 8M tiles of the four fp32 buffers still fit a server's L3.
+TILE = 1 << 23
 
 
 class HostAdamW(torch.optim.Optimizer):

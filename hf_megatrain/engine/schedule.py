@@ -26,12 +26,14 @@ from ..errors import MegaTrainError
 from ..patcher.specs import spec_for
 from ..patcher.templates import Template, meta_copy, recompute_grads
 from ..patcher.tiling import tile_mlp
+from .activations import Activations
 from .loss import chunked_head_loss, counted_rows, full_logits, loss_denominator
 from .pipeline import HostPipeline
 from .store import HostStore, build_units
 
 # Peak bytes of fp32 logits (+ their grad and softmax) per loss chunk, by device type.
 _LOSS_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}
+_DENSE_MASK_LIMIT = 2 << 30  # bytes of a boolean [batch, 1, T, T] mask we let HF build
 
 
 class _Embed(nn.Module):
@@ -94,6 +96,8 @@ class StreamingEngine(nn.Module):
     mlp_tile_tokens: run each layer's MLP on sequence tiles of this many tokens (long context).
     resident_layers: keep the embedding, the head and the first N decoder layers entirely on
         the compute device (weights, fp32 master, gradient, Adam moments; stepped there).
+    offload_activations: keep the saved inputs of the first N decoder layers in pinned host
+        memory between forward and backward (long context; engine/activations.py).
     sharding: data parallel (engine/distributed.py): this rank keeps a slice of the fp32 state.
     weights_from: a checkpoint folder; then `model` is a meta skeleton (see checkpoint.loading)
         and the store is filled straight from the safetensors files.
@@ -113,6 +117,7 @@ class StreamingEngine(nn.Module):
         mlp_tile_tokens: int | None = None,
         resident_layers: int = 0,
         sharding=None,
+        offload_activations: int = 0,
     ):
         super().__init__()
         # A PEFT model trains through its underlying causal LM: the adapter layers are part of
@@ -150,6 +155,7 @@ class StreamingEngine(nn.Module):
             1, _LOSS_CHUNK_BYTES.get(self.device.type, 1 << 30) // (vocab * 4 * 3)
         )
         self.pipeline = self._make_pipeline(pipeline_options or {})
+        self.activations = Activations(self.device, offload_activations)
         self.optimizer = None  # set by HostAdamW, whose pending steps synchronize() waits for
 
     # -- construction -----------------------------------------------------------------------
@@ -257,6 +263,7 @@ class StreamingEngine(nn.Module):
         if ids.device.type == "cpu":
             validate_tokens(ids, labels, self.config.vocab_size)
         self._check_length(ids.shape[1])
+        self._check_dense_mask(ids, batch.get("attention_mask"), batch.get("position_ids"))
         rows = counted_rows(labels) if labels is not None and labels.device.type == "cpu" else None
         if rows is not None and self.device.type == "cuda":
             rows = rows.pin_memory()
@@ -271,6 +278,28 @@ class StreamingEngine(nn.Module):
         else:
             pos = pos.to(dev, non_blocking=True)
         return ids, mask, labels, pos, rows
+
+    def _check_dense_mask(self, ids, mask, pos) -> None:
+        """Refuse, before allocating it, a [batch, 1, T, T] mask that long rows would need.
+
+        SDPA and eager attention stay O(T) in memory only for plain causal rows (the mask is then
+        None and the kernel applies causality itself). Padding or packed documents (position ids
+        restarting) make HF build a dense boolean mask: 256 GiB at 512K tokens.
+        """
+        impl = getattr(self.config, "_attn_implementation", None) or "sdpa"
+        rows, seq = ids.shape
+        if impl not in ("sdpa", "eager") or rows * seq * seq < _DENSE_MASK_LIMIT:
+            return
+        padded = mask is not None and not bool(mask.all())
+        packed = pos is not None and bool((pos[:, 1:] != pos[:, :-1] + 1).any())
+        if padded or packed:
+            raise MegaTrainError(
+                f"rows of {seq} tokens with {'packed documents' if packed else 'padding'} need a dense "
+                f"{rows}x{seq}x{seq} attention mask under attn_implementation={impl!r} "
+                f"({rows * seq * seq / 2**30:.0f} GiB). Use attn_implementation='flash_attention_2' (flash-attn "
+                "installed: packed documents run as variable-length sequences) or 'flex_attention', or give one "
+                "document per row without padding (packing=False)."
+            )
 
     def _check_length(self, seq: int) -> None:
         limit = getattr(self.config, "max_position_embeddings", None)
@@ -320,11 +349,13 @@ class StreamingEngine(nn.Module):
             with pipe.span("compute"):
                 x = self._templates["embed"].call({"embed.weight": e_w.view(embed.slots[0].shape)}, ids)
                 ctx = _BatchContext(self, x, mask, pos)
-            acts, routers = [], []
+            acts, routers = self.activations if keep else None, []
+            if keep:
+                acts.reset()
             for unit in self.units[1:-1]:
                 w = pipe.weights(unit.index)
                 if keep:
-                    acts.append(x)
+                    acts.put(unit.layer, x)
                 with pipe.span("compute"), ctx.rng_for(unit, save=True), ctx.router_capture(unit) as cap:
                     x = self._layer_call(unit, w, x, ctx)
                 if cap is not None:
@@ -363,17 +394,18 @@ class StreamingEngine(nn.Module):
         tied_grad = grad_w[n_own].reshape(-1) if head.tied_local and grad_w[n_own] is not None else None
         pipe.release(head.index)
 
-        router_seeds = [None] * len(acts)
+        router_seeds = [None] * (len(self.units) - 2)
         if routers:
             aux, router_seeds = self._router_loss(routers, mask, seed)
             loss = loss + aux
 
-        for unit, x_in, r_seed in reversed(list(zip(self.units[1:-1], acts, router_seeds))):
+        for unit, r_seed in reversed(list(zip(self.units[1:-1], router_seeds))):
+            x_in = acts.get(unit.layer)  # also starts bringing back the next offloaded inputs
             w = pipe.weights(unit.index)
             gbuf = pipe.grad_buffer(unit.index) if unit.n_train else None
             with pipe.span("compute"):
                 grad_x = self._layer_backward(unit, w, gbuf, x_in, grad_x, r_seed, ctx)
-            acts[unit.layer] = None  # free the activation as soon as its layer is done
+            del x_in  # free the activation as soon as its layer is done
             if gbuf is not None:
                 pipe.emit_grad(unit.index, gbuf)
             pipe.release(unit.index)

@@ -15,8 +15,11 @@ import torch
 
 class Worker:
     def __init__(self, name: str):
-        # OpenMP's thread count is per thread: a new thread may start with a team of one,
-        # which would leave the host optimizer on one core. Give it the creator's count.
+        # OpenMP's thread count is per thread, and torch sets a thread's count lazily, at its
+        # first parallel op, from the count *last set anywhere in the process*. DataLoader's
+        # pin-memory thread sets 1, so a worker that had not yet run a parallel op when that
+        # happened would run the host AdamW on one core (measured: 0.3 instead of ~2 G params/s).
+        # The worker takes its creator's count and runs its lazy init at once (see _run).
         self._threads = torch.get_num_threads()
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -24,6 +27,8 @@ class Worker:
         self._thread.start()
 
     def _run(self) -> None:
+        torch.get_num_threads()  # this thread's one-time lazy init happens here, not later
+        torch.ones(1 << 17).add_(1)  # (and a parallel op, in case a build only inits there)
         torch.set_num_threads(self._threads)
         while True:
             job = self._jobs.get()
