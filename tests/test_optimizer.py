@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 from transformers import Trainer, get_cosine_schedule_with_warmup
 
@@ -86,3 +87,46 @@ def test_worker_keeps_its_thread_count_when_another_thread_sets_one():
         assert seen == [2]
     finally:
         torch.set_num_threads(before)
+
+
+def test_worker_lets_go_of_finished_jobs_and_ends_with_its_owner():
+    """A finished job's closure (an optimizer step holds the whole host store) is not kept alive
+    by the worker thread, and the thread ends once its Worker is dropped."""
+    import gc
+    import threading
+    import time
+    import weakref
+
+    from hf_megatrain.engine.worker import Worker
+
+    class Store:  # stands in for a host store
+        pass
+
+    store = Store()
+    ref = weakref.ref(store)
+    worker = Worker("test-release")
+    worker.submit(lambda s=store: s)
+    worker.drain()
+    del store
+    gc.collect()
+    assert ref() is None
+    del worker
+    gc.collect()
+    for _ in range(100):
+        if not any(t.name == "test-release" for t in threading.enumerate()):
+            break
+        time.sleep(0.01)
+    assert not any(t.name == "test-release" for t in threading.enumerate())
+
+
+def test_worker_reraises_a_failed_job_once():
+    from hf_megatrain.engine.worker import Worker
+
+    worker = Worker("test-error")
+    worker.submit(lambda: 1 / 0)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        worker.drain()
+    seen = []
+    worker.submit(lambda: seen.append(1))
+    worker.drain()
+    assert seen == [1]
