@@ -1,0 +1,193 @@
+"""The largest model this box trains: a random checkpoint written to disk, then trained from it.
+
+    python benchmarks/largest.py --shape llama-2-13b --steps 12 --out $OUT
+    python benchmarks/largest.py --shape llama-3.1-70b --layers 12 --steps 6 --out $OUT
+
+1. Writes a random-init checkpoint of the shape as bf16 safetensors shards (tensor by tensor,
+   generated on the GPU: no model is ever materialised in host RAM).
+2. Prints the estimator's plan for hf_megatrain (automatic residency), for streaming every layer
+   (all state in host RAM) and for stock Trainer (everything on the GPU: 16 bytes per parameter
+   plus activations), against what this machine has; then *tries* the all-host run, which the
+   admission check must refuse before allocating anything.
+3. Trains the checkpoint with MegaTrainTrainer (fp32 master weights, fp32 Adam states, clipping
+   at 1.0) for --steps optimizer steps of --tokens tokens, and reports tokens/s, model TFLOPS
+   (6 * P * tokens), GPU and host peaks, and from the pipeline trace the median seconds per
+   decoder layer of forward, backward (with its recompute) and host AdamW: the inputs of the
+   projection in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from bench import TokenRows, _collate  # noqa: E402
+
+SHARD_BYTES = 4 << 30
+
+
+def write_random_checkpoint(shape: str, layers: int | None, folder: str) -> int:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from hf_megatrain.shapes import make_config
+
+    cfg = make_config(shape, layers)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    os.makedirs(folder, exist_ok=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shard, size, files, index = {}, 0, [], {}
+
+    def flush():
+        nonlocal shard, size
+        if shard:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
+            files.append(name)
+            index.update({k: name for k in shard})
+            shard, size = {}, 0
+
+    total = 0
+    for name, p in model.state_dict().items():
+        if "norm" in name:
+            t = torch.ones(p.shape, dtype=torch.bfloat16)
+        else:
+            t = torch.randn(p.shape, device="cuda", generator=gen).mul_(0.02).to(torch.bfloat16).cpu()
+        shard[name] = t
+        size += t.numel() * 2
+        total += t.numel() * 2
+        if size >= SHARD_BYTES:
+            flush()
+    flush()
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": index}, f)
+    cfg.torch_dtype = "bfloat16"
+    cfg.save_pretrained(folder)
+    return total
+
+
+def plans(cfg, batch: int, seq: int) -> dict:
+    import torch
+
+    from hf_megatrain.memory import GiB, estimate, host_available, model_shapes, plan_placement
+
+    gpu_free = torch.cuda.mem_get_info()[0]
+    resident, offload = plan_placement(cfg, batch, seq, gpu_free)
+    auto = estimate(cfg, batch, seq, resident_layers=resident, offload_activations=offload)
+    streamed = estimate(cfg, batch, seq, resident_layers=0)
+    params = model_shapes(cfg).params
+    stock_gpu = 16 * params  # fp32 weights, gradients and two Adam moments, before any activation
+    return {
+        "host_available_gib": round(host_available() / GiB, 1), "gpu_free_gib": round(gpu_free / GiB, 1),
+        "auto": {"resident_layers": resident, "host_gib": round(auto.host_total / GiB, 1),
+                 "gpu_gib": round(auto.gpu_total / GiB, 1)},
+        "all_host": {"host_gib": round(streamed.host_total / GiB, 1), "gpu_gib": round(streamed.gpu_total / GiB, 1)},
+        "stock_all_gpu": {"gpu_gib_min": round(stock_gpu / GiB, 1)},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama-2-13b")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--dir", default="/tmp/largest")
+    p.add_argument("--out", default=os.environ.get("OUT", "largest_out"))
+    opts = p.parse_args()
+    import torch
+    from transformers import AutoConfig, TrainerCallback
+
+    from hf_megatrain import MegaTrainArguments, MegaTrainError, MegaTrainTrainer
+    from hf_megatrain.engine.timeline import Timeline
+
+    os.makedirs(opts.out, exist_ok=True)
+    folder = os.path.join(opts.dir, f"{opts.shape}-{opts.layers or 'full'}")
+    t0 = time.perf_counter()
+    if not os.path.isdir(folder):
+        nbytes = write_random_checkpoint(opts.shape, opts.layers, folder)
+        print(f"wrote {nbytes / 1e9:.1f} GB of bf16 safetensors in {time.perf_counter() - t0:.0f} s", flush=True)
+    cfg = AutoConfig.from_pretrained(folder)
+    bs = opts.tokens // opts.seq
+    record = {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
+              "shape": opts.shape, "layers": cfg.num_hidden_layers, "plans": plans(cfg, bs, opts.seq)}
+    print("PLANS " + json.dumps(record["plans"]), flush=True)
+    common = dict(per_device_train_batch_size=bs, max_steps=opts.steps, learning_rate=1e-5, max_grad_norm=1.0,
+                  lr_scheduler_type="constant", bf16=True, logging_steps=1, save_strategy="no", report_to=[],
+                  disable_tqdm=True, dataloader_num_workers=2, max_seq_length=opts.seq, log_pipeline=False)
+    data = TokenRows(bs * (opts.steps + 1), opts.seq, cfg.vocab_size)
+
+    try:  # streaming every layer: all state in host RAM. The admission check must say no, cleanly.
+        MegaTrainTrainer(folder, MegaTrainArguments(output_dir=tempfile.mkdtemp(), gpu_resident_layers="0", **common),
+                         train_dataset=data, data_collator=_collate)
+        record["all_host_attempt"] = "accepted (it fits this machine)"
+    except MegaTrainError as e:
+        record["all_host_attempt"] = "refused: " + str(e).splitlines()[0]
+    print("ALL-HOST " + record["all_host_attempt"], flush=True)
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.t0, self.timeline = None, None
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == opts.warmup:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                self.t0 = time.perf_counter()
+                self.timeline = Timeline()
+                trainer.engine.pipeline.timeline = self.timeline
+
+    t0 = time.perf_counter()
+    trainer = MegaTrainTrainer(folder, MegaTrainArguments(output_dir=tempfile.mkdtemp(), **common),
+                               train_dataset=data, data_collator=_collate)
+    record["load_s"] = round(time.perf_counter() - t0, 1)
+    clock = Clock()
+    trainer.add_callback(clock)
+    trainer.train()
+    trainer.engine.synchronize()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - clock.t0
+    steps = opts.steps - opts.warmup
+    params = trainer.engine.num_parameters
+    tps = steps * opts.tokens / dt
+    spans = clock.timeline.collect()["spans"]
+    n = cfg.num_hidden_layers
+    compute = [b - a for lane, a, b in sorted(spans, key=lambda s: s[1]) if lane == "compute"]
+    per_step = 2 * n + 3  # embedding, n layers, head + loss, n layer backwards, embedding backward
+    fwd = [compute[k * per_step + 1 + i] for k in range(len(compute) // per_step) for i in range(n)]
+    bwd = [compute[k * per_step + n + 2 + i] for k in range(len(compute) // per_step) for i in range(n)]
+    opt = [b - a for lane, a, b in spans if lane == "optimizer"]
+    record.update(
+        params=params, resident_layers=trainer.engine.resident_layers, tokens_per_step=opts.tokens,
+        step_s=round(dt / steps, 3), tokens_per_s=round(tps, 1), model_tflops=round(6 * params * tps / 1e12, 1),
+        gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        layer_forward_s=round(statistics.median(fwd), 4) if fwd else None,
+        layer_backward_s=round(statistics.median(bwd), 4) if bwd else None,
+        host_adamw_unit_s=round(statistics.median(opt), 4) if opt else None,
+        loss=[round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h],
+    )
+    with open(os.path.join(opts.out, f"largest_{opts.shape}_{cfg.num_hidden_layers}.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    print("\n" + json.dumps({k: v for k, v in record.items() if k not in ("plans", "loss")}, indent=1))
+    if os.environ.get("LARGEST_KEEP") != "1":
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
