@@ -200,7 +200,8 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
     fixes = []
     if any(p.startswith("GPU") for p in problems):
         fixes += ["a smaller per_device_train_batch_size or max_seq_length (activations scale with tokens)",
-                  "fewer gpu_resident_layers" if plan.resident_layers else "a smaller loss_chunk_tokens"]
+                  "fewer gpu_resident_layers" if plan.resident_layers else "a smaller loss_chunk_tokens",
+                  "offload_activations='auto' or a larger number (layer inputs kept in pinned host memory)"]
     if any(p.startswith("host") for p in problems):
         fixes += ["gpu_resident_layers > 0 to keep some layers' state on the GPU instead",
                   "a host with more RAM (18 bytes per parameter: fp32 master, gradient and Adam states)",
