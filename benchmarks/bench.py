@@ -88,6 +88,7 @@ def build_model(shape: str, layers: int | None, device: str, seq: int, tiny: boo
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model = model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives the tied head its own storage: tie it again (3.2-1B/3B are tied)
     rng = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=rng).manual_seed(0)
     with torch.no_grad():
