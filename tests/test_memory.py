@@ -74,18 +74,24 @@ def test_residency_plan_fills_the_gpu_and_no_more():
 
 
 def test_long_context_plan_offloads_activations_only_when_they_do_not_fit():
-    """At 512K tokens the 3B shape's 28 layer inputs (84 GiB) exceed an 80 GiB card: the plan
-    offloads just enough of them, and keeps them all on a card where they fit."""
-    from hf_megatrain.memory import plan_placement
+    """At 512K tokens the 3B shape's 28 layer inputs (84 GiB) do not fit a 139 GiB card beside one
+    layer's recompute: the plan offloads just enough of them, none at 32K, and on an 80 GiB card
+    it cannot fit at all, which the admission check refuses with the offload advice."""
+    from hf_megatrain.memory import admit, plan_placement
     from hf_megatrain.shapes import make_config
 
     cfg = make_config("llama-3.2-3b", max_positions=524288)
     kw = dict(mlp_tile_tokens=16384)
-    n, off = plan_placement(cfg, 1, 524288, gpu_free=80 * GiB, **kw)
+    card = 139 * GiB
+    n, off = plan_placement(cfg, 1, 524288, gpu_free=card, **kw)
     assert n == 0 and 0 < off < cfg.num_hidden_layers
-    assert estimate(cfg, 1, 524288, offload_activations=off, **kw).gpu_total <= 0.9 * 80 * GiB
-    assert estimate(cfg, 1, 524288, offload_activations=off - 1, **kw).gpu_total > 0.9 * 80 * GiB
+    assert estimate(cfg, 1, 524288, offload_activations=off, **kw).gpu_total <= 0.9 * card
+    assert estimate(cfg, 1, 524288, offload_activations=off - 1, **kw).gpu_total > 0.9 * card
     plan = estimate(cfg, 1, 524288, offload_activations=off, **kw)
     assert plan.host["offloaded layer inputs (pinned)"] == off * 524288 * cfg.hidden_size * 2
-    assert plan_placement(cfg, 1, 32768, gpu_free=80 * GiB, **kw)[1] == 0
+    assert plan_placement(cfg, 1, 32768, gpu_free=card, **kw)[1] == 0
     assert plan_placement(cfg, 1, 524288, gpu_free=1e15, **kw) == (cfg.num_hidden_layers, 0)
+    n, off = plan_placement(cfg, 1, 524288, gpu_free=80 * GiB, **kw)
+    assert off == cfg.num_hidden_layers
+    with pytest.raises(MegaTrainError, match="GPU memory"):
+        admit(estimate(cfg, 1, 524288, offload_activations=off, **kw), host_free=1e15, gpu_free=80 * GiB)
