@@ -138,7 +138,12 @@ class HostStore:
         # Only what crosses PCIe is page-locked: the streamed copy (H2D) and the gradient
         # accumulator (the D2H lands in it). The master never leaves the host.
         self.master = self._alloc(trained, torch.float32, pin=pin and self.aliased)
-        self.compute = list(self.master) if self.aliased else self._alloc([u.numel for u in units], compute_dtype)
+        if self.aliased:
+            self.compute = list(self.master)
+        else:  # a resident unit's host copy never crosses PCIe on the hot path: not page-locked
+            streamed = self._alloc([0 if u.resident else u.numel for u in units], compute_dtype)
+            kept = self._alloc([u.numel if u.resident else 0 for u in units], compute_dtype, pin=False)
+            self.compute = [k if u.resident else c for u, c, k in zip(units, streamed, kept)]
         self.grad = self._alloc(trained, torch.float32)
         # Device-side state of resident units (None for streamed ones).
         self.device_compute: list[torch.Tensor | None] = [None] * len(units)
