@@ -70,14 +70,23 @@ class MemoryPlan:
 
     @property
     def gpu_total(self) -> float:
-        return sum(self.gpu.values())
+        """The fixed part plus the largest of the phases ("[phase] ..." entries never coexist)."""
+        phases: dict[str, float] = {}
+        fixed = 0.0
+        for k, v in self.gpu.items():
+            if k.startswith("["):
+                phase = k[1 : k.index("]")]
+                phases[phase] = phases.get(phase, 0.0) + v
+            else:
+                fixed += v
+        return fixed + max(phases.values(), default=0.0)
 
     def table(self) -> str:
         lines = [f"{'host RAM':34} {'GiB':>9}"]
         lines += [f"  {k:32} {v / GiB:9.2f}" for k, v in self.host.items()]
         lines += [f"  {'total':32} {self.host_total / GiB:9.2f}", "", f"{'GPU memory':34} {'GiB':>9}"]
         lines += [f"  {k:32} {v / GiB:9.2f}" for k, v in self.gpu.items()]
-        lines += [f"  {'total':32} {self.gpu_total / GiB:9.2f}"]
+        lines += [f"  {'total (fixed + largest [phase])':32} {self.gpu_total / GiB:9.2f}"]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
     def as_dict(self) -> dict:
@@ -123,16 +132,23 @@ def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", d
     plan.gpu["saved layer inputs"] = (s.layers - offload) * layer_input
     if offload:  # brought back ahead of need (engine.activations: lookahead 2, plus the one in use)
         plan.gpu["offloaded inputs in flight"] = min(offload, 3) * layer_input
-    # One layer's recompute with autograd: its inputs, norms, q/k/v, attention output, MLP
-    # gate/up/act/product and their gradients, plus the per-parameter weight gradients. HF's
-    # RMSNorm computes in fp32 and autograd keeps those fp32 tensors, so a layer holds about 18
-    # [tokens, hidden] compute-dtype tensors at its peak (measured on the H200: 56 GiB for one
-    # 3B-shaped layer at 512K tokens; 8 was the first guess and under-estimated it by 30%).
+    # The backward passes through three phases that never overlap; the GPU peak is the fixed part
+    # plus the largest phase. Calibrated on the H200 (BENCHMARKS.md run 4): within 6% of the
+    # measured peak for the 1B shape streamed and resident at 16K-64K tokens and for a 3B-width
+    # layer at 512K tokens.
+    head_w = s.vocab * s.hidden
+    grad_x = tokens * s.hidden * cbytes  # the gradient flowing down, alive in every phase
+    held = 4 * s.embed if s.tied else 0  # a tied head's fp32 gradient waits for the embedding's
+    plan.gpu["[loss] fp32 logits chunk x3"] = chunk * s.vocab * 4 * 3
+    plan.gpu["[loss] head weight gradient (fp32, x2 while packed)"] = 2 * 4 * head_w + grad_x
+    # One layer's recompute with autograd and its backward: HF's RMSNorm computes in fp32 and
+    # autograd keeps those tensors, so a layer holds about 18 [tokens, hidden] compute-dtype tensors
+    # beside q/k/v (measured: 58 GiB for a 3B-width layer at 512K tokens), plus one MLP tile's
+    # intermediates and the layer's weight gradient.
     mlp_tokens = min(tokens, mlp_tile_tokens) if mlp_tile_tokens else tokens  # a tiled MLP holds one tile
     act = (tokens * (18 * s.hidden + 4 * s.kv_dim) + mlp_tokens * 4 * s.inter) * cbytes
-    plan.gpu["one layer's recompute + grads"] = act + cbytes * s.layer
-    plan.gpu["loss chunk (fp32 logits x3)"] = chunk * s.vocab * 4 * 3 + tokens * s.hidden * cbytes
-    plan.gpu["embedding / lm_head gradients (fp32)"] = 4 * s.embed * (2 if s.tied else 1) + 4 * (s.head - s.hidden)
+    plan.gpu["[layer] one layer's recompute + grads"] = act + cbytes * s.layer + held + grad_x
+    plan.gpu["[embedding] embedding gradient (fp32)"] = 4 * s.embed + held + grad_x
     plan.gpu["runtime (CUDA context, cuBLAS)"] = GPU_RUNTIME
     return plan
 
