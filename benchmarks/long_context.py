@@ -122,7 +122,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-3.2-3b")
     p.add_argument("--layers", type=int, default=None, help="truncate to this many decoder layers")
-    p.add_argument("--seq", type=int, nargs="+", default=[524288], help="hf_megatrain sequence lengths")
+    p.add_argument("--seq", type=int, nargs="*", default=[524288], help="hf_megatrain sequence lengths (none: stock only)")
     p.add_argument("--stock_from", type=int, default=0, help="double stock Trainer's length from here (0: skip)")
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--out", default=os.environ.get("OUT", "long_out"))
