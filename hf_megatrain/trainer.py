@@ -86,15 +86,17 @@ class MegaTrainTrainer(Trainer):
             logger.info("gradient_checkpointing: the engine always recomputes at layer boundaries; flag ignored")
             args.gradient_checkpointing = False
 
-        device = args.device  # resolves the device now, as Trainer would
+        tiles = mlp_tiles(args)
         plan_kw = dict(compute_dtype=str(resolve_compute_dtype(args, device)).replace("torch.", ""),
-                       device=device.type, prefetch_depth=getattr(args, "prefetch_depth", 2),
-                       mlp_tile_tokens=mlp_tiles(args))
+                       device=device.type, prefetch_depth=getattr(args, "prefetch_depth", 2), mlp_tile_tokens=tiles)
         batch, seq = args.per_device_train_batch_size, getattr(args, "max_seq_length", 1024)
-        resident, offload = resolve_placement(args, _config(model), batch, seq, device, plan_kw)
+        # Data parallel streams every layer (residency is not combined with sharding yet): the plan
+        # that admission checks must say so, or it would count host memory the run does not save.
+        resident, offload = resolve_placement(args, _config(model), batch, seq, device, plan_kw,
+                                              stream_all=args.world_size > 1)
         plan = estimate(_config(model), batch, seq, resident_layers=resident, offload_activations=offload, **plan_kw)
         if batch * seq >= LONG_CONTEXT_TOKENS and args.process_index == 0:
-            print(f"hf_megatrain memory plan for {batch} x {seq} tokens: MLP tiles of {mlp_tiles(args)} tokens, "
+            print(f"hf_megatrain memory plan for {batch} x {seq} tokens: MLP tiles of {tiles} tokens, "
                   f"{offload} layer inputs offloaded to host, {resident} layers resident on the GPU\n{plan.table()}")
         if getattr(args, "memory_check", True):
             admit(plan)  # before a single large allocation: does the plan fit this machine?
@@ -107,9 +109,6 @@ class MegaTrainTrainer(Trainer):
         if args.world_size > 1:  # data parallel: each rank keeps a slice of the optimizer state
             from .engine.distributed import Sharding
 
-            if resident:
-                logger.info("data parallel: GPU residency is not combined with sharding yet; streaming all layers")
-                resident = 0
             sharding = Sharding()
         self.engine = StreamingEngine(
             model,
@@ -120,7 +119,7 @@ class MegaTrainTrainer(Trainer):
             pipeline_options={"depth": getattr(args, "prefetch_depth", 2)} if device.type == "cuda" else None,
             weights_from=weights_from,
             progress=not args.disable_tqdm,
-            mlp_tile_tokens=mlp_tiles(args),
+            mlp_tile_tokens=tiles,
             resident_layers=resident,
             sharding=sharding,
             offload_activations=offload,
@@ -425,10 +424,16 @@ _ENGINE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 LONG_CONTEXT_TOKENS = 65536  # from here on the plan (tiles, offload, residency) is printed
 
 
-def resolve_placement(args, config, batch, seq, device, plan_kw) -> tuple[int, int]:
-    """(gpu_resident_layers, offload_activations): the user's numbers, or the memory plan's for 'auto'."""
+def resolve_placement(args, config, batch, seq, device, plan_kw, stream_all: bool = False) -> tuple[int, int]:
+    """(gpu_resident_layers, offload_activations): the user's numbers, or the memory plan's for 'auto'.
+
+    stream_all (data parallel): no resident layers, whatever was asked for."""
     choices = [str(getattr(args, name, "auto")) for name in ("gpu_resident_layers", "offload_activations")]
     fixed = [None if c == "auto" else int(c) for c in choices]
+    if stream_all and fixed[0] != 0:
+        if fixed[0]:
+            logger.info("data parallel: GPU residency is not combined with sharding yet; streaming all layers")
+        fixed[0] = 0
     if device.type != "cuda":
         return fixed[0] or 0, fixed[1] or 0
     if None not in fixed:
