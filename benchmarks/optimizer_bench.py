@@ -84,7 +84,7 @@ def main():
                     t.join()
                 print(f"pinned={pin!s:5} clip={'on ' if clip is not None else 'off'} {where:6} "
                       f"{res['r']:.2f} G params/s  ({n / 1e9:.2f} B params)", flush=True)
-        del engine, opt
+        engine = opt = None  # free this store before the next one is built
 
 
 if __name__ == "__main__":

@@ -7,8 +7,7 @@ import sys
 
 import pytest
 import torch
-from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
+from transformers import AutoModelForCausalLM, GPT2Config
 
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
 from hf_megatrain.checkpoint.hf_format import save_hf_model
