@@ -102,6 +102,51 @@ def build_model(shape: str, layers: int | None, device: str, seq: int, tiny: boo
     return model
 
 
+def write_random_checkpoint(shape: str, layers: int | None, folder: str, max_positions: int = 131072) -> int:
+    """A random-init checkpoint of the shape as bf16 safetensors shards of ~4 GB, tensor by tensor
+    (generated on the GPU: no model is materialised in host RAM). Returns its size in bytes."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from hf_megatrain.shapes import make_config
+
+    cfg = make_config(shape, layers, max_positions=max_positions)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    os.makedirs(folder, exist_ok=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # (CPU: small shapes, for checking the plumbing)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    shard, size, files, index = {}, 0, [], {}
+
+    def flush():
+        nonlocal shard, size
+        if shard:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
+            files.append(name)
+            index.update({k: name for k in shard})
+            shard, size = {}, 0
+
+    total = 0
+    for name, p in model.named_parameters():  # a tied head is not written twice
+        if "norm" in name:
+            t = torch.ones(p.shape, dtype=torch.bfloat16)
+        else:
+            t = torch.randn(p.shape, device=dev, generator=gen).mul_(0.02).to(torch.bfloat16).cpu()
+        shard[name] = t
+        size += t.numel() * 2
+        total += t.numel() * 2
+        if size >= (4 << 30):
+            flush()
+    flush()
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": index}, f)
+    cfg.dtype = "bfloat16"
+    cfg.save_pretrained(folder)
+    return total
+
+
 class TokenRows:
     """Random token rows (all real tokens; labels = inputs), as a torch Dataset."""
 
@@ -223,21 +268,45 @@ def brief(e: BaseException) -> str:
 
 
 # -- one system, several configs, in this process ----------------------------------------------
-def worker(opts) -> None:
+def make_clock(warmup: int, steps: int, engine=None, on_warm=None):
+    """A Trainer callback timing optimizer steps warmup+1 .. steps.
+
+    The clock stops at the end of the last step, once its work is done: the GPU queue drained and,
+    for hf_megatrain, the host optimizer's last unit stepped. What train() does after its loop
+    (saving, freeing) is not a training step and is not timed.
+    """
     import torch
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
-        def __init__(self, warmup, on_warm=None):
-            self.warmup, self.t0, self.on_warm = warmup, None, on_warm
+        def __init__(self):
+            self.t0 = self.t1 = None
 
         def on_step_end(self, args, state, control, **kw):
-            if state.global_step == self.warmup:
-                torch.cuda.synchronize()
-                self.t0 = time.perf_counter()
+            if state.global_step not in (warmup, steps):
+                return
+            if engine is not None:
+                engine.pipeline.finish()
+                engine.optimizer.synchronize()
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            if state.global_step == warmup:
+                self.t0 = now
                 torch.cuda.reset_peak_memory_stats()
-                if self.on_warm:
-                    self.on_warm()
+                if on_warm:
+                    on_warm()
+            else:
+                self.t1 = now
+
+        @property
+        def seconds(self) -> float:
+            return self.t1 - self.t0
+
+    return Clock()
+
+
+def worker(opts) -> None:
+    import torch
 
     if opts.dry_run and opts.system == "megatrain":
         raise RuntimeError("--dry_run covers the Trainer systems (stock, fsdp2, deepspeed) only")
@@ -251,9 +320,19 @@ def worker(opts) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     # The offload systems get the model on the GPU, like stock: FSDP2 / ZeRO-3 move the shards to the host.
     device = "cpu" if opts.system == "megatrain" or opts.dry_run else "cuda"
-    model = build_model(opts.shape, opts.layers, device, opts.seq, tiny=opts.dry_run)
-    params = sum(p.numel() for p in model.parameters())
-    vocab = model.config.vocab_size
+    if opts.system == "megatrain" and opts.checkpoint:
+        # Loaded by hf_megatrain itself, straight into its host store: the host peak is the run's
+        # own (building an fp32 model on the host first would add 4 bytes/param: 30 GB at 7B).
+        from transformers import AutoConfig
+
+        model = opts.checkpoint
+        config = AutoConfig.from_pretrained(model)
+        params = None  # counted by the engine
+    else:
+        model = build_model(opts.shape, opts.layers, device, opts.seq, tiny=opts.dry_run)
+        config = model.config
+        params = sum(p.numel() for p in model.parameters())
+    vocab = config.vocab_size
     for tokens in opts.tokens:
         for clip in opts.clip:
             WHERE.update(tokens_per_step=tokens, clip=clip)
@@ -280,6 +359,7 @@ def worker(opts) -> None:
                                            train_dataset=data,
                                            data_collator=_collate)
                 engine = trainer.engine
+                params = engine.num_parameters
 
                 def on_warm(engine=engine):
                     nonlocal timeline
@@ -295,17 +375,14 @@ def worker(opts) -> None:
                 print("DRYRUN " + json.dumps(dict(system=opts.system, shape=opts.shape, tokens_per_step=tokens,
                                                   clip=clip, dry_run=describe(trainer))), flush=True)
                 continue
-            clock = Clock(opts.warmup, on_warm)
+            clock = make_clock(opts.warmup, opts.steps, engine, on_warm)
             trainer.add_callback(clock)
             trainer.train()
-            if engine is not None:
-                engine.synchronize()
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - clock.t0
+            dt = clock.seconds
             steps = opts.steps - opts.warmup
             tps = steps * tokens / dt
             row = dict(
-                system=opts.system, shape=opts.shape, layers=model.config.num_hidden_layers, params=params,
+                system=opts.system, shape=opts.shape, layers=config.num_hidden_layers, params=params,
                 tokens_per_step=tokens, clip=clip, step_s=round(dt / steps, 4), tokens_per_s=round(tps, 1),
                 model_tflops=round(6 * params * tps / 1e12, 1),
                 gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -348,6 +425,12 @@ def log_error(text: str, rc: int) -> str:
     return f"{how}: {line}"[:500]
 
 
+def host_free_gib() -> float:
+    from hf_megatrain.memory import GiB, host_available
+
+    return round(host_available() / GiB, 1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -369,6 +452,17 @@ def run_worker(cmd: list, env: dict, log_path: str, header: str) -> tuple[list, 
     return rows, rc, text
 
 
+def checkpoint_for(opts) -> str:
+    """--from_disk: the shape's random checkpoint, written once per run under --from_disk."""
+    folder = os.path.join(opts.from_disk, f"{opts.shape}-{opts.layers or 'full'}")
+    if not os.path.isdir(folder):
+        t0 = time.perf_counter()
+        nbytes = write_random_checkpoint(opts.shape, opts.layers, folder + ".partial", max(opts.seq, 4096))
+        os.rename(folder + ".partial", folder)
+        print(f"wrote {nbytes / 1e9:.1f} GB of bf16 safetensors in {time.perf_counter() - t0:.0f} s", flush=True)
+    return folder
+
+
 def run_system(system: str, opts) -> list:
     system, _, resident = system.partition(":")  # megatrain:auto, megatrain:0 = gpu_resident_layers
     resident = resident or opts.resident
@@ -379,6 +473,8 @@ def run_system(system: str, opts) -> list:
         base += ["--layers", str(opts.layers)]
     if opts.dry_run:
         base += ["--dry_run"]
+    if system == "megatrain" and opts.from_disk:
+        base += ["--checkpoint", checkpoint_for(opts)]
     if system == "megatrain":
         base += ["--trace_out", os.path.join(opts.out, f"trace_{opts.shape}_resident-{resident}.json")]
     env = dict(os.environ)
@@ -406,7 +502,8 @@ def run_system(system: str, opts) -> list:
         if system in DISTRIBUTED:
             env["MASTER_PORT"] = str(free_port())
         cmd = base + ["--tokens", *map(str, tokens), "--clip", *map(str, clips)]
-        got, rc, text = run_worker(cmd, env, log_path, f"tokens {tokens} clip {clips}")
+        free = host_free_gib()  # a SIGKILL below is easier to read knowing what the host had
+        got, rc, text = run_worker(cmd, env, log_path, f"tokens {tokens} clip {clips} (host MemAvailable {free} GiB)")
         if rc != 0 and not any("error" in r for r in got):
             err = dict(system=system, shape=opts.shape, error=f"{log_error(text, rc)} (see {log_path})")
             if len(tokens) == len(clips) == 1:
@@ -437,7 +534,11 @@ def main() -> None:
     p.add_argument("--ds_site", default=os.environ.get("DS_SITE", "/tmp/dssite"),
                    help="folder holding deepspeed and its dependencies, put on the path of the deepspeed run only")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--from_disk", default=None, metavar="DIR",
+                   help="hf_megatrain loads a random bf16 checkpoint written under DIR (7B+: no fp32 model "
+                        "is built on the host beside its store)")
     p.add_argument("--system", help=argparse.SUPPRESS)
+    p.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     p.add_argument("--trace_out", default=None, help=argparse.SUPPRESS)
     # CPU-only check: a toy-width model, TrainingArguments and Trainer built for each system, no training
     p.add_argument("--dry_run", action="store_true", help=argparse.SUPPRESS)

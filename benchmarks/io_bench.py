@@ -113,10 +113,12 @@ def main() -> None:
                            capture_output=True, text=True)
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
         rows[who] = json.loads(line[-1][7:]) if line else {"error": r.stderr[-2000:]}
-    record = {"date": time.strftime("%Y-%m-%d"), "shape": a.shape, "command": " ".join(sys.argv), "rows": rows}
-    with open(os.path.join(a.out, f"io_{a.shape}.json"), "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"\ncheckpoint I/O, {a.shape}, source {rows['hf'].get('bytes', 0) / 1e9:.2f} GB bf16 safetensors")
+        print(f"{who}: {json.dumps(rows[who])[:400]}", flush=True)
+        record = {"date": time.strftime("%Y-%m-%d"), "shape": a.shape, "command": " ".join(sys.argv), "rows": rows}
+        with open(os.path.join(a.out, f"io_{a.shape}.json"), "w") as f:  # after each: a cut-short run keeps it
+            json.dump(record, f, indent=1)
+    gb_src = max(r.get("bytes", 0) for r in rows.values()) / 1e9
+    print(f"\ncheckpoint I/O, {a.shape}, source {gb_src:.2f} GB bf16 safetensors")
     print(f"{'system':10} {'load s':>7} {'load GB/s':>9} {'save s':>7} {'save GB/s':>9} {'RSS load GiB':>12} {'peak GiB':>8}")
     for who, r in rows.items():
         if "error" in r:

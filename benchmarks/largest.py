@@ -32,52 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench import TokenRows, _collate  # noqa: E402
-
-SHARD_BYTES = 4 << 30
-
-
-def write_random_checkpoint(shape: str, layers: int | None, folder: str) -> int:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    from hf_megatrain.shapes import make_config
-
-    cfg = make_config(shape, layers)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    os.makedirs(folder, exist_ok=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    shard, size, files, index = {}, 0, [], {}
-
-    def flush():
-        nonlocal shard, size
-        if shard:
-            name = f"model-{len(files) + 1:05d}.safetensors"
-            save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
-            files.append(name)
-            index.update({k: name for k in shard})
-            shard, size = {}, 0
-
-    total = 0
-    for name, p in model.state_dict().items():
-        if "norm" in name:
-            t = torch.ones(p.shape, dtype=torch.bfloat16)
-        else:
-            t = torch.randn(p.shape, device="cuda", generator=gen).mul_(0.02).to(torch.bfloat16).cpu()
-        shard[name] = t
-        size += t.numel() * 2
-        total += t.numel() * 2
-        if size >= SHARD_BYTES:
-            flush()
-    flush()
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": index}, f)
-    cfg.torch_dtype = "bfloat16"
-    cfg.save_pretrained(folder)
-    return total
-
+from bench import TokenRows, _collate, make_clock, matmul_peak, write_random_checkpoint  # noqa: E402
 
 def plans(cfg, batch: int, seq: int) -> dict:
     import torch
@@ -111,7 +66,7 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "largest_out"))
     opts = p.parse_args()
     import torch
-    from transformers import AutoConfig, TrainerCallback
+    from transformers import AutoConfig
 
     from hf_megatrain import MegaTrainArguments, MegaTrainError, MegaTrainTrainer
     from hf_megatrain.engine.timeline import Timeline
@@ -127,6 +82,8 @@ def main() -> None:
     record = {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
               "shape": opts.shape, "layers": cfg.num_hidden_layers, "plans": plans(cfg, bs, opts.seq)}
     print("PLANS " + json.dumps(record["plans"]), flush=True)
+    record["peak"] = matmul_peak()  # bf16 matmul TFLOP/s, burst and sustained (after ~8 s of load)
+    print("PEAK " + json.dumps(record["peak"]), flush=True)
     common = dict(per_device_train_batch_size=bs, max_steps=opts.steps, learning_rate=1e-5, max_grad_norm=1.0,
                   lr_scheduler_type="constant", bf16=True, logging_steps=1, save_strategy="no", report_to=[],
                   disable_tqdm=True, dataloader_num_workers=2, max_seq_length=opts.seq, log_pipeline=False)
@@ -140,32 +97,23 @@ def main() -> None:
         record["all_host_attempt"] = "refused: " + str(e).splitlines()[0]
     print("ALL-HOST " + record["all_host_attempt"], flush=True)
 
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.t0, self.timeline = None, None
-
-        def on_step_end(self, args, state, control, **kw):
-            if state.global_step == opts.warmup:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                self.t0 = time.perf_counter()
-                self.timeline = Timeline()
-                trainer.engine.pipeline.timeline = self.timeline
-
     t0 = time.perf_counter()
     trainer = MegaTrainTrainer(folder, MegaTrainArguments(output_dir=tempfile.mkdtemp(), **common),
                                train_dataset=data, data_collator=_collate)
     record["load_s"] = round(time.perf_counter() - t0, 1)
-    clock = Clock()
+    timeline = Timeline()
+
+    def on_warm():
+        trainer.engine.pipeline.timeline = timeline
+
+    clock = make_clock(opts.warmup, opts.steps, trainer.engine, on_warm)
     trainer.add_callback(clock)
     trainer.train()
-    trainer.engine.synchronize()
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - clock.t0
+    dt = clock.seconds
     steps = opts.steps - opts.warmup
     params = trainer.engine.num_parameters
     tps = steps * opts.tokens / dt
-    spans = clock.timeline.collect()["spans"]
+    spans = timeline.collect()["spans"]
     n = cfg.num_hidden_layers
     compute = [b - a for lane, a, b in sorted(spans, key=lambda s: s[1]) if lane == "compute"]
     per_step = 2 * n + 3  # embedding, n layers, head + loss, n layer backwards, embedding backward
@@ -175,6 +123,7 @@ def main() -> None:
     record.update(
         params=params, resident_layers=trainer.engine.resident_layers, tokens_per_step=opts.tokens,
         step_s=round(dt / steps, 3), tokens_per_s=round(tps, 1), model_tflops=round(6 * params * tps / 1e12, 1),
+        mfu=round(6 * params * tps / 1e12 / record["peak"]["sustained_tflops"], 3),
         gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
         host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         layer_forward_s=round(statistics.median(fwd), 4) if fwd else None,

@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench import TokenRows, _collate, build_model, matmul_peak  # noqa: E402
+from bench import TokenRows, _collate, build_model, matmul_peak, write_random_checkpoint  # noqa: E402
 
 
 def step_flops(config, params: int, seq: int) -> float:
@@ -57,13 +57,21 @@ def attempt(opts) -> None:
             self.marks.append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **kw):
+            if mega:  # the step ends when the host optimizer has stepped every unit
+                trainer.engine.pipeline.finish()
+                trainer.engine.optimizer.synchronize()
             sync()
             self.marks.append(time.perf_counter())
 
     mega = opts.system == "megatrain"
-    model = build_model(opts.shape, opts.layers, "cpu" if mega or not cuda else "cuda", opts.seq)
-    params = sum(p.numel() for p in model.parameters())
-    cfg = model.config
+    if mega:  # hf_megatrain loads the checkpoint straight into its store: the host peak is its own
+        from transformers import AutoConfig
+
+        model = opts.checkpoint
+        cfg = AutoConfig.from_pretrained(model)
+    else:
+        model = build_model(opts.shape, opts.layers, "cuda" if cuda else "cpu", opts.seq)
+        cfg = model.config
     data = TokenRows(opts.steps, opts.seq, cfg.vocab_size)
     common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=1, max_steps=opts.steps,
                   learning_rate=1e-5, max_grad_norm=1.0, lr_scheduler_type="constant", bf16=cuda, use_cpu=not cuda,
@@ -75,9 +83,11 @@ def attempt(opts) -> None:
 
         trainer = MegaTrainTrainer(model, MegaTrainArguments(**common, max_seq_length=opts.seq, log_pipeline=False),
                                    train_dataset=data, data_collator=_collate)
+        params = trainer.engine.num_parameters
     else:
         from transformers import Trainer
 
+        params = sum(p.numel() for p in model.parameters())
         trainer = Trainer(model=model, args=TrainingArguments(**common, gradient_checkpointing=True,
                                                               optim="adamw_torch_fused"),
                           train_dataset=data, data_collator=_collate)
@@ -101,11 +111,24 @@ def attempt(opts) -> None:
     print("RESULT " + json.dumps(row), flush=True)
 
 
+def checkpoint(opts) -> str:
+    """The shape's random bf16 checkpoint under --dir, written on first use."""
+    folder = os.path.join(opts.dir, f"{opts.shape}-{opts.layers or 'full'}")
+    if not os.path.isdir(folder):
+        t0 = time.perf_counter()
+        nbytes = write_random_checkpoint(opts.shape, opts.layers, folder + ".partial", max(opts.seq + [4096]))
+        os.rename(folder + ".partial", folder)
+        print(f"wrote {nbytes / 1e9:.1f} GB of bf16 safetensors in {time.perf_counter() - t0:.0f} s", flush=True)
+    return folder
+
+
 def run(opts, system: str, seq: int, log_dir: str) -> dict:
     cmd = [sys.executable, __file__, "--system", system, "--shape", opts.shape, "--seq", str(seq),
            "--steps", str(opts.steps)]
     if opts.layers:
         cmd += ["--layers", str(opts.layers)]
+    if system == "megatrain":
+        cmd += ["--checkpoint", checkpoint(opts)]
     log_path = os.path.join(log_dir, f"long_{system}_{opts.shape}_{seq}.log")
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -126,7 +149,9 @@ def main() -> None:
     p.add_argument("--stock_from", type=int, default=0, help="double stock Trainer's length from here (0: skip)")
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--out", default=os.environ.get("OUT", "long_out"))
+    p.add_argument("--dir", default="/tmp/long_context", help="where hf_megatrain's random checkpoint is written")
     p.add_argument("--system", help=argparse.SUPPRESS)
+    p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     opts = p.parse_args()
     if opts.system:
         opts.seq = opts.seq[0]

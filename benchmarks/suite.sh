@@ -3,10 +3,10 @@
 # 10 minutes); every part runs under its own time limit, logs and JSON go under $OUT, and the
 # tails of the logs are printed last.
 #   bash benchmarks/suite.sh A      (carry .whl and .dswhl)
-# A: checkpoint I/O (3B) + all four systems on the 1B shape, 16K/64K tokens/step
-# B: all four systems on the 3B shape, 16K tokens/step + stock Trainer's longest sequence (3B)
-# C: 7B shape at 256K tokens (long context) + 7B with automatic residency vs stock, 16K tokens/step
-# D: the largest model this box trains (13B class) and a 70B-width model truncated to what fits
+# A: checkpoint I/O (3B) + all four systems on the 3B shape, 16K tokens/step, clipping on
+# B: hf_megatrain (auto residency and all streamed) vs stock on the 3B shape, clip 1 and 0 + GPU tests
+# C: the largest model this box trains (13B class) and a 70B-width model truncated to what fits
+# D: stock Trainer's longest sequence (3B) + the 7B shape at 256K tokens (long context)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -29,23 +29,23 @@ part() {  # part SECONDS NAME command...: run, keep its log, never stop the suit
 }
 case "${1:-A}" in
 A)
-  part 200 io_3b python3 benchmarks/io_bench.py --shape llama-3.2-3b --dir /tmp/io --out "$OUT"
-  part 360 bench_1b python3 benchmarks/bench.py --shape llama-3.2-1b --tokens 16384 65536 --clip 1.0 \
-    --systems megatrain:0,megatrain:auto,stock,fsdp2,deepspeed --steps 4 --warmup 2 --out "$OUT" ;;
+  part 220 io_3b python3 benchmarks/io_bench.py --shape llama-3.2-3b --dir /tmp/io --out "$OUT"
+  part 360 bench_3b_all python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip 1.0 \
+    --systems megatrain:auto,stock,megatrain:0,deepspeed,fsdp2 --steps 4 --warmup 2 --out "$OUT" ;;
 B)
-  part 420 bench_3b python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip 1.0 \
-    --systems megatrain:0,megatrain:auto,stock,fsdp2,deepspeed --steps 4 --warmup 2 --out "$OUT"
-  part 150 long_stock_3b python3 benchmarks/long_context.py --shape llama-3.2-3b --seq --stock_from 16384 --out "$OUT" ;;
+  part 330 bench_3b python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip 1.0 0.0 \
+    --systems megatrain:auto,stock,megatrain:0 --steps 6 --warmup 2 --out "$OUT"
+  part 170 gpu_tests python3 -m pytest -q -m gpu tests/ -p no:cacheprovider ;;
 C)
-  # TODO before running C: long_context.py and bench.py build an fp32 model on the host before the
-  # store; at 7B that is 30 GB beside a ~100 GiB store, over this host's 125 GiB. Load from a disk
-  # checkpoint instead (largest.py's write_random_checkpoint) for the 7B runs.
-  part 300 long_7b python3 benchmarks/long_context.py --shape qwen2.5-7b --seq 262144 --out "$OUT"
-  part 260 bench_7b python3 benchmarks/bench.py --shape qwen2.5-7b --tokens 16384 --clip 1.0 \
-    --systems megatrain:auto,stock --stock_micro 4 --steps 5 --warmup 2 --out "$OUT" ;;
+  part 320 largest_13b python3 benchmarks/largest.py --shape llama-2-13b --steps 10 --warmup 2 --out "$OUT"
+  part 250 largest_70b python3 benchmarks/largest.py --shape llama-3.1-70b --layers 11 --steps 5 --warmup 2 \
+    --out "$OUT" ;;
 D)
-  part 330 largest_13b python3 benchmarks/largest.py --shape llama-2-13b --steps 12 --out "$OUT"
-  part 240 largest_70b python3 benchmarks/largest.py --shape llama-3.1-70b --layers 12 --steps 5 --out "$OUT" ;;
+  part 150 long_stock_3b python3 benchmarks/long_context.py --shape llama-3.2-3b --seq --stock_from 16384 --out "$OUT"
+  # TODO before running the 7B parts: long_context.py and bench.py build an fp32 model on the host
+  # before the store; at 7B that is 30 GB beside a ~100 GiB store, over this host's 125 GiB. Load
+  # from a disk checkpoint instead (largest.py's write_random_checkpoint).
+  part 300 long_7b python3 benchmarks/long_context.py --shape qwen2.5-7b --seq 262144 --out "$OUT" ;;
 *) echo "unknown group $1 (A, B, C or D)"; exit 2 ;;
 esac
 for f in "${names[@]}"; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done

@@ -114,7 +114,6 @@ def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", d
     plan.host["Adam moments (fp32 x2)"] = 8 * streamed
     if device == "cuda":
         plan.host["pinned staging slabs"] = 2 * 4 * s.layer if streamed else 0
-    plan.host["host copy of resident weights"] = cbytes * on_gpu
     if offload:
         plan.host["offloaded layer inputs (pinned)"] = offload * layer_input
     plan.host["runtime (torch, CUDA, Python)"] = HOST_RUNTIME

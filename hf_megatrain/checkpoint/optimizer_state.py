@@ -132,7 +132,6 @@ def load_masters(store, path: str) -> None:
     _read(path, meta, store, [(u.index, "master", store.master[u.index]) for u in store.units])
     for u in store.units:
         store.refresh_compute(u.index)
-        store.upload_resident(u.index)
 
 
 def load_optimizer_state(optimizer, path: str) -> None:
@@ -144,7 +143,6 @@ def load_optimizer_state(optimizer, path: str) -> None:
     _read(path, meta, store, [(u.index, k, b) for u in store.units for k, b in _buffers(optimizer, u.index).items()])
     for u in store.units:
         store.refresh_compute(u.index)
-        store.upload_resident(u.index)
     optimizer.step_count = int(meta["step"])
     for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
         for k, v in saved.items():

@@ -112,5 +112,3 @@ def load_into_store(store, spec, config, folder: str, progress: bool = True) -> 
         )
     for index in sorted(stale):
         store.refresh_compute(index)
-    for unit in store.units:
-        store.upload_resident(unit.index)

@@ -214,7 +214,6 @@ class StreamingEngine(nn.Module):
         if self.optimizer is not None:
             self.optimizer.synchronize()
         self.store.wait_ready()
-        self.store.sync_host()  # the model object sees resident units' current weights
 
     # -- inspection API (tests rely on it) -------------------------------------------------
     def named_grads(self):

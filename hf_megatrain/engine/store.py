@@ -129,8 +129,9 @@ class HostStore:
         # Data parallel: this rank's fp32 state covers [lo, hi) of each trainable prefix.
         self.bounds = [sharding.bounds(u.n_train) if sharding else (0, u.n_train) for u in units]
         self._arenas = []
-        # Host state exists only for streamed units; a resident unit keeps just the host compute
-        # copy that the model object views (refreshed by sync_host()).
+        # Host state exists only for streamed units: a resident unit's weights, master, gradient
+        # and moments all live on the device, and the model object's parameters view its device
+        # copy (no host copy to keep current: at 13B that copy alone was ~12 GiB of host RAM).
         trained = [0 if u.resident else hi - lo for u, (lo, hi) in zip(units, self.bounds)]
         # fp32 compute mode with everything trainable: the master itself streams to the device
         self.aliased = compute_dtype == torch.float32 and all(u.n_train == u.numel for u in units) \
@@ -140,22 +141,21 @@ class HostStore:
         self.master = self._alloc(trained, torch.float32, pin=pin and self.aliased)
         if self.aliased:
             self.compute = list(self.master)
-        else:  # a resident unit's host copy never crosses PCIe on the hot path: not page-locked
-            streamed = self._alloc([0 if u.resident else u.numel for u in units], compute_dtype)
-            kept = self._alloc([u.numel if u.resident else 0 for u in units], compute_dtype, pin=False)
-            self.compute = [k if u.resident else c for u, c, k in zip(units, streamed, kept)]
+        else:
+            self.compute = self._alloc([0 if u.resident else u.numel for u in units], compute_dtype)
         self.grad = self._alloc(trained, torch.float32)
-        # Device-side state of resident units (None for streamed ones).
+        # Device-side state of resident units (None for streamed ones); their compute[] entry is
+        # the same tensor.
         self.device_compute: list[torch.Tensor | None] = [None] * len(units)
         for u in units:
             if u.resident:
                 self.master[u.index] = torch.empty(u.n_train, dtype=torch.float32, device=self.device)
                 self.grad[u.index] = torch.empty(u.n_train, dtype=torch.float32, device=self.device)
                 if self.aliased:
-                    self.compute[u.index] = torch.empty(u.numel, dtype=compute_dtype)  # the model's view
                     self.device_compute[u.index] = self.master[u.index]
                 else:
                     self.device_compute[u.index] = torch.empty(u.numel, dtype=compute_dtype, device=self.device)
+                self.compute[u.index] = self.device_compute[u.index]
         # How many gradient contributions each unit's accumulator holds since zero_grad().
         self.grad_count = [0] * len(units)
         # Set while a unit's master and compute copy are current; cleared while an optimizer
@@ -195,7 +195,6 @@ class HostStore:
                             master[a - lo : b - lo].copy_(flat[a - s.offset : b - s.offset])
             if store.sharding is None:
                 store.refresh_compute(unit.index)
-            store.upload_resident(unit.index)
             store.bind(model, unit.index)
         return store
 
@@ -259,24 +258,6 @@ class HostStore:
         if self.sharding is None:
             return buffers[index]
         return self.sharding.gather_slice(buffers[index].cpu(), self.units[index].n_train)
-
-    def upload_resident(self, index: int) -> None:
-        """After loading: a resident unit's frozen weights (host compute copy) and its master go to
-        the device copy, and the host copy is made current."""
-        unit = self.units[index]
-        if not unit.resident:
-            return
-        if unit.numel > unit.n_train:
-            self.device_compute[index][unit.n_train :].copy_(self.compute[index][unit.n_train :])
-        self.refresh_compute(index)
-        self.sync_host(index)
-
-    def sync_host(self, index: int | None = None) -> None:
-        """Copy resident units' current weights into the host copy that the model object views."""
-        for unit in self.units if index is None else [self.units[index]]:
-            if unit.resident:
-                src = self.device_compute[unit.index]
-                self.compute[unit.index][: unit.n_train].copy_(src[: unit.n_train])
 
     # -- gradients --------------------------------------------------------------------------
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
