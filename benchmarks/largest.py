@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--resident", default="auto", help="gpu_resident_layers of the training run")
     p.add_argument("--dir", default="/tmp/largest")
     p.add_argument("--out", default=os.environ.get("OUT", "largest_out"))
     opts = p.parse_args()
@@ -98,7 +99,8 @@ def main() -> None:
     print("ALL-HOST " + record["all_host_attempt"], flush=True)
 
     t0 = time.perf_counter()
-    trainer = MegaTrainTrainer(folder, MegaTrainArguments(output_dir=tempfile.mkdtemp(), **common),
+    trainer = MegaTrainTrainer(folder, MegaTrainArguments(output_dir=tempfile.mkdtemp(), gpu_resident_layers=opts.resident,
+                                                          **common),
                                train_dataset=data, data_collator=_collate)
     record["load_s"] = round(time.perf_counter() - t0, 1)
     timeline = Timeline()

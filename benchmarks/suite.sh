@@ -33,9 +33,9 @@ A)
   part 360 bench_3b_all python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip 1.0 \
     --systems megatrain:auto,stock,megatrain:0,deepspeed,fsdp2 --steps 4 --warmup 2 --out "$OUT" ;;
 B)
-  part 330 bench_3b python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip 1.0 0.0 \
+  part 320 bench_3b python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip 1.0 0.0 \
     --systems megatrain:auto,stock,megatrain:0 --steps 6 --warmup 2 --out "$OUT"
-  part 170 gpu_tests python3 -m pytest -q -m gpu tests/ -p no:cacheprovider ;;
+  part 160 gpu_tests python3 -m pytest -q -m gpu tests/ -p no:cacheprovider ;;
 C)
   part 320 largest_13b python3 benchmarks/largest.py --shape llama-2-13b --steps 10 --warmup 2 --out "$OUT"
   part 250 largest_70b python3 benchmarks/largest.py --shape llama-3.1-70b --layers 11 --steps 5 --warmup 2 \

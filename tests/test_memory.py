@@ -1,5 +1,9 @@
 """The estimator counts what the engine allocates; admission refuses clearly."""
 
+import os
+import re
+import sys
+
 import pytest
 import torch
 
@@ -95,3 +99,35 @@ def test_long_context_plan_offloads_activations_only_when_they_do_not_fit():
     assert off == cfg.num_hidden_layers
     with pytest.raises(MegaTrainError, match="GPU memory"):
         admit(estimate(cfg, 1, 524288, offload_activations=off, **kw), host_free=1e15, gpu_free=48 * GiB)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_DONTFORK is Linux's")
+def test_host_arenas_are_not_given_to_forked_children():
+    """DataLoader workers are forked: they must not get (and copy) the host store's pages."""
+    import ctypes
+    import signal
+
+    from hf_megatrain.engine.pinned import arena_tensors
+
+    arena, (t,) = arena_tensors([1 << 20], torch.float32, pin=False)
+    t.fill_(1.0)
+    addr = t.data_ptr()
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    flags = []
+    for i, line in enumerate(lines):
+        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if m and int(m.group(1), 16) <= addr < int(m.group(2), 16):
+            flags = next(ln for ln in lines[i + 1 :] if ln.startswith("VmFlags:")).split()[1:]
+            break
+    assert "dc" in flags  # "do not copy this mapping on fork"
+    pid = os.fork()
+    if pid == 0:  # the child: the arena is not mapped here, so reading it faults
+        import faulthandler
+
+        faulthandler.disable()  # (a quiet fault: it is the expected outcome)
+        ctypes.string_at(addr, 4)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGSEGV, signal.SIGBUS)
+    assert float(t[0]) == 1.0  # the parent's memory is untouched
