@@ -67,7 +67,7 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "largest_out"))
     opts = p.parse_args()
     import torch
-    from transformers import AutoConfig
+    from transformers import AutoConfig, TrainerCallback
 
     from hf_megatrain import MegaTrainArguments, MegaTrainError, MegaTrainTrainer
     from hf_megatrain.engine.timeline import Timeline
@@ -108,8 +108,15 @@ def main() -> None:
     def on_warm():
         trainer.engine.pipeline.timeline = timeline
 
+    class Progress(TrainerCallback):  # one line per step: a run cut short still says how far it got
+        def on_step_end(self, args, state, control, **kw):
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            print(f"STEP {state.global_step} t={time.perf_counter() - t0:.1f}s gpu_peak="
+                  f"{torch.cuda.max_memory_allocated() / 2**30:.1f}GiB host_peak={rss:.1f}GiB", flush=True)
+
     clock = make_clock(opts.warmup, opts.steps, trainer.engine, on_warm)
     trainer.add_callback(clock)
+    trainer.add_callback(Progress())
     trainer.train()
     dt = clock.seconds
     steps = opts.steps - opts.warmup
