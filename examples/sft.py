@@ -88,6 +88,7 @@ def tiny_answers(trainer, words: list[str]) -> int:
     for w in words:
         ids = tok.apply_chat_template([{"role": "user", "content": w}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
+        ids = ids.to(model.device)  # GPU-resident layers (all of them, for this tiny model) are on the GPU
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(w) + 1,
                                  do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

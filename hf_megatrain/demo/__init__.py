@@ -112,7 +112,8 @@ def run_demo(output_dir: str = "megatrain_demo", max_steps: int = 400, seed: int
     trainer.train()
     after = trainer.evaluate()["eval_loss"]
     words = make_words(8, seed=seed + 999)
-    got = reverse_with(trainer.model, tokenizer, words)
+    # the model object views the training state: GPU-resident layers are on the GPU (here, all of them)
+    got = reverse_with(trainer.model, tokenizer, words, device=trainer.model.device)
     right = sum(g == w[::-1] for g, w in zip(got, words))
     trainer.save_model(output_dir)
     report = {"eval_loss_before": before, "eval_loss_after": after, "reversed_right": right, "of": len(words)}
