@@ -40,7 +40,7 @@ def plans(cfg, batch: int, seq: int) -> dict:
     from hf_megatrain.memory import GiB, estimate, host_available, model_shapes, plan_placement
 
     gpu_free = torch.cuda.mem_get_info()[0]
-    resident, offload = plan_placement(cfg, batch, seq, gpu_free)
+    resident, offload = plan_placement(cfg, batch, seq, gpu_free, host_free=host_available())
     auto = estimate(cfg, batch, seq, resident_layers=resident, offload_activations=offload)
     streamed = estimate(cfg, batch, seq, resident_layers=0)
     params = model_shapes(cfg).params

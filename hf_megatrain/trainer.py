@@ -37,7 +37,7 @@ from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine
 from .engine.timeline import Timeline
 from .errors import MegaTrainError
-from .memory import GiB, admit, estimate, gpu_available, plan_placement
+from .memory import GiB, admit, estimate, gpu_available, host_available, plan_placement
 
 logger = logging.getLogger(__name__)
 
@@ -439,7 +439,7 @@ def resolve_placement(args, config, batch, seq, device, plan_kw, stream_all: boo
     if None not in fixed:
         return fixed[0], fixed[1]
     resident, offload = plan_placement(config, batch, seq, gpu_available(device), resident_layers=fixed[0],
-                                       offload_activations=fixed[1], **plan_kw)
+                                       offload_activations=fixed[1], host_free=host_available(), **plan_kw)
     logger.info("memory plan: %d of %d layers resident on the GPU, %d layer inputs offloaded (%.0f GiB free)",
                 resident, config.num_hidden_layers, offload, gpu_available(device) / GiB)
     return resident, offload

@@ -131,3 +131,26 @@ def test_host_arenas_are_not_given_to_forked_children():
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGSEGV, signal.SIGBUS)
     assert float(t[0]) == 1.0  # the parent's memory is untouched
+
+
+def test_planner_moves_layers_to_the_gpu_when_the_host_is_short():
+    """The H200 box's 13B case: by the GPU's comfort margin 19 layers are resident and the host plan
+    (117.0 GiB) misses admission against 123 GiB; the planner then uses the GPU headroom."""
+    from hf_megatrain.memory import ADMIT_MARGIN, plan_placement
+    from hf_megatrain.shapes import make_config
+
+    cfg = make_config("llama-2-13b")
+    gpu_free, host_free = 139.3 * GiB, 123.0 * GiB
+    gpu_only, _ = plan_placement(cfg, 16, 1024, gpu_free)
+    both, _ = plan_placement(cfg, 16, 1024, gpu_free, host_free=host_free)
+    assert both > gpu_only
+    plan = estimate(cfg, 16, 1024, resident_layers=both)
+    assert plan.host_total <= host_free * (1 - ADMIT_MARGIN) and plan.gpu_total <= gpu_free * (1 - ADMIT_MARGIN)
+    admit(plan, host_free=host_free, gpu_free=gpu_free)  # accepted
+    with pytest.raises(MegaTrainError):
+        admit(estimate(cfg, 16, 1024, resident_layers=gpu_only), host_free=host_free, gpu_free=gpu_free)
+    # a host far too small stays short: the planner stops at the GPU's admitted limit, admission refuses
+    small, _ = plan_placement(cfg, 16, 1024, gpu_free, host_free=40 * GiB)
+    assert estimate(cfg, 16, 1024, resident_layers=small + 1).gpu_total > gpu_free * (1 - ADMIT_MARGIN)
+    with pytest.raises(MegaTrainError, match="host RAM"):
+        admit(estimate(cfg, 16, 1024, resident_layers=small), host_free=40 * GiB, gpu_free=gpu_free)
