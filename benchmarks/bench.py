@@ -70,6 +70,8 @@ def matmul_peak(seconds: float = 8.0) -> dict:
     while time.perf_counter() < t_end:
         rate(100)
     sustained = rate(400)
+    del a, b
+    torch.cuda.empty_cache()
     return {"burst_tflops": round(burst, 1), "sustained_tflops": round(sustained, 1)}
 
 
@@ -144,6 +146,8 @@ def write_random_checkpoint(shape: str, layers: int | None, folder: str, max_pos
         json.dump({"metadata": {"total_size": total}, "weight_map": index}, f)
     cfg.dtype = "bfloat16"
     cfg.save_pretrained(folder)
+    if dev == "cuda":
+        torch.cuda.empty_cache()  # the driver process lives on beside the workers: keep no GPU cache
     return total
 
 
