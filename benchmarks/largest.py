@@ -128,6 +128,9 @@ def main() -> None:
     per_step = 2 * n + 3  # embedding, n layers, head + loss, n layer backwards, embedding backward
     fwd = [compute[k * per_step + 1 + i] for k in range(len(compute) // per_step) for i in range(n)]
     bwd = [compute[k * per_step + n + 2 + i] for k in range(len(compute) // per_step) for i in range(n)]
+    steps_seen = range(len(compute) // per_step)
+    head = [compute[k * per_step + n + 1] for k in steps_seen]  # final norm, lm_head, loss and their backward
+    embed = [compute[k * per_step] + compute[k * per_step + 2 * n + 2] for k in steps_seen]
     opt = [b - a for lane, a, b in spans if lane == "optimizer"]
     record.update(
         params=params, resident_layers=trainer.engine.resident_layers, tokens_per_step=opts.tokens,
@@ -137,6 +140,8 @@ def main() -> None:
         host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         layer_forward_s=round(statistics.median(fwd), 4) if fwd else None,
         layer_backward_s=round(statistics.median(bwd), 4) if bwd else None,
+        head_loss_s=round(statistics.median(head), 4) if head else None,
+        embedding_s=round(statistics.median(embed), 4) if embed else None,
         host_adamw_unit_s=round(statistics.median(opt), 4) if opt else None,
         loss=[round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h],
     )

@@ -36,6 +36,7 @@ A)
 B)
   part 300 largest_70b python3 benchmarks/largest.py --shape llama-3.1-70b --layers 11 --steps 5 --warmup 2 \
     --out "$OUT"
+  part 60 projection python3 benchmarks/project.py "$OUT/largest_llama-3.1-70b_11.json" --tokens 16384 65536 131072
   part 240 long_stock_3b python3 benchmarks/long_context.py --shape llama-3.2-3b --seq --stock_from 16384 \
     --out "$OUT" ;;
 C)
