@@ -6,7 +6,7 @@
 # A: the largest model this box trains (13B class) + all-streamed vs stock on the 3B shape (clip 1, 0)
 # B: a 70B-width model truncated to what fits + stock Trainer's longest sequence (3B)
 # C: the 7B shape (loaded from disk), default residency vs stock, 16K and 64K tokens/step
-# D: the 7B shape at 256K tokens in one sequence
+# D: the 7B shape at 512K tokens in one sequence (the planner is expected to refuse) and at 256K
 # E: the 3B shape at 512K tokens, full depth (about 8 minutes of attention)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -43,7 +43,7 @@ C)
   part 560 bench_7b python3 benchmarks/bench.py --shape qwen2.5-7b --tokens 16384 65536 --clip 1.0 \
     --systems megatrain:auto,stock --stock_micro 2 --steps 5 --warmup 2 --from_disk /tmp/ckpt --out "$OUT" ;;
 D)
-  part 560 long_7b python3 benchmarks/long_context.py --shape qwen2.5-7b --seq 262144 --out "$OUT" ;;
+  part 560 long_7b python3 benchmarks/long_context.py --shape qwen2.5-7b --seq 524288 262144 --out "$OUT" ;;
 E)
   part 580 long_3b python3 benchmarks/long_context.py --shape llama-3.2-3b --seq 524288 --out "$OUT" ;;
 *) echo "unknown group $1 (A to E)"; exit 2 ;;
