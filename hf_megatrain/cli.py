@@ -89,23 +89,62 @@ def _estimate(argv: list[str]) -> int:
     p.add_argument("--seq", type=int, default=4096, help="tokens per row")
     p.add_argument("--compute_dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--gpu_resident_layers", type=int, default=0)
+    p.add_argument("--gpu_resident_layers", default=None,
+                   help="decoder layers kept on the GPU: N, or auto (needs --gpu_gib); default 0, or auto "
+                        "with --gpu_gib")
+    p.add_argument("--offload_activations", default=None, help="layer inputs kept in host memory: N or auto")
+    p.add_argument("--mlp_tile_tokens", type=int, default=None,
+                   help="MLP sequence tile (default: 16384 for rows longer than 32K tokens, as the trainer)")
+    p.add_argument("--gpu_gib", type=float, default=None,
+                   help="plan for a GPU with this much free memory: place layers and activations as the "
+                        "trainer would, and say whether the run fits (with --host_gib)")
+    p.add_argument("--host_gib", type=float, default=None, help="... and a host with this much available RAM")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     a = p.parse_args(argv)
-    from .memory import estimate, model_shapes
+    from .errors import MegaTrainError
+    from .memory import GiB, admit, estimate, model_shapes, plan_placement
+
+    def count(value, name):
+        if value is None or value == "auto":
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            raise SystemExit(f"hf-megatrain estimate: --{name} takes a number of layers or 'auto', not {value!r}")
 
     config = _config_of(a.model)
-    plan = estimate(config, a.batch, a.seq, compute_dtype=a.compute_dtype, device=a.device,
-                    resident_layers=a.gpu_resident_layers)
+    kw = dict(compute_dtype=a.compute_dtype, device=a.device,
+              mlp_tile_tokens=a.mlp_tile_tokens or (16384 if a.seq > 32768 else None))
+    resident, offload = count(a.gpu_resident_layers, "gpu_resident_layers"), count(a.offload_activations,
+                                                                                  "offload_activations")
+    if a.gpu_gib is not None:
+        resident, offload = plan_placement(config, a.batch, a.seq, a.gpu_gib * GiB, resident_layers=resident,
+                                           offload_activations=offload,
+                                           host_free=a.host_gib * GiB if a.host_gib else None, **kw)
+    elif "auto" in (a.gpu_resident_layers, a.offload_activations):
+        raise SystemExit("hf-megatrain estimate: 'auto' places layers for a machine: give its --gpu_gib")
+    plan = estimate(config, a.batch, a.seq, resident_layers=resident or 0, offload_activations=offload or 0, **kw)
+    verdict = None
+    if a.gpu_gib is not None or a.host_gib is not None:
+        try:
+            admit(plan, host_free=(a.host_gib or float("inf")) * GiB, gpu_free=(a.gpu_gib or float("inf")) * GiB)
+            verdict = "fits"
+        except MegaTrainError as e:
+            verdict = str(e).splitlines()[0]
     if a.json:
         import json
 
-        print(json.dumps(plan.as_dict(), indent=1))
+        print(json.dumps({**plan.as_dict(), "verdict": verdict}, indent=1))
     else:
         print(f"{a.model}: {model_shapes(config).params / 1e9:.2f} B parameters, "
-              f"{a.batch} x {a.seq} tokens per micro-batch, {a.compute_dtype} compute\n")
+              f"{a.batch} x {a.seq} tokens per micro-batch, {a.compute_dtype} compute, "
+              f"{plan.resident_layers} layers resident on the GPU, {plan.offload_activations} layer inputs "
+              f"offloaded\n")
         print(plan.table())
-    return 0
+        if verdict is not None:
+            machine = " + ".join(f"{v:g} GiB {k}" for k, v in (("GPU", a.gpu_gib), ("host", a.host_gib)) if v)
+            print(f"\non {machine}: {verdict}")
+    return 0 if verdict in (None, "fits") else 1
 
 
 def _config_of(model: str):

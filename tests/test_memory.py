@@ -60,6 +60,22 @@ def test_estimate_command(capsys):
     assert e.value.code == 0 and "known shape" in capsys.readouterr().out
 
 
+def test_estimate_command_plans_for_a_machine(capsys):
+    """--gpu_gib / --host_gib: the trainer's placement for that machine, and whether it fits (exit 1 if not)."""
+    args = ["estimate", "llama-3.1-70b", "--batch", "16", "--seq", "1024", "--gpu_gib", "139"]
+    assert main(args + ["--host_gib", "1536"]) == 0
+    out = capsys.readouterr().out
+    assert "on 139 GiB GPU + 1536 GiB host: fits" in out
+    resident = int(out.split(" layers resident")[0].rsplit(" ", 1)[1])
+    assert resident > 0  # some layers are placed on the GPU
+    assert main(args + ["--host_gib", "1024"]) == 1
+    assert "does not fit: host RAM" in capsys.readouterr().out
+    # long rows: the planner offloads layer inputs; MLP tiles are the trainer's default
+    assert main(["estimate", "qwen2.5-7b", "--seq", "262144", "--gpu_gib", "139", "--host_gib", "123"]) == 0
+    with pytest.raises(SystemExit, match="give its --gpu_gib"):
+        main(["estimate", "qwen2.5-7b", "--gpu_resident_layers", "auto"])
+
+
 def test_residency_plan_fills_the_gpu_and_no_more():
     from hf_megatrain.memory import plan_placement
     from hf_megatrain.shapes import make_config
