@@ -112,3 +112,33 @@ def test_long_packed_rows_are_refused_before_a_dense_mask_is_built(monkeypatch):
     batch["position_ids"] = torch.cat([torch.arange(25), torch.arange(15)]).unsqueeze(0)
     with pytest.raises(MegaTrainError, match="packed documents.*flash_attention_2"):
         engine.forward_backward(batch)
+
+
+ROPE = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPE))
+def test_rope_scaling_applies_unchanged(kind):
+    """The model's own rope scaling, as HF implements it, at a length past max_position_embeddings
+    (where dynamic NTK rescales): engine loss and gradients equal stock autograd's."""
+    rope = dict(ROPE[kind], rope_theta=10000.0)
+    model = make_model("llama", rope_parameters=rope, max_position_embeddings=16)
+    plain = make_model("llama", max_position_embeddings=16)
+    batch = make_batch(batch=2, seq=40, pad_rows=0)
+    ref = copy.deepcopy(model)
+    out = ref(**batch)
+    out.loss.backward()
+    assert abs(float(out.loss) - float(plain(**batch).loss)) > 1e-6  # the scaling changes the model
+    engine = StreamingEngine(model, compute_dtype=torch.float32).train()
+    with pytest.warns(UserWarning, match="max_position_embeddings=16"):
+        loss = engine.forward_backward(batch)
+    assert abs(float(loss) - float(out.loss)) < 1e-5
+    grads = dict(engine.named_grads())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
