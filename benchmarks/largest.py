@@ -145,6 +145,13 @@ def main() -> None:
         host_adamw_unit_s=round(statistics.median(opt), 4) if opt else None,
         loss=[round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h],
     )
+    # the estimator for the placement the run used, beside the measured peaks (host: the process's
+    # peak RSS; GPU: max_memory_allocated, which leaves out the CUDA context the estimate counts)
+    from hf_megatrain.memory import GiB, estimate
+
+    plan = estimate(cfg, bs, opts.seq, resident_layers=trainer.engine.resident_layers,
+                    offload_activations=trainer.engine.activations.offload)
+    record.update(estimate_host_gib=round(plan.host_total / GiB, 2), estimate_gpu_gib=round(plan.gpu_total / GiB, 2))
     with open(os.path.join(opts.out, f"largest_{opts.shape}_{cfg.num_hidden_layers}.json"), "w") as f:
         json.dump(record, f, indent=1)
     print("\n" + json.dumps({k: v for k, v in record.items() if k not in ("plans", "loss")}, indent=1))
