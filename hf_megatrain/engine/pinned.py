@@ -6,10 +6,10 @@ waste up to half of a 100 GB host store, so we allocate ordinary memory of exact
 needed and page-lock it with cudaHostRegister. One arena per buffer kind, carved into the
 per-unit flat tensors.
 
-Arenas are anonymous mappings marked MADV_DONTFORK (Linux): a forked process (DataLoader
-workers) does not get them. Without it, fork() copies every page-locked page into each child at
-once and shares the rest copy-on-write, so with two workers a 3B run's ~58 GiB store needed
-another ~50 GiB and the OOM killer took the trainer. Children never touch the store.
+Arenas are private anonymous mappings marked MADV_DONTFORK (Linux): a forked process
+(DataLoader workers) does not get them. Without it, fork() copies every page-locked page into
+each child at once and shares the rest copy-on-write, so with two workers a 3B run's ~58 GiB
+store needed another ~50 GiB and the OOM killer took the trainer. Children never touch the store.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class HostArena:
             total += (n + _ALIGN - 1) // _ALIGN * _ALIGN
         self._offsets = offsets
         self.nbytes = total
-        self._map = mmap.mmap(-1, max(total, 1))  # page-aligned, zero pages until first touched
+        self._map = _anonymous(max(total, 1))  # page-aligned, zero-filled
         if hasattr(mmap, "MADV_DONTFORK"):
             self._map.madvise(mmap.MADV_DONTFORK)
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
@@ -58,6 +58,13 @@ class HostArena:
             self.close()
         except Exception:
             pass
+
+
+def _anonymous(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory, what malloc gives (Python's default is a shared mapping: shmem)."""
+    if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return mmap.mmap(-1, nbytes)
 
 
 def arena_tensors(numels: list[int], dtype: torch.dtype, pin: bool) -> tuple[HostArena, list[torch.Tensor]]:
