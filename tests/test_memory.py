@@ -170,3 +170,28 @@ def test_planner_moves_layers_to_the_gpu_when_the_host_is_short():
     assert estimate(cfg, 16, 1024, resident_layers=small + 1).gpu_total > gpu_free * (1 - ADMIT_MARGIN)
     with pytest.raises(MegaTrainError, match="host RAM"):
         admit(estimate(cfg, 16, 1024, resident_layers=small), host_free=40 * GiB, gpu_free=gpu_free)
+
+
+def test_projection_arithmetic():
+    """benchmarks/project.py: full depth = L x the measured per-layer costs, the host AdamW hidden
+    behind the forward only as far as the formula says, host and GPU from the estimator."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "project.py")
+    spec = importlib.util.spec_from_file_location("project", path)
+    project = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(project)
+    rec = {"shape": "llama-3.1-70b", "layers": 11, "tokens_per_step": 16384, "layer_forward_s": 0.05,
+           "layer_backward_s": 0.15, "host_adamw_unit_s": 0.0, "head_loss_s": 0.4, "embedding_s": 0.1}
+    gpu_bound = project.project(rec, "llama-3.1-70b", 139, 1536)
+    assert gpu_bound["bound"] == "GPU" and gpu_bound["fits"]
+    assert gpu_bound["step_s"] == pytest.approx(80 * 0.2 + 0.5, abs=0.05)  # same width: no scaling
+    rec["host_adamw_unit_s"] = 0.5
+    host_bound = project.project(rec, "llama-3.1-70b", 139, 1536)
+    streamed = host_bound["streamed_layers"]
+    assert host_bound["bound"] == "host AdamW"
+    assert host_bound["step_s"] == pytest.approx(80 * 0.15 + streamed * 0.5 + 0.05 + 0.5, abs=0.05)
+    assert not project.project(rec, "llama-3.1-70b", 139, 1024)["fits"]  # 18 bytes/param do not fit 1 TiB
+    twice = project.project(rec, "llama-3.1-70b", 139, 1536, tokens=32768)
+    assert twice["t_layer_fwd_s"] == pytest.approx(2 * 0.05)  # matmuls scale with tokens, AdamW does not
+    assert twice["t_layer_adamw_s"] == pytest.approx(0.5)
