@@ -44,13 +44,17 @@ def test_residency_none_some_all_identical(kind):
 
 
 def test_resident_units_hold_no_host_state():
-    engine, _, _ = train("llama", 99, steps=1)
+    engine, model, _ = train("llama", 99, steps=1)
     opt = engine.optimizer
     store = engine.store
+    params = dict(model.named_parameters())
     for u in engine.units:
         assert u.resident
         # the model object's parameters view the device copy itself: there is no host copy
-        assert store.compute[u.index] is store.device_compute[u.index]
+        copy = store.compute[u.index]
+        lo, hi = copy.data_ptr(), copy.data_ptr() + copy.numel() * copy.element_size()
+        for s in u.slots:
+            assert lo <= params[s.name].data_ptr() < hi, s.name
     host_state = sum(a.nbytes for a in store._arenas) + sum(a.nbytes for a in opt._arenas)
     assert host_state <= 4096 * 5 * len(engine.units)  # only page-rounding slack: no weights, masters, moments
 

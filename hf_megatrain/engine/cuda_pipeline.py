@@ -69,7 +69,7 @@ class CudaPipeline:
         self.fixed: dict[int, _Buffer] = {}
         for u in store.units:
             if u.resident:  # already on the device: its "buffer" is the resident copy, never loaded
-                self.fixed[u.index] = _Buffer(store.device_compute[u.index])
+                self.fixed[u.index] = _Buffer(store.compute[u.index])
             elif u.kind != "layer":
                 self.fixed[u.index] = _Buffer(torch.empty(u.numel, dtype=dt, device=device))
         # gradients cover the trainable prefix only

@@ -198,8 +198,7 @@ class HostAdamW(torch.optim.Optimizer):
         master, grad = store.master[index], store.grad[index]
         step_t = torch.tensor(float(step), dtype=torch.float32, device=master.device)
         m, v = self.exp_avg[index], self.exp_avg_sq[index]
-        resident = store.units[index].resident
-        compute = store.device_compute[index] if resident else store.compute[index]
+        compute = store.compute[index]  # on the device for a resident unit
         separate = compute is not master
         lo = store.bounds[index][0]  # the compute copy is the whole unit; the master this rank's slice
         # On the host, tiles keep grad, master and moments in cache between the clip, the update

@@ -31,8 +31,7 @@ class HostPipeline:
         """The order in which units will be asked for during this forward/backward."""
 
     def weights(self, index: int) -> torch.Tensor:
-        dev = self.store.device_compute[index]
-        return dev if dev is not None else self.store.compute[index]
+        return self.store.compute[index]  # a resident unit's copy is already on the device
 
     def release(self, index: int) -> None:
         pass

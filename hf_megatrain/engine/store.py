@@ -144,18 +144,14 @@ class HostStore:
         else:
             self.compute = self._alloc([0 if u.resident else u.numel for u in units], compute_dtype)
         self.grad = self._alloc(trained, torch.float32)
-        # Device-side state of resident units (None for streamed ones); their compute[] entry is
-        # the same tensor.
-        self.device_compute: list[torch.Tensor | None] = [None] * len(units)
+        # Resident units: master, gradient and compute copy on the device (the compute copy is the
+        # master itself in fp32 compute mode).
         for u in units:
             if u.resident:
                 self.master[u.index] = torch.empty(u.n_train, dtype=torch.float32, device=self.device)
                 self.grad[u.index] = torch.empty(u.n_train, dtype=torch.float32, device=self.device)
-                if self.aliased:
-                    self.device_compute[u.index] = self.master[u.index]
-                else:
-                    self.device_compute[u.index] = torch.empty(u.numel, dtype=compute_dtype, device=self.device)
-                self.compute[u.index] = self.device_compute[u.index]
+                self.compute[u.index] = self.master[u.index] if self.aliased else \
+                    torch.empty(u.numel, dtype=compute_dtype, device=self.device)
         # How many gradient contributions each unit's accumulator holds since zero_grad().
         self.grad_count = [0] * len(units)
         # Set while a unit's master and compute copy are current; cleared while an optimizer
@@ -240,8 +236,8 @@ class HostStore:
         """Bring the copy the GPU reads up to date with the master (after a step)."""
         unit = self.units[index]
         if unit.resident:
-            if self.device_compute[index] is not self.master[index]:
-                self.device_compute[index][: unit.n_train].copy_(self.master[index])
+            if self.compute[index] is not self.master[index]:
+                self.compute[index][: unit.n_train].copy_(self.master[index])
         elif not self.aliased:
             lo, hi = self.bounds[index]
             self.compute[index][lo:hi].copy_(self.master[index])
