@@ -33,6 +33,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -155,6 +156,19 @@ def write_random_checkpoint(shape: str, layers: int | None, folder: str, max_pos
     if dev == "cuda":
         torch.cuda.empty_cache()  # the driver process lives on beside the workers: keep no GPU cache
     return total
+
+
+def random_checkpoint(root: str, shape: str, layers: int | None, max_positions: int = 131072) -> str:
+    """The shape's random checkpoint folder under `root`, written on first use (into a .partial
+    folder renamed when complete, so a run cut short never leaves a half-written one behind)."""
+    folder = os.path.join(root, f"{shape}-{layers or 'full'}")
+    if not os.path.isdir(folder):
+        t0 = time.perf_counter()
+        shutil.rmtree(folder + ".partial", ignore_errors=True)
+        nbytes = write_random_checkpoint(shape, layers, folder + ".partial", max_positions)
+        os.rename(folder + ".partial", folder)
+        print(f"wrote {nbytes / 1e9:.1f} GB of bf16 safetensors in {time.perf_counter() - t0:.0f} s", flush=True)
+    return folder
 
 
 class TokenRows:
@@ -462,17 +476,6 @@ def run_worker(cmd: list, env: dict, log_path: str, header: str) -> tuple[list, 
     return rows, rc, text
 
 
-def checkpoint_for(opts) -> str:
-    """--from_disk: the shape's random checkpoint, written once per run under --from_disk."""
-    folder = os.path.join(opts.from_disk, f"{opts.shape}-{opts.layers or 'full'}")
-    if not os.path.isdir(folder):
-        t0 = time.perf_counter()
-        nbytes = write_random_checkpoint(opts.shape, opts.layers, folder + ".partial", max(opts.seq, 4096))
-        os.rename(folder + ".partial", folder)
-        print(f"wrote {nbytes / 1e9:.1f} GB of bf16 safetensors in {time.perf_counter() - t0:.0f} s", flush=True)
-    return folder
-
-
 def run_system(system: str, opts) -> list:
     system, _, resident = system.partition(":")  # megatrain:auto, megatrain:0 = gpu_resident_layers
     resident = resident or opts.resident
@@ -484,7 +487,7 @@ def run_system(system: str, opts) -> list:
     if opts.dry_run:
         base += ["--dry_run"]
     if system == "megatrain" and opts.from_disk:
-        base += ["--checkpoint", checkpoint_for(opts)]
+        base += ["--checkpoint", random_checkpoint(opts.from_disk, opts.shape, opts.layers, max(opts.seq, 4096))]
     if system == "megatrain":
         base += ["--trace_out", os.path.join(opts.out, f"trace_{opts.shape}_resident-{resident}.json")]
     env = dict(os.environ)

@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench import TokenRows, _collate, make_clock, matmul_peak, write_random_checkpoint  # noqa: E402
+from bench import TokenRows, _collate, make_clock, matmul_peak, random_checkpoint  # noqa: E402
 
 def plans(cfg, batch: int, seq: int) -> dict:
     import torch
@@ -73,11 +73,7 @@ def main() -> None:
     from hf_megatrain.engine.timeline import Timeline
 
     os.makedirs(opts.out, exist_ok=True)
-    folder = os.path.join(opts.dir, f"{opts.shape}-{opts.layers or 'full'}")
-    t0 = time.perf_counter()
-    if not os.path.isdir(folder):
-        nbytes = write_random_checkpoint(opts.shape, opts.layers, folder)
-        print(f"wrote {nbytes / 1e9:.1f} GB of bf16 safetensors in {time.perf_counter() - t0:.0f} s", flush=True)
+    folder = random_checkpoint(opts.dir, opts.shape, opts.layers)
     cfg = AutoConfig.from_pretrained(folder)
     bs = opts.tokens // opts.seq
     record = {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(), "command": " ".join(sys.argv),

@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench import TokenRows, _collate, build_model, matmul_peak, write_random_checkpoint  # noqa: E402
+from bench import TokenRows, _collate, build_model, matmul_peak, random_checkpoint  # noqa: E402
 
 
 def step_flops(config, params: int, seq: int) -> float:
@@ -111,24 +111,13 @@ def attempt(opts) -> None:
     print("RESULT " + json.dumps(row), flush=True)
 
 
-def checkpoint(opts) -> str:
-    """The shape's random bf16 checkpoint under --dir, written on first use."""
-    folder = os.path.join(opts.dir, f"{opts.shape}-{opts.layers or 'full'}")
-    if not os.path.isdir(folder):
-        t0 = time.perf_counter()
-        nbytes = write_random_checkpoint(opts.shape, opts.layers, folder + ".partial", max(opts.seq + [4096]))
-        os.rename(folder + ".partial", folder)
-        print(f"wrote {nbytes / 1e9:.1f} GB of bf16 safetensors in {time.perf_counter() - t0:.0f} s", flush=True)
-    return folder
-
-
 def run(opts, system: str, seq: int, log_dir: str) -> dict:
     cmd = [sys.executable, __file__, "--system", system, "--shape", opts.shape, "--seq", str(seq),
            "--steps", str(opts.steps)]
     if opts.layers:
         cmd += ["--layers", str(opts.layers)]
     if system == "megatrain":
-        cmd += ["--checkpoint", checkpoint(opts)]
+        cmd += ["--checkpoint", random_checkpoint(opts.dir, opts.shape, opts.layers, max(opts.seq + [4096]))]
     log_path = os.path.join(log_dir, f"long_{system}_{opts.shape}_{seq}.log")
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
