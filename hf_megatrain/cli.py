@@ -102,7 +102,7 @@ def _estimate(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     a = p.parse_args(argv)
     from .errors import MegaTrainError
-    from .memory import GiB, admit, estimate, model_shapes, plan_placement
+    from .memory import GiB, admit, estimate, mlp_tile, model_shapes, plan_placement
 
     def count(value, name):
         if value is None or value == "auto":
@@ -114,7 +114,7 @@ def _estimate(argv: list[str]) -> int:
 
     config = _config_of(a.model)
     kw = dict(compute_dtype=a.compute_dtype, device=a.device,
-              mlp_tile_tokens=a.mlp_tile_tokens or (16384 if a.seq > 32768 else None))
+              mlp_tile_tokens=mlp_tile(a.seq, a.mlp_tile_tokens))
     resident, offload = count(a.gpu_resident_layers, "gpu_resident_layers"), count(a.offload_activations,
                                                                                   "offload_activations")
     if a.gpu_gib is not None:

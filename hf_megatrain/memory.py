@@ -152,6 +152,15 @@ def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", d
     return plan
 
 
+def mlp_tile(seq: int, tile: int | None = None) -> int | None:
+    """The MLP sequence tile: the one asked for, or 16K tokens once rows are long (> 32K tokens).
+
+    Tiles cut along the sequence, so they only pay off for long rows; many short rows are
+    better split into micro-batches than into thin slices.
+    """
+    return tile or (16384 if seq > 32768 else None)
+
+
 ADMIT_MARGIN = 0.05  # what admission keeps free of the host's MemAvailable and the GPU's free memory
 
 

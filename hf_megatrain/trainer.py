@@ -37,7 +37,7 @@ from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine
 from .engine.timeline import Timeline
 from .errors import MegaTrainError
-from .memory import GiB, admit, estimate, gpu_available, host_available, plan_placement
+from .memory import GiB, admit, estimate, gpu_available, host_available, mlp_tile, plan_placement
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class MegaTrainTrainer(Trainer):
             logger.info("gradient_checkpointing: the engine always recomputes at layer boundaries; flag ignored")
             args.gradient_checkpointing = False
 
-        tiles = mlp_tiles(args)
+        tiles = mlp_tile(getattr(args, "max_seq_length", 0), getattr(args, "mlp_tile_tokens", None))
         plan_kw = dict(compute_dtype=str(resolve_compute_dtype(args, device)).replace("torch.", ""),
                        device=device.type, prefetch_depth=getattr(args, "prefetch_depth", 2), mlp_tile_tokens=tiles)
         batch, seq = args.per_device_train_batch_size, getattr(args, "max_seq_length", 1024)
@@ -438,23 +438,12 @@ def resolve_placement(args, config, batch, seq, device, plan_kw, stream_all: boo
         return fixed[0] or 0, fixed[1] or 0
     if None not in fixed:
         return fixed[0], fixed[1]
-    resident, offload = plan_placement(config, batch, seq, gpu_available(device), resident_layers=fixed[0],
+    gpu_free = gpu_available(device)
+    resident, offload = plan_placement(config, batch, seq, gpu_free, resident_layers=fixed[0],
                                        offload_activations=fixed[1], host_free=host_available(), **plan_kw)
     logger.info("memory plan: %d of %d layers resident on the GPU, %d layer inputs offloaded (%.0f GiB free)",
-                resident, config.num_hidden_layers, offload, gpu_available(device) / GiB)
+                resident, config.num_hidden_layers, offload, gpu_free / GiB)
     return resident, offload
-
-
-def mlp_tiles(args) -> int | None:
-    """The MLP tile: the user's, or 16K tokens once sequences are long (> 32K tokens).
-
-    Tiles cut along the sequence, so they only pay off for long rows; many short rows are
-    better split into micro-batches (per_device_train_batch_size) than into thin slices.
-    """
-    tile = getattr(args, "mlp_tile_tokens", None)
-    if tile:
-        return tile
-    return 16384 if getattr(args, "max_seq_length", 0) > 32768 else None
 
 
 def _config(model):
