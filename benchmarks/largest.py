@@ -104,11 +104,20 @@ def main() -> None:
     def on_warm():
         trainer.engine.pipeline.timeline = timeline
 
+    from hf_megatrain.memory import GiB, host_available
+
+    marks = []  # per step: wall time, the allocator's retries so far, the host's MemAvailable
+
     class Progress(TrainerCallback):  # one line per step: a run cut short still says how far it got
         def on_step_end(self, args, state, control, **kw):
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            # A step much slower than its layers add up to: the caching allocator freeing its cache
+            # and retrying near a full card (retries), or the host reclaiming memory (MemAvailable)?
+            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+            marks.append((time.perf_counter(), retries, host_available() / GiB))
             print(f"STEP {state.global_step} t={time.perf_counter() - t0:.1f}s gpu_peak="
-                  f"{torch.cuda.max_memory_allocated() / 2**30:.1f}GiB host_peak={rss:.1f}GiB", flush=True)
+                  f"{torch.cuda.max_memory_allocated() / 2**30:.1f}GiB host_peak={rss:.1f}GiB "
+                  f"alloc_retries={retries} host_available={marks[-1][2]:.1f}GiB", flush=True)
 
     clock = make_clock(opts.warmup, opts.steps, trainer.engine, on_warm)
     trainer.add_callback(clock)
@@ -118,7 +127,10 @@ def main() -> None:
     steps = opts.steps - opts.warmup
     params = trainer.engine.num_parameters
     tps = steps * opts.tokens / dt
-    spans = timeline.collect()["spans"]
+    collected = timeline.collect()
+    spans = collected["spans"]
+    with open(os.path.join(opts.out, f"trace_largest_{opts.shape}_{cfg.num_hidden_layers}.json"), "w") as f:
+        json.dump({"spans": spans[-6000:], "wall_s": collected["wall_s"]}, f)
     n = cfg.num_hidden_layers
     compute = [b - a for lane, a, b in sorted(spans, key=lambda s: s[1]) if lane == "compute"]
     per_step = 2 * n + 3  # embedding, n layers, head + loss, n layer backwards, embedding backward
@@ -140,17 +152,21 @@ def main() -> None:
         embedding_s=round(statistics.median(embed), 4) if embed else None,
         host_adamw_unit_s=round(statistics.median(opt), 4) if opt else None,
         loss=[round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h],
+        step_times_s=[round(b[0] - a[0], 2) for a, b in zip(marks, marks[1:])],
+        alloc_retries=[m[1] for m in marks], host_available_gib=[round(m[2], 1) for m in marks],
+        breakdown={k: v for k, v in collected.items() if k.endswith("_busy") or k == "gpu_idle"},
     )
     # the estimator for the placement the run used, beside the measured peaks (host: the process's
     # peak RSS; GPU: max_memory_allocated, which leaves out the CUDA context the estimate counts)
-    from hf_megatrain.memory import GiB, estimate
+    from hf_megatrain.memory import estimate
 
     plan = estimate(cfg, bs, opts.seq, resident_layers=trainer.engine.resident_layers,
                     offload_activations=trainer.engine.activations.offload)
     record.update(estimate_host_gib=round(plan.host_total / GiB, 2), estimate_gpu_gib=round(plan.gpu_total / GiB, 2))
     with open(os.path.join(opts.out, f"largest_{opts.shape}_{cfg.num_hidden_layers}.json"), "w") as f:
         json.dump(record, f, indent=1)
-    print("\n" + json.dumps({k: v for k, v in record.items() if k not in ("plans", "loss")}, indent=1))
+    print("\n" + json.dumps({k: v for k, v in record.items() if k not in ("plans", "loss", "alloc_retries",
+                                                                           "host_available_gib")}, indent=1))
     if os.environ.get("LARGEST_KEEP") != "1":
         shutil.rmtree(folder, ignore_errors=True)
 

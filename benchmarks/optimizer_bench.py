@@ -1,10 +1,11 @@
 """Time HostAdamW.step_unit itself (the engine's real code path) on a model-shaped store.
 
-    python benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4
+    python benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4 --threads 15 8 --spans 19 21
 
 For each of: store pinned (cudaHostRegister, as on a GPU) or pageable; clipping on or off; the
-main thread or the optimizer's worker thread: G params/s of one full step. Compare with
-benchmarks/adam_bench.py (the bare kernel) to see what the engine adds.
+main thread or the optimizer's worker thread; the host step's threads and span sizes (2**N
+elements): G params/s of one full step. Compare with benchmarks/adam_bench.py (the bare kernel)
+to see what the engine adds.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import hf_megatrain.engine.optimizer as optimizer_module  # noqa: E402
 from hf_megatrain.engine.optimizer import HostAdamW  # noqa: E402
 from hf_megatrain.engine.store import HostStore, build_units  # noqa: E402
 from hf_megatrain.patcher.specs import spec_for  # noqa: E402
@@ -33,7 +35,7 @@ class _Engine:
         self.pipeline = type("P", (), {"timeline": None, "finish": lambda self: None})()
 
 
-def build(shape, layers, pin):
+def build(shape, layers, pin, threads):
     from transformers import AutoModelForCausalLM
 
     cfg = make_config(shape, layers)
@@ -46,45 +48,53 @@ def build(shape, layers, pin):
         store.grad[u.index].normal_()
         store.grad_count[u.index] = 1
     engine = _Engine(store, "cuda" if pin else "cpu")
-    return engine, HostAdamW(engine, lr=1e-4, weight_decay=0.1)
+    return engine, HostAdamW(engine, lr=1e-4, weight_decay=0.1, host_threads=threads)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--threads", type=int, nargs="+", default=[None], help="host_threads (default: the engine's)")
+    ap.add_argument("--spans", type=int, nargs="+", default=[None], help="log2 of the span size (default: the engine's)")
     a = ap.parse_args()
-    print("torch threads", torch.get_num_threads())
+    print("torch threads", torch.get_num_threads(), "default span", optimizer_module.SPAN)
+    default_span = optimizer_module.SPAN
     for pin in ([False, True] if torch.cuda.is_available() else [False]):
-        engine, opt = build(a.shape, a.layers, pin)
-        n = sum(u.n_train for u in engine.store.units)
-        hyper = opt._hyper()
-        for clip in (None, torch.tensor(0.5)):
-            for where in ("main", "thread"):
-                def one():
-                    t0 = time.perf_counter()
-                    for u in engine.store.units:
-                        opt.step_unit(u.index, hyper, clip, 1, 1)
-                    return n / (time.perf_counter() - t0) / 1e9
+        for threads in a.threads:
+            engine, opt = build(a.shape, a.layers, pin, threads)
+            n = sum(u.n_train for u in engine.store.units)
+            hyper = opt._hyper()
+            for span in a.spans:
+                optimizer_module.SPAN = default_span if span is None else 1 << span
+                for clip in (None, torch.tensor(0.5)):
+                    for where in ("main", "thread"):
+                        def one():
+                            t0 = time.perf_counter()
+                            for u in engine.store.units:
+                                opt.step_unit(u.index, hyper, clip, 1, 1)
+                            return n / (time.perf_counter() - t0) / 1e9
 
-                res = {}
-                if where == "main":
-                    one()
-                    res["r"] = max(one() for _ in range(2))
-                else:
-                    threads = torch.get_num_threads()
+                        res = {}
+                        if where == "main":
+                            one()
+                            res["r"] = max(one() for _ in range(2))
+                        else:
+                            count = torch.get_num_threads()
 
-                    def go():
-                        torch.set_num_threads(threads)
-                        one()
-                        res["r"] = max(one() for _ in range(2))
+                            def go():
+                                torch.set_num_threads(count)
+                                one()
+                                res["r"] = max(one() for _ in range(2))
 
-                    t = threading.Thread(target=go)
-                    t.start()
-                    t.join()
-                print(f"pinned={pin!s:5} clip={'on ' if clip is not None else 'off'} {where:6} "
-                      f"{res['r']:.2f} G params/s  ({n / 1e9:.2f} B params)", flush=True)
-        engine = opt = None  # free this store before the next one is built
+                            t = threading.Thread(target=go)
+                            t.start()
+                            t.join()
+                        print(f"pinned={pin!s:5} threads={opt._spans.threads:<3} span=2^{optimizer_module.SPAN.bit_length() - 1:<3}"
+                              f"clip={'on ' if clip is not None else 'off'} {where:6} {res['r']:.2f} G params/s  "
+                              f"({n / 1e9:.2f} B params)", flush=True)
+            engine = opt = None  # free this store before the next one is built
+        optimizer_module.SPAN = default_span
 
 
 if __name__ == "__main__":

@@ -3,12 +3,12 @@
 # 10 minutes); every part runs under its own time limit, logs and JSON go under $OUT, and the
 # tails of the logs are printed last.
 #   bash benchmarks/suite.sh A      (carry .whl and .dswhl)
-# A: the GPU tests + all-streamed vs stock on the 3B shape (16K and 64K tokens/step, clip 1 and 0)
-# B: the largest model this box trains (13B class) + a 70B-width model truncated to what fits
-# C: the 7B shape (loaded from disk), default residency vs stock, 16K and 64K tokens/step
-# D: stock Trainer's longest sequence (3B) + the 7B shape at 512K tokens in one sequence (the planner
-#    is expected to refuse) and at 256K
+# A: the GPU tests + the host AdamW's threads and span sizes + all-streamed vs stock, 3B shape
+# B: GPU peak flat in depth (1B width, 8/16/32 layers, all streamed) + default residency vs stock, 3B, 64K
+# C: the offload systems at 64K tokens/step beside the default and stock (3B; carry .dswhl too)
+# D: the largest model this box trains (13B class) again, with per-step times and allocator retries
 # E: the 3B shape at 512K tokens, full depth (about 8 minutes of attention)
+# (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -32,20 +32,22 @@ part() {  # part SECONDS NAME command...: run, keep its log, never stop the suit
 case "${1:-A}" in
 A)
   part 150 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
-  part 420 bench_3b python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 65536 --clip 1.0 0.0 \
-    --systems megatrain:0,stock --steps 6 --warmup 2 --out "$OUT" ;;
+  part 90 optimizer python3 benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4 --threads 15 8 \
+    --spans 17 19 21
+  part 340 bench_3b python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 65536 --clip 1.0 0.0 \
+    --systems megatrain:0,stock --steps 5 --warmup 2 --out "$OUT" ;;
 B)
-  part 260 largest_13b python3 benchmarks/largest.py --shape llama-2-13b --steps 10 --warmup 2 --out "$OUT"
-  part 280 largest_70b python3 benchmarks/largest.py --shape llama-3.1-70b --layers 11 --steps 5 --warmup 2 \
-    --out "$OUT"
-  part 30 projection python3 benchmarks/project.py "$OUT/largest_llama-3.1-70b_11.json" --tokens 16384 65536 131072 ;;
+  for n in 8 16 32; do
+    part 70 depth_$n python3 benchmarks/bench.py --shape llama-3.2-1b --layers $n --tokens 16384 --clip 1.0 \
+      --systems megatrain:0 --steps 4 --warmup 2 --skip_peak --out "$OUT/depth_$n"
+  done
+  part 360 bench_3b_64k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 65536 --clip 1.0 0.0 \
+    --systems megatrain:auto,stock --steps 4 --warmup 2 --out "$OUT" ;;
 C)
-  part 560 bench_7b python3 benchmarks/bench.py --shape qwen2.5-7b --tokens 16384 65536 --clip 1.0 \
-    --systems megatrain:auto,stock --stock_micro 2 --steps 5 --warmup 2 --from_disk /tmp/ckpt --out "$OUT" ;;
+  part 580 offload_64k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 65536 --clip 1.0 \
+    --systems megatrain:auto,stock,deepspeed,fsdp2 --steps 3 --warmup 1 --out "$OUT" ;;
 D)
-  part 240 long_stock_3b python3 benchmarks/long_context.py --shape llama-3.2-3b --seq --stock_from 16384 \
-    --out "$OUT"
-  part 330 long_7b python3 benchmarks/long_context.py --shape qwen2.5-7b --seq 524288 262144 --out "$OUT" ;;
+  part 300 largest_13b python3 benchmarks/largest.py --shape llama-2-13b --steps 10 --warmup 2 --out "$OUT" ;;
 E)
   part 580 long_3b python3 benchmarks/long_context.py --shape llama-3.2-3b --seq 524288 --out "$OUT" ;;
 *) echo "unknown group $1 (A to E)"; exit 2 ;;

@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 
 from .errors import MegaTrainError
 
@@ -102,7 +103,7 @@ def _estimate(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     a = p.parse_args(argv)
     from .errors import MegaTrainError
-    from .memory import GiB, admit, estimate, mlp_tile, model_shapes, plan_placement
+    from .memory import GiB, admit, estimate, longest_fitting_row, mlp_tile, model_shapes, plan_placement
 
     def count(value, name):
         if value is None or value == "auto":
@@ -127,10 +128,16 @@ def _estimate(argv: list[str]) -> int:
     verdict = None
     if a.gpu_gib is not None or a.host_gib is not None:
         try:
-            admit(plan, host_free=(a.host_gib or float("inf")) * GiB, gpu_free=(a.gpu_gib or float("inf")) * GiB)
+            hint = None
+            if a.gpu_gib is not None and a.host_gib is not None and a.device == "cuda":
+                hint = partial(longest_fitting_row, config, a.batch, a.seq,
+                               **dict(kw, mlp_tile_tokens=a.mlp_tile_tokens))
+            admit(plan, host_free=(a.host_gib or float("inf")) * GiB, gpu_free=(a.gpu_gib or float("inf")) * GiB,
+                  hint=hint)
             verdict = "fits"
         except MegaTrainError as e:
-            verdict = str(e).splitlines()[0]
+            lines = str(e).splitlines()  # the verdict, and the longest row that fits when there is one
+            verdict = lines[0] + "".join(f"\n{ln}" for ln in lines[1:] if ln.startswith("max_seq_length="))
     if a.json:
         import json
 

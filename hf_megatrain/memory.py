@@ -225,18 +225,17 @@ def gpu_available(device=None) -> float:
 
 
 def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float | None = None,
-          margin: float = ADMIT_MARGIN) -> None:
-    """Raise MegaTrainError, with what would make it fit, if the plan exceeds the machine."""
+          margin: float = ADMIT_MARGIN, hint=None) -> None:
+    """Raise MegaTrainError, with what would make it fit, if the plan exceeds the machine.
+
+    hint: called with host_free= and gpu_free= only on a refusal, for one more line of advice (the
+    trainer's: the longest row that fits, see longest_fitting_row)."""
     from .errors import MegaTrainError
 
     host_free = host_available() if host_free is None else host_free
-    problems = []
-    if plan.host_total > host_free * (1 - margin):
-        problems.append(f"host RAM: needs {plan.host_total / GiB:.1f} GiB, {host_free / GiB:.1f} GiB available")
-    if plan.gpu:
-        gpu_free = gpu_available() if gpu_free is None else gpu_free
-        if plan.gpu_total > gpu_free * (1 - margin):
-            problems.append(f"GPU memory: needs {plan.gpu_total / GiB:.1f} GiB, {gpu_free / GiB:.1f} GiB free")
+    if plan.gpu and gpu_free is None:
+        gpu_free = gpu_available()
+    problems = _shortfalls(plan, host_free, gpu_free, margin)
     if not problems:
         return
     fixes = []
@@ -244,11 +243,39 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
         fixes += ["a smaller per_device_train_batch_size or max_seq_length (activations scale with tokens)",
                   "fewer gpu_resident_layers" if plan.resident_layers else "a smaller loss_chunk_tokens",
                   "offload_activations='auto' or a larger number (layer inputs kept in pinned host memory)"]
+    hint = hint(host_free=host_free, gpu_free=gpu_free) if hint is not None else None
     if any(p.startswith("host") for p in problems):
         fixes += ["gpu_resident_layers > 0 to keep some layers' state on the GPU instead",
                   "a host with more RAM (18 bytes per parameter: fp32 master, gradient and Adam states)",
                   "LoRA (peft_config) instead of full fine-tuning: about 2 bytes per frozen parameter"]
     raise MegaTrainError(
         "this run does not fit: " + "; ".join(problems) + ".\n" + plan.table() + "\nWould fit with: "
-        + "; or ".join(fixes) + "."
+        + "; or ".join(fixes) + "." + (f"\n{hint}" if hint else "")
     )
+
+
+def _shortfalls(plan: MemoryPlan, host_free: float, gpu_free: float | None, margin: float) -> list[str]:
+    problems = []
+    if plan.host_total > host_free * (1 - margin):
+        problems.append(f"host RAM: needs {plan.host_total / GiB:.1f} GiB, {host_free / GiB:.1f} GiB available")
+    if plan.gpu and plan.gpu_total > gpu_free * (1 - margin):
+        problems.append(f"GPU memory: needs {plan.gpu_total / GiB:.1f} GiB, {gpu_free / GiB:.1f} GiB free")
+    return problems
+
+
+def longest_fitting_row(config, batch: int, seq: int, gpu_free: float, host_free: float, *,
+                        mlp_tile_tokens: int | None = None, **kw) -> str | None:
+    """For a refusal: the longest row, halving `seq` down to 1024 tokens, whose automatic plan
+    (residency, activation offload, MLP tiles as the trainer would pick them) fits this machine,
+    said as the setting to use; None if none does."""
+    length = seq // 2
+    while length >= 1024:
+        kw_len = dict(kw, mlp_tile_tokens=mlp_tile(length, mlp_tile_tokens))
+        resident, offload = plan_placement(config, batch, length, gpu_free, host_free=host_free, **kw_len)
+        plan = estimate(config, batch, length, resident_layers=resident, offload_activations=offload, **kw_len)
+        if not _shortfalls(plan, host_free, gpu_free, ADMIT_MARGIN):
+            return (f"max_seq_length={length} fits this machine ({resident} layers resident on the GPU, "
+                    f"{offload} layer inputs offloaded; {plan.host_total / GiB:.1f} GiB host, "
+                    f"{plan.gpu_total / GiB:.1f} GiB GPU).")
+        length //= 2
+    return None

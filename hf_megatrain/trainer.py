@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import time
+from functools import partial
 
 import torch
 from transformers import Trainer
@@ -37,7 +38,8 @@ from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine
 from .engine.timeline import Timeline
 from .errors import MegaTrainError
-from .memory import GiB, admit, estimate, gpu_available, host_available, mlp_tile, plan_placement
+from .memory import (GiB, admit, estimate, gpu_available, host_available, longest_fitting_row, mlp_tile,
+                     plan_placement)
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +101,12 @@ class MegaTrainTrainer(Trainer):
             print(f"hf_megatrain memory plan for {batch} x {seq} tokens: MLP tiles of {tiles} tokens, "
                   f"{offload} layer inputs offloaded to host, {resident} layers resident on the GPU\n{plan.table()}")
         if getattr(args, "memory_check", True):
-            admit(plan)  # before a single large allocation: does the plan fit this machine?
+            hint = None
+            if device.type == "cuda" and batch * seq >= LONG_CONTEXT_TOKENS and args.world_size == 1:
+                # a long-context refusal also names the longest row that would fit
+                hint = partial(longest_fitting_row, _config(model), batch, seq,
+                               **dict(plan_kw, mlp_tile_tokens=getattr(args, "mlp_tile_tokens", None)))
+            admit(plan, hint=hint)  # before a single large allocation: does the plan fit this machine?
         if device.type == "cpu":
             args.dataloader_pin_memory = False  # nothing to pin for
         args._n_gpu = 1 if device.type == "cuda" else args._n_gpu

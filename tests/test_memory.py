@@ -76,6 +76,28 @@ def test_estimate_command_plans_for_a_machine(capsys):
         main(["estimate", "qwen2.5-7b", "--gpu_resident_layers", "auto"])
 
 
+def test_long_context_refusal_names_the_longest_row_that_fits(capsys):
+    """The 7B shape at 512K on the H200 box (139 GiB GPU, 123 GiB host) is refused; the refusal
+    says 256K fits, with the placement the planner would use there (measured: BENCHMARKS run 7)."""
+    from functools import partial
+
+    from hf_megatrain.memory import longest_fitting_row, mlp_tile, plan_placement
+    from hf_megatrain.shapes import make_config
+
+    cfg = make_config("qwen2.5-7b", max_positions=524288)
+    gpu, host = 139 * GiB, 123 * GiB
+    kw = dict(mlp_tile_tokens=mlp_tile(524288))
+    r, o = plan_placement(cfg, 1, 524288, gpu, host_free=host, **kw)
+    plan = estimate(cfg, 1, 524288, resident_layers=r, offload_activations=o, **kw)
+    hint = partial(longest_fitting_row, cfg, 1, 524288)
+    with pytest.raises(MegaTrainError, match=r"(?s)host RAM: needs.*\nmax_seq_length=262144 fits this machine "
+                                             r"\(4 layers resident"):
+        admit(plan, host_free=host, gpu_free=gpu, hint=hint)
+    assert longest_fitting_row(cfg, 1, 524288, gpu_free=2 * GiB, host_free=host) is None  # nothing fits
+    assert main(["estimate", "qwen2.5-7b", "--seq", "524288", "--gpu_gib", "139", "--host_gib", "123"]) == 1
+    assert "max_seq_length=262144 fits this machine" in capsys.readouterr().out
+
+
 def test_residency_plan_fills_the_gpu_and_no_more():
     from hf_megatrain.memory import plan_placement
     from hf_megatrain.shapes import make_config

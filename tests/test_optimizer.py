@@ -10,7 +10,11 @@ from hf_megatrain import HostAdamW, StreamingEngine
 from tiny import make_batch, make_model
 
 
-def test_adamw_clipping_and_scheduler_match_torch():
+@pytest.mark.parametrize("span,threads", [(None, None), (256, 3)])
+def test_adamw_clipping_and_scheduler_match_torch(span, threads, monkeypatch):
+    """(256, 3): every unit cut into hundreds of spans stepped by three threads at once."""
+    if span is not None:
+        monkeypatch.setattr("hf_megatrain.engine.optimizer.SPAN", span)
     model = make_model("llama_tied")
     ref = copy.deepcopy(model)
     decay = Trainer.get_decay_parameter_names(None, ref)
@@ -22,7 +26,7 @@ def test_adamw_clipping_and_scheduler_match_torch():
     ref_sched = get_cosine_schedule_with_warmup(ref_opt, 2, 5)
 
     engine = StreamingEngine(model, compute_dtype=torch.float32, decay_names=decay).train()
-    opt = HostAdamW(engine, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = HostAdamW(engine, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, host_threads=threads)
     sched = get_cosine_schedule_with_warmup(opt, 2, 5)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
 
@@ -130,3 +134,29 @@ def test_worker_reraises_a_failed_job_once():
     worker.submit(lambda: seen.append(1))
     worker.drain()
     assert seen == [1]
+
+
+def test_span_threads_run_on_one_core_and_leave_other_threads_alone():
+    """The host step's threads set OpenMP's count to 1 for themselves only: the creator keeps its
+    count, and so does a thread started afterwards (torch gives new threads the last count set)."""
+    import threading
+
+    from hf_megatrain.engine.worker import SpanPool
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pool = SpanPool(3)
+        seen = []
+        pool.run(lambda _: seen.append(torch.get_num_threads()), range(12))
+        assert seen == [1] * 12
+        assert torch.get_num_threads() == 2
+        later = []
+        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert later == [2]
+        with pytest.raises(ZeroDivisionError):
+            pool.run(lambda i: 1 / i, [3, 2, 0, 1])
+    finally:
+        torch.set_num_threads(before)

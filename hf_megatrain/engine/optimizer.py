@@ -5,8 +5,9 @@ usual: `param_groups` hold the decay and no-decay segments of each unit's master
 `step()` reads lr / betas / eps / weight_decay from them at the moment it is called.
 
 The math is torch's own fused AdamW kernel (`torch._fused_adamw_`, what Trainer's default
-`adamw_torch_fused` runs), applied tile by tile so that the gradient clip, the Adam update
-and the refresh of the streamed compute copy touch each tile while it is still in cache.
+`adamw_torch_fused` runs). On the host a unit is cut into spans that a pool of single-core
+threads steps in parallel, each span clipped, updated and copied into the streamed compute copy
+back to back, while it is still in cache.
 The moments live here, in the store's flat layout, not in `self.state`: `state_dict()` stays
 small (accelerate copies it to the GPU when it wraps an optimizer), and the checkpoint module
 saves the moments as safetensors.
@@ -24,16 +25,21 @@ from functools import partial
 import torch
 
 from .pinned import arena_tensors
-from .worker import Worker
+from .worker import SpanPool, Worker
 
-# Elements per tile. Measured on the H200 box (benchmarks/results/2026-12-03_h200_adam_bench.txt):
-# in a worker thread 1M-element tiles ran at 1.2-1.8 G params/s, 8M at 2.3-2.4 (per-call
-# parallel-region overhead); 8M tiles of the four fp32 buffers still fit a server's L3.
-TILE = 1 << 23
+# Elements per span of the host step. Small enough that a span's gradient and master (2 MiB
+# each) are still in cache for the next op, large enough that the Python per span (three ops,
+# under the GIL) stays a few percent of its time with a dozen threads. It must be a multiple of
+# the widest SIMD vector (16 floats; 64 leaves room): torch's fused kernel runs a scalar tail
+# past the last full vector, which rounds differently from the vector body, and the reference
+# (a per-tensor step) has no tail where a span boundary is.
+SPAN = 1 << 19
 
 
 class HostAdamW(torch.optim.Optimizer):
-    def __init__(self, engine, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    def __init__(self, engine, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                 host_threads: int | None = None):
+        """host_threads: threads of the host step (default: torch's thread count, less one on a GPU)."""
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or weight_decay < 0:
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
         self.engine = engine
@@ -83,6 +89,10 @@ class HostAdamW(torch.optim.Optimizer):
         # On a GPU the step runs on a host thread, unit by unit in forward order, while the
         # next forward already streams the units that are done (store.ready gates each one).
         self._stepper = Worker("megatrain-adamw") if engine.device.type == "cuda" else None
+        if host_threads is None:  # on a GPU one core stays with the thread that feeds it
+            host_threads = torch.get_num_threads() - (engine.device.type == "cuda")
+        on_host = any(m.device.type == "cpu" and m.numel() for m in store.master)
+        self._spans = SpanPool(host_threads, "megatrain-adamw-span") if on_host else None
         engine.optimizer = self
 
     # -- clipping -------------------------------------------------------------------------------
@@ -194,30 +204,34 @@ class HostAdamW(torch.optim.Optimizer):
             self._adamw(index, hyper, clip, step)
 
     def _adamw(self, index: int, hyper: list[dict], clip, step: int) -> None:
+        master = self.store.master[index]
+        step_t = torch.tensor(float(step), dtype=torch.float32, device=master.device)
+        if master.device.type == "cpu":
+            spans = [(a, min(a + SPAN, end), group) for start, end, group in self.segments[index]
+                     for a in range(start, end, SPAN)]
+            if spans:
+                self._spans.run(partial(self._adamw_span, index, hyper, clip, step_t), spans)
+        else:  # a resident unit: whole segments, one kernel each, on the device's stream
+            for span in self.segments[index]:
+                self._adamw_span(index, hyper, clip, step_t, span)
+        self.store.gather_compute(index)
+
+    def _adamw_span(self, index: int, hyper: list[dict], clip, step_t, span) -> None:
+        """Clip, update and refresh the compute copy of elements [a, b) of this rank's slice."""
+        a, b, group = span
         store = self.store
         master, grad = store.master[index], store.grad[index]
-        step_t = torch.tensor(float(step), dtype=torch.float32, device=master.device)
-        m, v = self.exp_avg[index], self.exp_avg_sq[index]
         compute = store.compute[index]  # on the device for a resident unit
-        separate = compute is not master
-        lo = store.bounds[index][0]  # the compute copy is the whole unit; the master this rank's slice
-        # On the host, tiles keep grad, master and moments in cache between the clip, the update
-        # and the refresh of the compute copy; a GPU wants whole segments.
-        tile = TILE if master.device.type == "cpu" else max(1, master.numel())
-        for start, end, group in self.segments[index]:
-            h = hyper[group]
-            for a in range(start, end, tile):
-                b = min(a + tile, end)
-                g = grad[a:b]
-                if clip is not None:
-                    g.mul_(clip)
-                torch._fused_adamw_(
-                    [master[a:b]], [g], [m[a:b]], [v[a:b]], [], [step_t],
-                    amsgrad=False, maximize=False, **h,
-                )
-                if separate:
-                    compute[lo + a : lo + b].copy_(master[a:b])
-        store.gather_compute(index)
+        g = grad[a:b]
+        if clip is not None:
+            g.mul_(clip)
+        torch._fused_adamw_(
+            [master[a:b]], [g], [self.exp_avg[index][a:b]], [self.exp_avg_sq[index][a:b]], [], [step_t],
+            amsgrad=False, maximize=False, **hyper[group],
+        )
+        if compute is not master:
+            lo = store.bounds[index][0]  # the compute copy is the whole unit; the master this rank's slice
+            compute[lo + a : lo + b].copy_(master[a:b])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()
