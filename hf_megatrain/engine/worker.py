@@ -109,7 +109,7 @@ class SpanPool:
         # threads, each running the initializer first.
         for _ in range(self.threads):
             self._pool.submit(started.wait)
-        started.wait()
+        started.wait(timeout=120)  # a thread that failed to start breaks the barrier instead of hanging
         torch.set_num_threads(own)
 
     def run(self, fn, items) -> None:
