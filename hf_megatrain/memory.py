@@ -245,7 +245,8 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
                   "offload_activations='auto' or a larger number (layer inputs kept in pinned host memory)"]
     hint = hint(host_free=host_free, gpu_free=gpu_free) if hint is not None else None
     if any(p.startswith("host") for p in problems):
-        fixes += ["gpu_resident_layers > 0 to keep some layers' state on the GPU instead",
+        fixes += ["gpu_resident_layers > 0 to keep some layers' state on the GPU instead" if not plan.resident_layers
+                  else f"more than {plan.resident_layers} gpu_resident_layers, if the GPU has room for them",
                   "a host with more RAM (18 bytes per parameter: fp32 master, gradient and Adam states)",
                   "LoRA (peft_config) instead of full fine-tuning: about 2 bytes per frozen parameter"]
     raise MegaTrainError(
