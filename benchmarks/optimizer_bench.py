@@ -55,7 +55,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--threads", type=int, nargs="+", default=[None], help="host_threads (default: the engine's)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[None],
+                    help="host_threads (default: the engine's; 0: no pool, OpenMP inside each op on 8M tiles)")
     ap.add_argument("--spans", type=int, nargs="+", default=[None], help="log2 of the span size (default: the engine's)")
     a = ap.parse_args()
     print("torch threads", torch.get_num_threads(), "default span", optimizer_module.SPAN)
@@ -90,7 +91,9 @@ def main():
                             t = threading.Thread(target=go)
                             t.start()
                             t.join()
-                        print(f"pinned={pin!s:5} threads={opt._spans.threads:<3} span=2^{optimizer_module.SPAN.bit_length() - 1:<3}"
+                        pool = opt._spans.threads if opt._spans is not None else "omp"
+                        size = optimizer_module.SPAN if opt._spans is not None else optimizer_module.OPENMP_TILE
+                        print(f"pinned={pin!s:5} threads={pool:<3} span=2^{size.bit_length() - 1:<3}"
                               f"clip={'on ' if clip is not None else 'off'} {where:6} {res['r']:.2f} G params/s  "
                               f"({n / 1e9:.2f} B params)", flush=True)
             engine = opt = None  # free this store before the next one is built

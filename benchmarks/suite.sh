@@ -32,7 +32,7 @@ part() {  # part SECONDS NAME command...: run, keep its log, never stop the suit
 case "${1:-A}" in
 A)
   part 150 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
-  part 90 optimizer python3 benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4 --threads 15 8 \
+  part 90 optimizer python3 benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4 --threads 0 15 8 \
     --spans 17 19 21
   part 340 bench_3b python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 65536 --clip 1.0 0.0 \
     --systems megatrain:0,stock --steps 5 --warmup 2 --out "$OUT" ;;

@@ -34,12 +34,16 @@ from .worker import SpanPool, Worker
 # past the last full vector, which rounds differently from the vector body, and the reference
 # (a per-tensor step) has no tail where a span boundary is.
 SPAN = 1 << 19
+# host_threads=0: no pool; the calling thread steps 8M-element tiles, each op spread over the cores
+# by OpenMP (the engine's way before the pool, kept to compare the two in one run).
+OPENMP_TILE = 1 << 23
 
 
 class HostAdamW(torch.optim.Optimizer):
     def __init__(self, engine, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  host_threads: int | None = None):
-        """host_threads: threads of the host step (default: torch's thread count, less one on a GPU)."""
+        """host_threads: threads of the host step (default: torch's thread count, less one on a GPU;
+        0: no pool, each op of the calling thread parallelised by OpenMP)."""
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or weight_decay < 0:
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
         self.engine = engine
@@ -92,7 +96,7 @@ class HostAdamW(torch.optim.Optimizer):
         if host_threads is None:  # on a GPU one core stays with the thread that feeds it
             host_threads = torch.get_num_threads() - (engine.device.type == "cuda")
         on_host = any(m.device.type == "cpu" and m.numel() for m in store.master)
-        self._spans = SpanPool(host_threads, "megatrain-adamw-span") if on_host else None
+        self._spans = SpanPool(host_threads, "megatrain-adamw-span") if on_host and host_threads > 0 else None
         engine.optimizer = self
 
     # -- clipping -------------------------------------------------------------------------------
@@ -207,10 +211,15 @@ class HostAdamW(torch.optim.Optimizer):
         master = self.store.master[index]
         step_t = torch.tensor(float(step), dtype=torch.float32, device=master.device)
         if master.device.type == "cpu":
-            spans = [(a, min(a + SPAN, end), group) for start, end, group in self.segments[index]
-                     for a in range(start, end, SPAN)]
-            if spans:
-                self._spans.run(partial(self._adamw_span, index, hyper, clip, step_t), spans)
+            size = SPAN if self._spans is not None else OPENMP_TILE
+            spans = [(a, min(a + size, end), group) for start, end, group in self.segments[index]
+                     for a in range(start, end, size)]
+            step_span = partial(self._adamw_span, index, hyper, clip, step_t)
+            if self._spans is not None:
+                self._spans.run(step_span, spans)
+            else:
+                for span in spans:
+                    step_span(span)
         else:  # a resident unit: whole segments, one kernel each, on the device's stream
             for span in self.segments[index]:
                 self._adamw_span(index, hyper, clip, step_t, span)
