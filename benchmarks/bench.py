@@ -310,8 +310,7 @@ def make_clock(warmup: int, steps: int, engine=None, on_warm=None):
             if state.global_step not in (warmup, steps):
                 return
             if engine is not None:
-                engine.pipeline.finish()
-                engine.optimizer.synchronize()
+                engine.synchronize()  # every gradient on the host, every unit stepped
             torch.cuda.synchronize()
             now = time.perf_counter()
             if state.global_step == warmup:

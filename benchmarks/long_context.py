@@ -58,8 +58,7 @@ def attempt(opts) -> None:
 
         def on_step_end(self, args, state, control, **kw):
             if mega:  # the step ends when the host optimizer has stepped every unit
-                trainer.engine.pipeline.finish()
-                trainer.engine.optimizer.synchronize()
+                trainer.engine.synchronize()
             sync()
             self.marks.append(time.perf_counter())
 
