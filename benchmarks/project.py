@@ -40,7 +40,7 @@ PCIE_GBPS = 50.0  # pinned H2D/D2H per direction, measured on the H200 box (DESI
 
 def project(record: dict, shape: str, gpu_gib: float, host_gib: float, host_adam_scale: float = 1.0,
             tokens: int | None = None) -> dict:
-    from hf_megatrain.memory import GiB, estimate, model_shapes, plan_placement
+    from hf_megatrain.memory import GiB, estimate, model_shapes, plan_placement, shortfalls
     from hf_megatrain.shapes import make_config
 
     measured = make_config(record["shape"], record["layers"])
@@ -69,7 +69,7 @@ def project(record: dict, shape: str, gpu_gib: float, host_gib: float, host_adam
         "shape": shape, "params_b": round(s.params / 1e9, 1), "gpu_gib": gpu_gib, "host_gib": host_gib,
         "tokens_per_step": tokens, "resident_layers": resident, "streamed_layers": streamed,
         "host_needed_gib": round(plan.host_total / GiB, 1), "gpu_needed_gib": round(plan.gpu_total / GiB, 1),
-        "fits": plan.host_total <= host_gib * GiB * 0.95 and plan.gpu_total <= gpu_gib * GiB * 0.95,
+        "fits": not shortfalls(plan, host_gib * GiB, gpu_gib * GiB),  # admission's own test
         "t_layer_fwd_s": round(t_f, 4), "t_layer_bwd_s": round(t_b, 4), "t_layer_adamw_s": round(t_o, 4),
         "step_s": round(step, 1), "tokens_per_s": round(tokens / step, 1),
         "model_tflops": round(6 * s.params * tokens / step / 1e12, 1),

@@ -235,7 +235,7 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
     host_free = host_available() if host_free is None else host_free
     if plan.gpu and gpu_free is None:
         gpu_free = gpu_available()
-    problems = _shortfalls(plan, host_free, gpu_free, margin)
+    problems = shortfalls(plan, host_free, gpu_free, margin)
     if not problems:
         return
     fixes = []
@@ -255,7 +255,8 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
     )
 
 
-def _shortfalls(plan: MemoryPlan, host_free: float, gpu_free: float | None, margin: float) -> list[str]:
+def shortfalls(plan: MemoryPlan, host_free: float, gpu_free: float | None, margin: float = ADMIT_MARGIN) -> list[str]:
+    """What the plan lacks on this machine (host RAM, GPU memory), as admission words it; empty if it fits."""
     problems = []
     if plan.host_total > host_free * (1 - margin):
         problems.append(f"host RAM: needs {plan.host_total / GiB:.1f} GiB, {host_free / GiB:.1f} GiB available")
@@ -274,7 +275,7 @@ def longest_fitting_row(config, batch: int, seq: int, gpu_free: float, host_free
         kw_len = dict(kw, mlp_tile_tokens=mlp_tile(length, mlp_tile_tokens))
         resident, offload = plan_placement(config, batch, length, gpu_free, host_free=host_free, **kw_len)
         plan = estimate(config, batch, length, resident_layers=resident, offload_activations=offload, **kw_len)
-        if not _shortfalls(plan, host_free, gpu_free, ADMIT_MARGIN):
+        if not shortfalls(plan, host_free, gpu_free, ADMIT_MARGIN):
             return (f"max_seq_length={length} fits this machine ({resident} layers resident on the GPU, "
                     f"{offload} layer inputs offloaded; {plan.host_total / GiB:.1f} GiB host, "
                     f"{plan.gpu_total / GiB:.1f} GiB GPU).")
