@@ -610,8 +610,9 @@ def print_table(record) -> None:
         bd = r.get("breakdown")
         bds = " ".join(f"{k.replace('_busy', '')}={v:.2f}" for k, v in bd.items()) if bd else ""
         name = r["system"] + (f"/r{r['resident_layers']}" if "resident_layers" in r else "")
+        mfu = f"{r['mfu']:.2f}" if "mfu" in r else "-"  # no peak measured (--skip_peak)
         print(f"{name:10} {r['shape']:13} {r['layers']:>3} {r['tokens_per_step']:>8} {r['clip']:>4} "
-              f"{r['tokens_per_s']:>9.0f} {r['model_tflops']:>7.1f} {r.get('mfu', 0):>5.2f} {ratio:>7} "
+              f"{r['tokens_per_s']:>9.0f} {r['model_tflops']:>7.1f} {mfu:>5} {ratio:>7} "
               f"{r['gpu_peak_gib']:>7.1f} {r['host_peak_gib']:>8.1f}  {bds}")
 
 

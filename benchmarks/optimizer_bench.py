@@ -1,6 +1,6 @@
 """Time HostAdamW.step_unit itself (the engine's real code path) on a model-shaped store.
 
-    python benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4 --threads 15 8 --spans 19 21
+    python benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4 --threads 0 15 --spans 19 21
 
 For each of: store pinned (cudaHostRegister, as on a GPU) or pageable; clipping on or off; the
 main thread or the optimizer's worker thread; the host step's threads and span sizes (2**N
@@ -55,8 +55,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--threads", type=int, nargs="+", default=[None],
-                    help="host_threads (default: the engine's; 0: no pool, OpenMP inside each op on 8M tiles)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[0],
+                    help="host_threads (0, the engine's default: no pool, OpenMP inside each op on 8M tiles)")
     ap.add_argument("--spans", type=int, nargs="+", default=[None], help="log2 of the span size (default: the engine's)")
     a = ap.parse_args()
     print("torch threads", torch.get_num_threads(), "default span", optimizer_module.SPAN)
@@ -66,7 +66,7 @@ def main():
             engine, opt = build(a.shape, a.layers, pin, threads)
             n = sum(u.n_train for u in engine.store.units)
             hyper = opt._hyper()
-            for span in a.spans:
+            for span in (a.spans if threads > 0 else [None]):  # span sizes mean nothing to OpenMP
                 optimizer_module.SPAN = default_span if span is None else 1 << span
                 for clip in (None, torch.tensor(0.5)):
                     for where in ("main", "thread"):

@@ -5,7 +5,7 @@
 #   bash benchmarks/suite.sh A      (carry .whl and .dswhl)
 # A: the GPU tests + the host AdamW's threads and span sizes + all-streamed vs stock, 3B shape
 # B: GPU peak flat in depth (1B width, 8/16/32 layers, all streamed) + default residency vs stock, 3B, 64K
-# C: the offload systems at 64K tokens/step beside the default and stock (3B; carry .dswhl too)
+# C: the offload systems at 64K tokens/step beside the default (3B; carry .dswhl too; stock: B)
 # D: the largest model this box trains (13B class) again, with per-step times and allocator retries
 # E: the 3B shape at 512K tokens, full depth (about 8 minutes of attention)
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
@@ -32,8 +32,8 @@ part() {  # part SECONDS NAME command...: run, keep its log, never stop the suit
 case "${1:-A}" in
 A)
   part 150 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
-  part 90 optimizer python3 benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4 --threads 0 15 8 \
-    --spans 17 19 21
+  part 120 optimizer python3 benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4 --threads 0 15 \
+    --spans 19 21
   part 340 bench_3b python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 65536 --clip 1.0 0.0 \
     --systems megatrain:0,stock --steps 5 --warmup 2 --out "$OUT" ;;
 B)
@@ -44,8 +44,8 @@ B)
   part 360 bench_3b_64k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 65536 --clip 1.0 0.0 \
     --systems megatrain:auto,stock --steps 4 --warmup 2 --out "$OUT" ;;
 C)
-  part 580 offload_64k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 65536 --clip 1.0 \
-    --systems megatrain:auto,stock,deepspeed,fsdp2 --steps 3 --warmup 1 --out "$OUT" ;;
+  part 315 offload_64k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 65536 --clip 1.0 \
+    --systems megatrain:auto,deepspeed,fsdp2 --steps 2 --warmup 1 --skip_peak --out "$OUT" ;;
 D)
   part 300 largest_13b python3 benchmarks/largest.py --shape llama-2-13b --steps 10 --warmup 2 --out "$OUT" ;;
 E)

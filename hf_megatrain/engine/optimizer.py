@@ -5,9 +5,9 @@ usual: `param_groups` hold the decay and no-decay segments of each unit's master
 `step()` reads lr / betas / eps / weight_decay from them at the moment it is called.
 
 The math is torch's own fused AdamW kernel (`torch._fused_adamw_`, what Trainer's default
-`adamw_torch_fused` runs). On the host a unit is cut into spans that a pool of single-core
-threads steps in parallel, each span clipped, updated and copied into the streamed compute copy
-back to back, while it is still in cache.
+`adamw_torch_fused` runs). On the host a unit is stepped in 8M-element tiles, each op spread over
+the cores by OpenMP; `host_threads=n` instead cuts it into spans that n single-core threads step
+in parallel, each span clipped, updated and copied into the compute copy back to back.
 The moments live here, in the store's flat layout, not in `self.state`: `state_dict()` stays
 small (accelerate copies it to the GPU when it wraps an optimizer), and the checkpoint module
 saves the moments as safetensors.
@@ -27,23 +27,26 @@ import torch
 from .pinned import arena_tensors
 from .worker import SpanPool, Worker
 
-# Elements per span of the host step. Small enough that a span's gradient and master (2 MiB
-# each) are still in cache for the next op, large enough that the Python per span (three ops,
-# under the GIL) stays a few percent of its time with a dozen threads. It must be a multiple of
-# the widest SIMD vector (16 floats; 64 leaves room): torch's fused kernel runs a scalar tail
-# past the last full vector, which rounds differently from the vector body, and the reference
-# (a per-tensor step) has no tail where a span boundary is.
-SPAN = 1 << 19
-# host_threads=0: no pool; the calling thread steps 8M-element tiles, each op spread over the cores
-# by OpenMP (the engine's way before the pool, kept to compare the two in one run).
+# Elements per span of the host step. Each span costs a few Python calls under the GIL, which a
+# dozen threads share with the thread that feeds the GPU, so spans must be large: on the H200
+# host (BENCHMARKS run 8, 15 threads) 2^17-element spans ran at 0.8-1.0 G params/s, 2^19 at
+# 2.5-3.0, 2^21 at 2.7-3.5, against 2.4-3.3 for OpenMP inside each op (host_threads=0).
+# It must be a multiple of the widest SIMD vector (16 floats; 64 leaves room): torch's fused
+# kernel runs a scalar tail past the last full vector, which rounds differently from the vector
+# body, and the reference (a per-tensor step) has no tail where a span boundary is.
+SPAN = 1 << 21
+# host_threads=0 (the default): no pool; the calling thread steps tiles this large, each op
+# spread over the cores by OpenMP.
 OPENMP_TILE = 1 << 23
 
 
 class HostAdamW(torch.optim.Optimizer):
     def __init__(self, engine, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 host_threads: int | None = None):
-        """host_threads: threads of the host step (default: torch's thread count, less one on a GPU;
-        0: no pool, each op of the calling thread parallelised by OpenMP)."""
+                 host_threads: int = 0):
+        """host_threads: 0 (default): the calling thread steps 8M-element tiles, each op spread
+        over the cores by OpenMP; n > 0: a pool of n single-core threads steps spans. On the H200
+        host the pool was ~10% faster alone (optimizer_bench) and without clipping, but 10-12%
+        slower in training with clipping, the Trainer default (BENCHMARKS run 8)."""
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or weight_decay < 0:
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
         self.engine = engine
@@ -93,8 +96,6 @@ class HostAdamW(torch.optim.Optimizer):
         # On a GPU the step runs on a host thread, unit by unit in forward order, while the
         # next forward already streams the units that are done (store.ready gates each one).
         self._stepper = Worker("megatrain-adamw") if engine.device.type == "cuda" else None
-        if host_threads is None:  # on a GPU one core stays with the thread that feeds it
-            host_threads = torch.get_num_threads() - (engine.device.type == "cuda")
         on_host = any(m.device.type == "cpu" and m.numel() for m in store.master)
         self._spans = SpanPool(host_threads, "megatrain-adamw-span") if on_host and host_threads > 0 else None
         engine.optimizer = self
