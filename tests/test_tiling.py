@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_megatrain import StreamingEngine
-from tiny import make_batch, make_model
+from tiny import make_batch, make_model, make_packed_batch
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mixtral"])
@@ -100,17 +100,64 @@ def test_offloaded_activations_leave_the_device_copy():
     assert len(acts) == 0
 
 
-def test_long_packed_rows_are_refused_before_a_dense_mask_is_built(monkeypatch):
-    """Packed documents under SDPA would need a T x T mask: refused with what to do instead."""
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mixtral"])
+def test_long_packed_rows_equal_their_documents_run_separately(kind, monkeypatch):
+    """Rows past the dense-mask limit, packed and right-padded, run attention document by document
+    under SDPA: loss, gradients and logits equal stock HF run on each document alone."""
+    from hf_megatrain.engine import schedule
+    from hf_megatrain.patcher import documents
+
+    monkeypatch.setattr(schedule, "_DENSE_MASK_LIMIT", 32 * 32)  # "long" = more than 32 tokens here
+    calls = []
+    real = documents.sdpa_attention_forward
+    monkeypatch.setattr(documents, "sdpa_attention_forward", lambda *a, **k: calls.append(a[1].shape[2]) or real(*a, **k))
+    model = make_model(kind, output_router_logits=False)  # the aux loss is a batch statistic: not per document
+    ref = copy.deepcopy(model)
+    batch, docs = make_packed_batch()
+    nib = batch["labels"][..., 1:].ne(-100).sum()
+
+    alone_loss, alone_logits = 0.0, []
+    for r, spans in enumerate(docs):
+        for s, e in spans:
+            out = ref(input_ids=batch["input_ids"][r:r + 1, s:e], labels=batch["labels"][r:r + 1, s:e],
+                      num_items_in_batch=nib)
+            out.loss.backward()
+            alone_loss += float(out.loss)
+            alone_logits.append(out.logits[0].detach())
+
+    engine = StreamingEngine(model, compute_dtype=torch.float32).train()
+    loss = engine.forward_backward(batch, num_items_in_batch=nib)
+    assert calls and max(calls) == 20  # the documents' own lengths, never the row's
+    assert model.config._attn_implementation == "sdpa"  # the batch's switch is undone
+    assert abs(float(loss) - alone_loss) < 1e-5
+    grads = dict(engine.named_grads())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    real_tokens = torch.cat([logits[r, s:e] for r, spans in enumerate(docs) for s, e in spans])
+    torch.testing.assert_close(real_tokens.float(), torch.cat(alone_logits), atol=1e-5, rtol=1e-5)
+
+
+def test_long_rows_that_cannot_run_by_document_are_refused(monkeypatch):
+    """Left padding, or documents longer than a sliding window, would need the dense mask:
+    refused before anything is allocated, with what to do instead."""
     from hf_megatrain import MegaTrainError
     from hf_megatrain.engine import schedule
 
-    monkeypatch.setattr(schedule, "_DENSE_MASK_LIMIT", 32 * 32)  # "long" = more than 32 tokens here
+    monkeypatch.setattr(schedule, "_DENSE_MASK_LIMIT", 32 * 32)
     engine = StreamingEngine(make_model("llama"), compute_dtype=torch.float32).train()
     batch = make_batch(batch=1, seq=40, pad_rows=0)
     engine.forward_backward(batch)  # one plain causal row: no mask needed, runs
-    batch["position_ids"] = torch.cat([torch.arange(25), torch.arange(15)]).unsqueeze(0)
-    with pytest.raises(MegaTrainError, match="packed documents.*flash_attention_2"):
+    batch["attention_mask"][0, :5] = 0  # left padding
+    with pytest.raises(MegaTrainError, match="left or inner padding.*flash_attention_2"):
+        engine.forward_backward(batch)
+
+    engine = StreamingEngine(make_model("mistral"), compute_dtype=torch.float32).train()  # window of 5
+    batch, _ = make_packed_batch()
+    with pytest.raises(MegaTrainError, match="up to 20 tokens under a 5-token sliding window"):
         engine.forward_backward(batch)
 
 

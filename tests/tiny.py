@@ -82,3 +82,21 @@ def make_batch(batch: int = 3, seq: int = 12, seed: int = 1, pad_rows: int = 1):
     ids = ids.masked_fill(mask == 0, 0)
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def make_packed_batch():
+    """Two rows of 40: three documents (20 + 12 + 8 tokens); two documents (18 + 12) and 10 of
+    right padding. Labels -100 at each document's first token (as the collator packs them)."""
+    ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(7))
+    docs = [[(0, 20), (20, 32), (32, 40)], [(0, 18), (18, 30)]]
+    pos = torch.zeros(2, 40, dtype=torch.long)
+    labels = ids.clone()
+    for r, spans in enumerate(docs):
+        for s, e in spans:
+            pos[r, s:e] = torch.arange(e - s)
+            labels[r, s] = -100
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, 30:] = 0
+    ids[1, 30:] = 0
+    labels[1, 30:] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "position_ids": pos}, docs

@@ -23,7 +23,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..checkpoint.loading import is_peft_model
 from ..checkpoint.stream_load import load_into_store
 from ..errors import MegaTrainError
-from ..patcher.specs import spec_for
+from ..patcher.documents import attention_by_document, document_spans
+from ..patcher.specs import SLIDING, spec_for
 from ..patcher.templates import Template, meta_copy, recompute_grads
 from ..patcher.tiling import tile_mlp
 from .activations import Activations
@@ -262,7 +263,7 @@ class StreamingEngine(nn.Module):
         if ids.device.type == "cpu":
             validate_tokens(ids, labels, self.config.vocab_size)
         self._check_length(ids.shape[1])
-        self._check_dense_mask(ids, batch.get("attention_mask"), batch.get("position_ids"))
+        docs = self._documents(ids, batch.get("attention_mask"), batch.get("position_ids"))
         rows = counted_rows(labels) if labels is not None and labels.device.type == "cpu" else None
         if rows is not None and self.device.type == "cuda":
             rows = rows.pin_memory()
@@ -276,29 +277,41 @@ class StreamingEngine(nn.Module):
             pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
         else:
             pos = pos.to(dev, non_blocking=True)
-        return ids, mask, labels, pos, rows
+        return ids, mask, labels, pos, rows, docs
 
-    def _check_dense_mask(self, ids, mask, pos) -> None:
-        """Refuse, before allocating it, a [batch, 1, T, T] mask that long rows would need.
+    def _documents(self, ids, mask, pos) -> list | None:
+        """Document spans per row when long rows must run attention document by document, else None.
 
         SDPA and eager attention stay O(T) in memory only for plain causal rows (the mask is then
         None and the kernel applies causality itself). Padding or packed documents (position ids
-        restarting) make HF build a dense boolean mask: 256 GiB at 512K tokens.
+        restarting) make HF build a dense boolean mask: 256 GiB at 512K tokens. Under SDPA such
+        rows run one document at a time instead (patcher/documents.py); what that cannot express
+        is refused here, before anything is allocated.
         """
         impl = getattr(self.config, "_attn_implementation", None) or "sdpa"
         rows, seq = ids.shape
         if impl not in ("sdpa", "eager") or rows * seq * seq < _DENSE_MASK_LIMIT:
-            return
+            return None
         padded = mask is not None and not bool(mask.all())
         packed = pos is not None and bool((pos[:, 1:] != pos[:, :-1] + 1).any())
-        if padded or packed:
-            raise MegaTrainError(
-                f"rows of {seq} tokens with {'packed documents' if packed else 'padding'} need a dense "
-                f"{rows}x{seq}x{seq} attention mask under attn_implementation={impl!r} "
-                f"({rows * seq * seq / 2**30:.0f} GiB). Use attn_implementation='flash_attention_2' (flash-attn "
-                "installed: packed documents run as variable-length sequences) or 'flex_attention', or give one "
-                "document per row without padding (packing=False)."
-            )
+        if not (padded or packed):
+            return None
+        docs = document_spans(rows, mask, pos if pos is not None else torch.arange(seq).unsqueeze(0))
+        window = getattr(self.config, "sliding_window", None)
+        longest = max((b - a for row in docs or [] for a, b in row), default=0)
+        sliding = SLIDING in self.spec.kinds(self.config) and window is not None and longest > window
+        if impl == "sdpa" and docs is not None and not sliding:
+            return docs
+        why = ("left or inner padding" if docs is None else
+               f"documents of up to {longest} tokens under a {window}-token sliding window" if sliding else
+               "attn_implementation='eager'")
+        raise MegaTrainError(
+            f"rows of {seq} tokens with {'packed documents' if packed else 'padding'} need a dense "
+            f"{rows}x{seq}x{seq} attention mask under attn_implementation={impl!r} "
+            f"({rows * seq * seq / 2**30:.0f} GiB), and with {why} they cannot run document by document. "
+            "Use attn_implementation='sdpa' with right padding, 'flash_attention_2' (flash-attn installed) or "
+            "'flex_attention', or give one document per row without padding (packing=False)."
+        )
 
     def _check_length(self, seq: int) -> None:
         limit = getattr(self.config, "max_position_embeddings", None)
@@ -320,7 +333,8 @@ class StreamingEngine(nn.Module):
     def _layer_call(self, unit, weights, x, ctx):
         tmpl = self._templates[unit.template_key]
         named = dict(zip((s.local for s in unit.slots), Template.views(weights, unit.slots)))
-        return tmpl.call(named, x, **ctx.layer_kwargs(unit))
+        with ctx.attention():
+            return tmpl.call(named, x, **ctx.layer_kwargs(unit))
 
     def _head_weights(self, head_flat, embed_flat):
         """Names, tensors and trainable flags of what the head reads (a tied lm_head is the embedding)."""
@@ -339,7 +353,7 @@ class StreamingEngine(nn.Module):
         tmpl = self._templates["head"]
         return lambda ws, h: tmpl.call(dict(zip(names, ws)), h)
 
-    def _forward_layers(self, ids, mask, pos, keep: bool):
+    def _forward_layers(self, ids, mask, pos, docs, keep: bool):
         """Embedding and decoder layers without grad; keeps each layer's input when asked."""
         pipe = self.pipeline
         embed = self.units[0]
@@ -347,7 +361,7 @@ class StreamingEngine(nn.Module):
         with torch.no_grad():
             with pipe.span("compute"):
                 x = self._templates["embed"].call({"embed.weight": e_w.view(embed.slots[0].shape)}, ids)
-                ctx = _BatchContext(self, x, mask, pos)
+                ctx = _BatchContext(self, x, mask, pos, docs)
             acts, routers = self.activations if keep else None, []
             if keep:
                 acts.reset()
@@ -368,12 +382,12 @@ class StreamingEngine(nn.Module):
         The gradient is that of `scale * loss`; the returned loss (detached, on the compute
         device) is not scaled, exactly what `model(**batch).loss` would be.
         """
-        ids, mask, labels, pos, rows = self._prepare(batch)
+        ids, mask, labels, pos, rows, docs = self._prepare(batch)
         if labels is None:
             raise MegaTrainError("the batch has no 'labels'; training needs them (use -100 to ignore a token).")
         pipe = self.pipeline
         pipe.start(self._unit_plan(backward=True))
-        x, ctx, acts, routers, e_w = self._forward_layers(ids, mask, pos, keep=True)
+        x, ctx, acts, routers, e_w = self._forward_layers(ids, mask, pos, docs, keep=True)
 
         head = self.units[-1]
         h_w = pipe.weights(head.index)
@@ -417,7 +431,7 @@ class StreamingEngine(nn.Module):
 
         def run(named):
             x = x_in.detach().requires_grad_()
-            with ctx.rng_for(unit, save=False), ctx.router_capture(unit) as cap:
+            with ctx.rng_for(unit, save=False), ctx.router_capture(unit) as cap, ctx.attention():
                 out = tmpl.call(named, x, **ctx.layer_kwargs(unit))
             outs = [out] + ([_router_logits(cap, x.shape[0])] if router_seed is not None else [])
             return outs, [x]
@@ -466,10 +480,10 @@ class StreamingEngine(nn.Module):
     def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, return_logits=True, **kw):
         """Eval-mode forward: loss (when labels are given) and, optionally, the logits."""
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "position_ids": position_ids}
-        ids, mask, labels, pos, rows = self._prepare(batch)
+        ids, mask, labels, pos, rows, docs = self._prepare(batch)
         pipe = self.pipeline
         pipe.start(self._unit_plan(backward=False))
-        x, ctx, _, routers, e_w = self._forward_layers(ids, mask, pos, keep=False)
+        x, ctx, _, routers, e_w = self._forward_layers(ids, mask, pos, docs, keep=False)
         head = self.units[-1]
         names, weights, _ = self._head_weights(pipe.weights(head.index), e_w)
         run_head = self._run_head(names)
@@ -490,12 +504,14 @@ class StreamingEngine(nn.Module):
 
 
 class _BatchContext:
-    """What every layer call of one batch shares: masks, rotary cos/sin, RNG states."""
+    """What every layer call of one batch shares: masks (or document spans), rotary cos/sin, RNG states."""
 
-    def __init__(self, engine: StreamingEngine, embeds, mask, pos):
+    def __init__(self, engine: StreamingEngine, embeds, mask, pos, docs=None):
         self.engine = engine
         cfg = engine.config
-        self.masks = engine.spec.build_masks(cfg, embeds, mask, pos)
+        self.docs = docs  # long packed / padded rows: attention runs document by document, no mask
+        kinds = set(engine.spec.kinds(cfg))
+        self.masks = {k: None for k in kinds} if docs else engine.spec.build_masks(cfg, embeds, mask, pos)
         self.pos = pos
         self.pos_emb = engine.rotary(embeds, position_ids=pos)
         self.router = engine.spec.has_router_loss and bool(getattr(cfg, "output_router_logits", False))
@@ -504,11 +520,13 @@ class _BatchContext:
         self.rng: dict[int, tuple] = {}
 
     def layer_kwargs(self, unit) -> dict:
-        return dict(
-            attention_mask=self.masks[unit.attn_kind],
-            position_ids=self.pos,
-            position_embeddings=self.pos_emb,
-        )
+        kw = dict(attention_mask=self.masks[unit.attn_kind], position_ids=self.pos, position_embeddings=self.pos_emb)
+        if self.docs:
+            kw["megatrain_documents"] = self.docs
+        return kw
+
+    def attention(self):
+        return attention_by_document(self.engine.config) if self.docs else nullcontext()
 
     @contextmanager
     def rng_for(self, unit, save: bool):
