@@ -118,6 +118,7 @@ def _estimate(argv: list[str]) -> int:
               mlp_tile_tokens=mlp_tile(a.seq, a.mlp_tile_tokens))
     resident, offload = count(a.gpu_resident_layers, "gpu_resident_layers"), count(a.offload_activations,
                                                                                   "offload_activations")
+    planned = a.gpu_gib is not None and resident is None  # the planner picks residency for that GPU
     if a.gpu_gib is not None:
         resident, offload = plan_placement(config, a.batch, a.seq, a.gpu_gib * GiB, resident_layers=resident,
                                            offload_activations=offload,
@@ -133,7 +134,7 @@ def _estimate(argv: list[str]) -> int:
                 hint = partial(longest_fitting_row, config, a.batch, a.seq,
                                **dict(kw, mlp_tile_tokens=a.mlp_tile_tokens))
             admit(plan, host_free=(a.host_gib or float("inf")) * GiB, gpu_free=(a.gpu_gib or float("inf")) * GiB,
-                  hint=hint)
+                  hint=hint, residency_planned=planned)
             verdict = "fits"
         except MegaTrainError as e:
             lines = str(e).splitlines()  # the verdict, and the longest row that fits when there is one

@@ -225,11 +225,13 @@ def gpu_available(device=None) -> float:
 
 
 def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float | None = None,
-          margin: float = ADMIT_MARGIN, hint=None) -> None:
+          margin: float = ADMIT_MARGIN, hint=None, residency_planned: bool = False) -> None:
     """Raise MegaTrainError, with what would make it fit, if the plan exceeds the machine.
 
     hint: called with host_free= and gpu_free= only on a refusal, for one more line of advice (the
-    trainer's: the longest row that fits, see longest_fitting_row)."""
+    trainer's: the longest row that fits, see longest_fitting_row).
+    residency_planned: plan_placement chose the resident layers for this machine, as many as the
+    GPU holds, so more of them is no advice to give."""
     from .errors import MegaTrainError
 
     host_free = host_available() if host_free is None else host_free
@@ -245,9 +247,10 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
                   "offload_activations='auto' or a larger number (layer inputs kept in pinned host memory)"]
     hint = hint(host_free=host_free, gpu_free=gpu_free) if hint is not None else None
     if any(p.startswith("host") for p in problems):
-        fixes += ["gpu_resident_layers > 0 to keep some layers' state on the GPU instead" if not plan.resident_layers
-                  else f"more than {plan.resident_layers} gpu_resident_layers, if the GPU has room for them",
-                  "a host with more RAM (18 bytes per parameter: fp32 master, gradient and Adam states)",
+        if not residency_planned:
+            fixes += ["gpu_resident_layers > 0 to keep some layers' state on the GPU instead" if not plan.resident_layers
+                      else f"more than {plan.resident_layers} gpu_resident_layers, if the GPU has room for them"]
+        fixes += ["a host with more RAM (18 bytes per parameter: fp32 master, gradient and Adam states)",
                   "LoRA (peft_config) instead of full fine-tuning: about 2 bytes per frozen parameter"]
     raise MegaTrainError(
         "this run does not fit: " + "; ".join(problems) + ".\n" + plan.table() + "\nWould fit with: "

@@ -106,7 +106,9 @@ class MegaTrainTrainer(Trainer):
                 # a long-context refusal also names the longest row that would fit
                 hint = partial(longest_fitting_row, _config(model), batch, seq,
                                **dict(plan_kw, mlp_tile_tokens=getattr(args, "mlp_tile_tokens", None)))
-            admit(plan, hint=hint)  # before a single large allocation: does the plan fit this machine?
+            planned = device.type == "cuda" and str(getattr(args, "gpu_resident_layers", "auto")) == "auto" \
+                and args.world_size == 1
+            admit(plan, hint=hint, residency_planned=planned)  # before a single large allocation: does it fit?
         if device.type == "cpu":
             args.dataloader_pin_memory = False  # nothing to pin for
         args._n_gpu = 1 if device.type == "cuda" else args._n_gpu

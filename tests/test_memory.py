@@ -40,6 +40,10 @@ def test_admission_refuses_with_a_way_out():
     with pytest.raises(MegaTrainError, match="(?s)GPU memory.*batch"):
         admit(plan, host_free=1e12, gpu_free=1e6)
     admit(plan, host_free=1e12, gpu_free=1e12)
+    # residency the planner chose for this GPU (as many layers as it holds) is not advice to repeat
+    with pytest.raises(MegaTrainError, match="(?s)host RAM.*Would fit with: a host with more RAM") as e:
+        admit(plan, host_free=1e6, gpu_free=1e12, residency_planned=True)
+    assert "gpu_resident_layers" not in str(e.value).split("Would fit with")[1]
 
 
 def test_trainer_checks_before_loading(tmp_path, monkeypatch):
