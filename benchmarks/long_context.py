@@ -1,6 +1,7 @@
 """Long-context training: hf_megatrain at one long sequence vs the longest stock Trainer manages.
 
     python benchmarks/long_context.py --shape llama-3.2-3b --seq 524288 --stock_from 8192 --out $OUT
+    python benchmarks/long_context.py --shape llama-3.2-3b --seq 524288 --doc_tokens 32768   # packed
 
 hf_megatrain: MegaTrainTrainer with `max_seq_length=SEQ` and nothing else about memory (the
 planner picks MLP tiles, activation offload and GPU residency and prints its plan); one row
@@ -11,6 +12,9 @@ the sequence from --stock_from until it runs out of memory. Each attempt is its 
 FLOPs per step, stated: 6 * P * T (weights) + 6 * L * T^2 * d_attn (causal attention: QK^T and
 AV are 2 * T^2 * d_attn forward, half of it masked away, times 3 for forward and backward), with
 P all parameters, L decoder layers, d_attn = heads * head_dim. Recomputation is not counted.
+With --doc_tokens D the row packs documents of D tokens (position ids restarting, no attention
+across them, the first token of each document not a target, as hf_megatrain's packing lays them
+out), and T^2 becomes the sum of the documents' squared lengths.
 MFU is against the bf16 matmul peak measured in the same run after ~8 s of load.
 """
 
@@ -32,9 +36,26 @@ sys.path.insert(0, os.path.dirname(HERE))
 from bench import TokenRows, _collate, build_model, matmul_peak, random_checkpoint  # noqa: E402
 
 
-def step_flops(config, params: int, seq: int) -> float:
+def step_flops(config, params: int, seq: int, doc: int | None = None) -> float:
     d_attn = config.num_attention_heads * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    return 6 * params * seq + 6 * config.num_hidden_layers * seq**2 * d_attn
+    doc = doc or seq
+    squares = (seq // doc) * doc**2 + (seq % doc) ** 2  # each document attends within itself
+    return 6 * params * seq + 6 * config.num_hidden_layers * squares * d_attn
+
+
+class PackedRows(TokenRows):
+    """TokenRows cut into documents of `doc` tokens: position ids restart at each, and a
+    document's first token is not predicted from the one before (labels -100 there)."""
+
+    def __init__(self, rows: int, seq: int, vocab: int, doc: int):
+        import torch
+
+        super().__init__(rows, seq, vocab)
+        self.pos = torch.arange(seq) % doc
+        self.labels = self.ids.masked_fill(self.pos == 0, -100)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i], "position_ids": self.pos}
 
 
 def attempt(opts) -> None:
@@ -71,7 +92,8 @@ def attempt(opts) -> None:
     else:
         model = build_model(opts.shape, opts.layers, "cuda" if cuda else "cpu", opts.seq)
         cfg = model.config
-    data = TokenRows(opts.steps, opts.seq, cfg.vocab_size)
+    data = (PackedRows(opts.steps, opts.seq, cfg.vocab_size, opts.doc_tokens) if opts.doc_tokens
+            else TokenRows(opts.steps, opts.seq, cfg.vocab_size))
     common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=1, max_steps=opts.steps,
                   learning_rate=1e-5, max_grad_norm=1.0, lr_scheduler_type="constant", bf16=cuda, use_cpu=not cuda,
                   logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=0)
@@ -99,7 +121,7 @@ def attempt(opts) -> None:
     step_s = clock.marks[-1] - clock.marks[-2]
     row = dict(system=opts.system, shape=opts.shape, layers=cfg.num_hidden_layers, params=params, seq=opts.seq,
                step_s=round(step_s, 2), first_step_s=round(clock.marks[1] - clock.marks[0], 2),
-               tflops=round(step_flops(cfg, params, opts.seq) / step_s / 1e12, 1),
+               doc_tokens=opts.doc_tokens, tflops=round(step_flops(cfg, params, opts.seq, opts.doc_tokens) / step_s / 1e12, 1),
                gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
                loss=[round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h])
@@ -115,6 +137,8 @@ def run(opts, system: str, seq: int, log_dir: str) -> dict:
            "--steps", str(opts.steps)]
     if opts.layers:
         cmd += ["--layers", str(opts.layers)]
+    if opts.doc_tokens and system == "megatrain":
+        cmd += ["--doc_tokens", str(opts.doc_tokens)]
     if system == "megatrain":
         cmd += ["--checkpoint", random_checkpoint(opts.dir, opts.shape, opts.layers, max(opts.seq + [4096]))]
     log_path = os.path.join(log_dir, f"long_{system}_{opts.shape}_{seq}.log")
@@ -136,6 +160,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, nargs="*", default=[524288], help="hf_megatrain sequence lengths (none: stock only)")
     p.add_argument("--stock_from", type=int, default=0, help="double stock Trainer's length from here (0: skip)")
     p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--doc_tokens", type=int, default=None,
+                   help="hf_megatrain rows packed from documents of this many tokens (default: one document)")
     p.add_argument("--out", default=os.environ.get("OUT", "long_out"))
     p.add_argument("--dir", default="/tmp/long_context", help="where hf_megatrain's random checkpoint is written")
     p.add_argument("--system", help=argparse.SUPPRESS)
@@ -179,7 +205,7 @@ def main() -> None:
             print(f"{r['system']:10} {r['shape']:13} {'':>3} {r['seq']:>8}  {r['error'][:120]}")
             continue
         place = (f"resident={r['resident_layers']} offload={r['offload_activations']} tile={r['mlp_tile_tokens']}"
-                 if r["system"] == "megatrain" else "")
+                 + (f" documents={r['doc_tokens']}" if r.get("doc_tokens") else "") if r["system"] == "megatrain" else "")
         print(f"{r['system']:10} {r['shape']:13} {r['layers']:>3} {r['seq']:>8} {r['step_s']:>7.1f} {r['tflops']:>7.1f} "
               f"{r.get('mfu', 0):>5.2f} {r['gpu_peak_gib']:>7.1f} {r['host_peak_gib']:>8.1f}  {place}")
 

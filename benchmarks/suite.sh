@@ -8,6 +8,8 @@
 # C: the offload systems at 64K tokens/step beside the default (3B; carry .dswhl too; stock: B)
 # D: the largest model this box trains (13B class) again, with per-step times and allocator retries
 # E: the 3B shape at 512K tokens, full depth (about 8 minutes of attention)
+# F: long rows of packed documents: the GPU test of document-wise attention + the 3B shape at 512K
+#    tokens packed from 32K-token documents, full depth
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -50,6 +52,10 @@ D)
   part 300 largest_13b python3 benchmarks/largest.py --shape llama-2-13b --steps 10 --warmup 2 --out "$OUT" ;;
 E)
   part 580 long_3b python3 benchmarks/long_context.py --shape llama-3.2-3b --seq 524288 --out "$OUT" ;;
-*) echo "unknown group $1 (A to E)"; exit 2 ;;
+F)
+  part 120 gpu_documents python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k by_document
+  part 420 packed_3b python3 benchmarks/long_context.py --shape llama-3.2-3b --seq 524288 --doc_tokens 32768 \
+    --out "$OUT" ;;
+*) echo "unknown group $1 (A to F)"; exit 2 ;;
 esac
 for f in "${names[@]}"; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done
