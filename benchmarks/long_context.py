@@ -204,8 +204,10 @@ def main() -> None:
         if "error" in r:
             print(f"{r['system']:10} {r['shape']:13} {'':>3} {r['seq']:>8}  {r['error'][:120]}")
             continue
-        place = (f"resident={r['resident_layers']} offload={r['offload_activations']} tile={r['mlp_tile_tokens']}"
-                 + (f" documents={r['doc_tokens']}" if r.get("doc_tokens") else "") if r["system"] == "megatrain" else "")
+        place = ""
+        if r["system"] == "megatrain":
+            place = f"resident={r['resident_layers']} offload={r['offload_activations']} tile={r['mlp_tile_tokens']}"
+            place += f" documents={r['doc_tokens']}" if r.get("doc_tokens") else ""
         print(f"{r['system']:10} {r['shape']:13} {r['layers']:>3} {r['seq']:>8} {r['step_s']:>7.1f} {r['tflops']:>7.1f} "
               f"{r.get('mfu', 0):>5.2f} {r['gpu_peak_gib']:>7.1f} {r['host_peak_gib']:>8.1f}  {place}")
 

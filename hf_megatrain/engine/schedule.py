@@ -23,7 +23,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..checkpoint.loading import is_peft_model
 from ..checkpoint.stream_load import load_into_store
 from ..errors import MegaTrainError
-from ..patcher.documents import attention_by_document, document_spans
+from ..patcher.documents import attention_by_document, document_spans, restarts
 from ..patcher.specs import SLIDING, spec_for
 from ..patcher.templates import Template, meta_copy, recompute_grads
 from ..patcher.tiling import tile_mlp
@@ -293,7 +293,7 @@ class StreamingEngine(nn.Module):
         if impl not in ("sdpa", "eager") or rows * seq * seq < _DENSE_MASK_LIMIT:
             return None
         padded = mask is not None and not bool(mask.all())
-        packed = pos is not None and bool((pos[:, 1:] != pos[:, :-1] + 1).any())
+        packed = pos is not None and bool(restarts(pos).any())
         if not (padded or packed):
             return None
         docs = document_spans(rows, mask, pos if pos is not None else torch.arange(seq).unsqueeze(0))
@@ -510,8 +510,10 @@ class _BatchContext:
         self.engine = engine
         cfg = engine.config
         self.docs = docs  # long packed / padded rows: attention runs document by document, no mask
-        kinds = set(engine.spec.kinds(cfg))
-        self.masks = {k: None for k in kinds} if docs else engine.spec.build_masks(cfg, embeds, mask, pos)
+        if docs:
+            self.masks = dict.fromkeys(engine.spec.kinds(cfg))
+        else:
+            self.masks = engine.spec.build_masks(cfg, embeds, mask, pos)
         self.pos = pos
         self.pos_emb = engine.rotary(embeds, position_ids=pos)
         self.router = engine.spec.has_router_loss and bool(getattr(cfg, "output_router_logits", False))

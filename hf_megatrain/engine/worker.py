@@ -92,7 +92,9 @@ class SpanPool:
     barrier between them. Measured on the H200 host with torch's fused AdamW: 3.2 G params/s for
     4M-element tiles over a 16-thread pool, 2.1 for one 8M tile at a time from a worker thread
     (benchmarks/results/2026-12-03_h200_adam_bench.txt). That pool let every thread open its own
-    16-thread OpenMP team; here each thread runs on one core instead.
+    16-thread OpenMP team; here each thread runs on one core instead. In training it helped only
+    when the step ran during the backward (no clipping); after the backward (clipping) it was slower
+    than OpenMP (BENCHMARKS run 8), so HostAdamW uses it only when asked (host_threads=n).
 
     OpenMP's thread count is per thread: each pool thread sets 1 for itself. torch also records
     the last count set as the default for threads not yet started, so the creator restores its

@@ -23,13 +23,18 @@ NAME = "megatrain_sdpa_documents"
 _registered = False
 
 
+def restarts(pos: torch.Tensor) -> torch.Tensor:
+    """[rows, T - 1]: True where a new document begins at position t + 1 (the ids do not continue)."""
+    return pos[:, 1:] != pos[:, :-1] + 1
+
+
 def document_spans(rows: int, mask: torch.Tensor | None, pos: torch.Tensor) -> list[list[tuple[int, int]]] | None:
     """Per row, the [start, end) spans of its documents (and of its right padding), or None when
     a row's padding is not all at its end (left or inner padding: no causal split expresses it)."""
     pos = pos.cpu().expand(rows, -1)
     seq = pos.shape[1]
     starts = torch.ones(rows, seq, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    starts[:, 1:] = restarts(pos)
     valid = torch.full((rows,), seq)
     if mask is not None:
         real = mask.cpu().bool()
