@@ -99,15 +99,15 @@ def main():
     engine.forward_backward(batch)
     engine.pipeline.finish()
     for k in a.threads:
-        opt._stepper.submit(lambda k=k: torch.set_num_threads(k))
+        opt._stepper.submit(lambda k=k: torch.set_num_threads(k), "set threads")
         timed(f"opt alone t={k}", lambda: (opt.step(), opt.synchronize()))
-    opt._stepper.submit(lambda: torch.set_num_threads(a.threads[0]))
+    opt._stepper.submit(lambda: torch.set_num_threads(a.threads[0]), "set threads")
     engine.zero_grad()
     b = timed("full step", full_step)
     with open(os.path.join(a.out, f"probe_trace{a.tag}.json"), "w") as f:
         json.dump({"spans": b["spans"], "wall_s": b["wall_s"]}, f)
     for k in a.threads[1:]:
-        opt._stepper.submit(lambda k=k: torch.set_num_threads(k))
+        opt._stepper.submit(lambda k=k: torch.set_num_threads(k), "set threads")
         timed(f"full step t={k}", full_step)
     params = engine.num_parameters
     print(f"\n{a.shape} layers={n_layers} params={params / 1e9:.2f}B tokens/step={a.tokens} clip={a.clip} {a.tag}")

@@ -3,13 +3,14 @@
 from .arguments import MegaTrainArguments
 from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine
-from .errors import MegaTrainError
+from .errors import HostJobError, MegaTrainError
 from .loop import prepare
 from .patcher.specs import supported_model_types
 from .trainer import MegaTrainTrainer
 
 __all__ = [
     "HostAdamW",
+    "HostJobError",
     "MegaTrainArguments",
     "MegaTrainError",
     "MegaTrainTrainer",

@@ -86,6 +86,11 @@ class MegaTrainArguments(TrainingArguments):
         default=True,
         metadata={"help": "Refuse, before loading, a run whose estimated host RAM or GPU memory exceeds the machine."},
     )
+    background_host_jobs: bool | None = field(
+        default=None,
+        metadata={"help": "Run the host AdamW and gradient accumulation on background threads, overlapped with "
+                  "compute. Default: on a GPU yes, on the CPU no (there it gives the same numbers, for testing)."},
+    )
     hub_dir: str | None = field(
         default=None,
         metadata={"help": "Local hub directory (HF cache layout) that push_to_hub publishes into; "

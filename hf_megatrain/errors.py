@@ -1,5 +1,29 @@
-"""The one exception type users see for bad input or an impossible request."""
+"""The exception types users see."""
 
 
 class MegaTrainError(ValueError):
     """Raised with a message that says what is wrong and what to do about it."""
+
+
+class HostJobError(RuntimeError):
+    """A background host job (an optimizer step, a gradient accumulation) failed.
+
+    Raised in the training thread at its next wait on that job's worker; every later call into
+    the same engine raises it again, since the state the failed job was updating is torn. The
+    failed thread's traceback is in the message; the original exception is the `__cause__`.
+    """
+
+    def __init__(self, job: str, worker: str, error: BaseException, remote_traceback: str = ""):
+        self.job, self.worker, self.error, self._remote = job, worker, error, remote_traceback
+        super().__init__(
+            f"{job} failed on host thread {worker}: {error!r}. The training state is now inconsistent: "
+            f"restart from the last checkpoint (a new trainer in this process works).\n"
+            f"--- traceback in {worker} ---\n{remote_traceback}"
+        )
+        self.__cause__ = error
+        self.__suppress_context__ = True
+
+    def fresh(self) -> "HostJobError":
+        """A new instance to raise: a raised exception collects the raiser's frames in its
+        traceback, and the stored one must not (they hold the engine the thread is to let go of)."""
+        return HostJobError(self.job, self.worker, self.error, self._remote)

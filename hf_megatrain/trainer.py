@@ -132,6 +132,7 @@ class MegaTrainTrainer(Trainer):
             resident_layers=resident,
             sharding=sharding,
             offload_activations=offload,
+            background_host_jobs=getattr(args, "background_host_jobs", None),
         )
 
         if train_dataset is None and getattr(args, "data_path", None):
@@ -173,9 +174,15 @@ class MegaTrainTrainer(Trainer):
 
     def train(self, *args, **kwargs):
         try:
-            return super().train(*args, **kwargs)
-        finally:
-            self.engine.synchronize()  # the last optimizer step lands before anyone reads the model
+            result = super().train(*args, **kwargs)
+        except BaseException:
+            try:
+                self.engine.synchronize()  # let pending steps land before anyone reads the model
+            except Exception:
+                pass  # a failed host job raises again here: the exception on its way up says it first
+            raise
+        self.engine.synchronize()  # the last optimizer step lands before anyone reads the model
+        return result
 
     # -- where Trainer would move or wrap the model -----------------------------------------
     def _move_model_to_device(self, model, device):
@@ -312,13 +319,32 @@ class MegaTrainTrainer(Trainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _save_checkpoint(self, model, trial):
-        """Trainer's checkpoint, written into a hidden folder and renamed into place when complete."""
+        """Trainer's checkpoint, written into a hidden folder and renamed into place when complete.
+
+        A failed write (disk full, a lost mount) removes the hidden folder and says which
+        checkpoint it was; the complete checkpoints before it are never touched."""
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         final = os.path.join(run_dir, folder)
         tmp = partial_dir(final)
+        try:
+            self._write_checkpoint(run_dir, final, tmp)
+        except Exception as e:
+            if self.args.should_save:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(
+                f"writing checkpoint {final} failed: {e!r}. Earlier complete checkpoints in {run_dir} are intact; "
+                "free space or fix the folder, then resume from the last one (resume_from_checkpoint=True)."
+            ) from e
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(final)
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _write_checkpoint(self, run_dir: str, final: str, tmp: str) -> None:
         if self.args.should_save:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
@@ -346,11 +372,6 @@ class MegaTrainTrainer(Trainer):
             write_manifest(tmp, hashes=getattr(self.args, "checkpoint_hashes", True))
             commit_dir(tmp, final)
         self._barrier()
-        if self.args.push_to_hub:
-            self._push_from_checkpoint(final)
-        if self.args.should_save:
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
     def _barrier(self) -> None:
         if self.engine.store.sharding is not None:

@@ -15,6 +15,12 @@ every step while the activation shape stays the same.
 
 On the CPU "offload" copies into a separate host buffer and drops the original, which keeps the
 bookkeeping (which layer is where, when it comes back) under test without a GPU.
+
+Who may touch a host buffer when: layer i's buffer is written by the D2H stream (forward) and
+read by the H2D stream (backward). Its D2H waits for the forward's compute (`produced`) and for
+the last H2D that read the buffer (`_read[i]`: a backward that failed halfway leaves such reads
+queued); its H2D waits for its D2H (`_stored[i]`). The buffers are unpinned and freed only when a
+larger activation needs new ones, after both copy streams have drained.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class Activations:
         self._arena = None
         self._host: list[torch.Tensor] = []
         self._capacity = (0, None)  # (numel, dtype) the host buffers can hold
+        self._read: dict[int, torch.cuda.Event] = {}  # layer -> its host buffer's last H2D
         self.reset()
 
     def reset(self) -> None:
@@ -50,6 +57,10 @@ class Activations:
     def _host_buffers(self, x: torch.Tensor) -> list[torch.Tensor]:
         numel, dtype = self._capacity
         if x.numel() > numel or x.dtype != dtype:  # page-lock once for the largest size seen
+            if self.cuda and self._arena is not None:  # no copy may still be queued on the old buffers
+                self.d2h.synchronize()
+                self.h2d.synchronize()
+            self._read.clear()
             self._host, self._arena = [], None  # let the old arena go first
             self._arena, self._host = arena_tensors([x.numel()] * self.offload, x.dtype, pin=self.cuda)
             self._capacity = (x.numel(), x.dtype)
@@ -61,6 +72,12 @@ class Activations:
         if layer >= self.offload:
             self._gpu[layer] = x
             return
+        try:
+            self._offload(layer, x)
+        except Exception as e:  # e.g. page-locking a larger buffer failed: say which copy it was
+            raise RuntimeError(f"offloading the input of decoder layer {layer} to host memory failed: {e!r}") from e
+
+    def _offload(self, layer: int, x: torch.Tensor) -> None:
         host = self._host_buffers(x)[layer][: x.numel()]
         if not self.cuda:
             host.copy_(x.reshape(-1))
@@ -70,6 +87,8 @@ class Activations:
         produced.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(produced)
+            if layer in self._read:
+                self.d2h.wait_event(self._read.pop(layer))
             host.copy_(x.reshape(-1), non_blocking=True)
             x.record_stream(self.d2h)  # the GPU copy may be freed before the D2H ran
             done = torch.cuda.Event()
@@ -93,6 +112,7 @@ class Activations:
             out.view(-1).copy_(host, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self.h2d)
+        self._read[layer] = ready
         self._back[layer] = (out, ready)
 
     def get(self, layer: int) -> torch.Tensor:

@@ -23,15 +23,15 @@ slab and a host worker adds them in.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from .store import HostStore
-from .worker import Worker
+from .worker import Signal, Worker
 
 
 @dataclass
@@ -125,7 +125,7 @@ class CudaPipeline:
             if e.depends_on is not None and not self.plan[e.depends_on].released:
                 break  # in order: a later load never overtakes an earlier one
             if e.load:
-                self.store.ready[e.unit].wait()  # its optimizer step must be finished
+                self.store.ready[e.unit].wait()  # its optimizer step must be finished (raises if it failed)
                 src = self.store.compute[e.unit]
                 with torch.cuda.stream(self.h2d), self.span("h2d", self.h2d):
                     self.h2d.wait_event(e.buffer.released)
@@ -192,14 +192,10 @@ class CudaPipeline:
             grad = grad.float()
         if store.sharding is not None:  # data parallel: sum over ranks, keep this rank's slice
             grad = store.sharding.reduce(grad, unit.n_train)
-        first = store.grad_count[index] == 0
-        store.grad_count[index] += 1
+        first = store.count_grad(index)
         if unit.resident:  # accumulate and take norms where it lives; nothing crosses PCIe
+            store.add_grad(index, grad, first)
             acc = store.grad[index]
-            if not first:
-                acc.add_(grad)
-            elif grad.data_ptr() != acc.data_ptr():
-                acc.copy_(grad)
             views = [acc[s.offset : s.offset + s.numel] for s in unit.train_slots]
             self.norms[index] = torch.stack(torch._foreach_norm(views, 2))
             return
@@ -234,15 +230,9 @@ class CudaPipeline:
             self._pending.append(done)
             landed = done.synchronize
         else:
-            added = threading.Event()
-
-            def job():
-                try:
-                    self._accumulate(index, slab, done)
-                finally:
-                    added.set()
-
-            self.accumulator.submit(job)
+            added = Signal(done=False)
+            self.accumulator.submit(partial(self._accumulate, index, slab, done),
+                                    f"gradient accumulation of {unit.label}", added)
             landed = added.wait
         if self.on_final_grad is not None:
             self.on_final_grad(index, landed)
@@ -275,7 +265,7 @@ class CudaPipeline:
     def _accumulate_now(self, index: int, slab: int) -> None:
         unit = self.store.units[index]
         acc = self.store.grad[index]
-        acc.add_(self.slabs[slab][: acc.numel()])
+        self.store.add_grad(index, self.slabs[slab][: acc.numel()], first=False)
         self._slab_free[slab] = True
         if self.store.sharding is None:
             views = [acc[s.offset : s.offset + s.numel] for s in unit.train_slots]

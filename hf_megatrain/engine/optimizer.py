@@ -93,9 +93,11 @@ class HostAdamW(torch.optim.Optimizer):
         self.step_count = 0
         self._clip = None  # multiplier for the next step's gradients, set by clip_grad_norm_
         self._eager = None  # armed by step_during_backward()
-        # On a GPU the step runs on a host thread, unit by unit in forward order, while the
-        # next forward already streams the units that are done (store.ready gates each one).
-        self._stepper = Worker("megatrain-adamw") if engine.device.type == "cuda" else None
+        self._torn = None  # why step() must refuse: units were stepped by a backward that then failed
+        # On a GPU (or on the CPU when asked: engine.background_host_jobs) the step runs on a host
+        # thread, unit by unit in forward order, while the next forward already computes the
+        # units that are done (store.ready gates each one).
+        self._stepper = Worker("megatrain-adamw") if engine.background_host_jobs else None
         on_host = any(m.device.type == "cpu" and m.numel() for m in store.master)
         self._spans = SpanPool(host_threads, "megatrain-adamw-span") if on_host and host_threads > 0 else None
         engine.optimizer = self
@@ -121,6 +123,7 @@ class HostAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_whole()
         if self._eager is not None:
             return self._finish_eager(loss)
         self.engine.pipeline.finish()
@@ -144,7 +147,8 @@ class HostAdamW(torch.optim.Optimizer):
         for index in host:
             self.store.ready[index].clear()
         for index in host:
-            self._stepper.submit(partial(self._step_async, index, hyper, clip, counts[index], step))
+            self._stepper.submit(partial(self.step_unit, index, hyper, clip, counts[index], step),
+                                 f"AdamW step {step} of {self.store.units[index].label}", self.store.ready[index])
 
     # -- stepping during the backward (exact only without clipping) -----------------------------
     def step_during_backward(self) -> bool:
@@ -157,26 +161,40 @@ class HostAdamW(torch.optim.Optimizer):
         """
         if self._stepper is None:
             return False
+        self._check_whole()
         self._eager = {"hyper": self._hyper(), "step": self.step_count + 1, "done": set()}
         self.engine.pipeline.on_final_grad = self._eager_unit
         return True
 
+    def disarm(self) -> None:
+        """The backward that step_during_backward() armed failed: forget the arm, so no later
+        backward steps units early. Units it already stepped cannot be un-stepped; then the next
+        step() refuses, rather than stepping them a second time."""
+        e, self._eager = self._eager, None
+        self.engine.pipeline.on_final_grad = None
+        if e is not None and e["done"]:
+            done = sorted(e["done"])
+            self._torn = (f"the backward failed after step_during_backward() had already stepped "
+                          f"{len(done)} unit(s) ({self.store.units[done[0]].label} first)")
+
+    def _check_whole(self) -> None:
+        if self._torn is not None:
+            raise RuntimeError(f"{self._torn}; the model is partly updated. Restart from the last checkpoint.")
+
     def _eager_unit(self, index: int, landed) -> None:
         """Pipeline callback (main thread): unit `index` got its last gradient; `landed()` blocks
-        until that gradient is in the host accumulator."""
+        until that gradient is in the host accumulator (and raises if adding it failed)."""
         e = self._eager
         e["done"].add(index)
         self.store.ready[index].clear()
         count = self.store.grad_count[index]
 
         def job():
-            try:
-                landed()
-                self.step_unit(index, e["hyper"], None, count, e["step"])
-            finally:
-                self.store.ready[index].set()
+            landed()
+            self.step_unit(index, e["hyper"], None, count, e["step"])
 
-        self._stepper.submit(job)
+        self._stepper.submit(job, f"AdamW step {e['step']} of {self.store.units[index].label} (during the backward)",
+                             self.store.ready[index])
 
     def _finish_eager(self, loss):
         e, self._eager = self._eager, None
@@ -188,12 +206,6 @@ class HostAdamW(torch.optim.Optimizer):
         rest = [u.index for u in self.store.units if u.index not in e["done"]]
         self._submit(rest, e["hyper"], None, list(self.store.grad_count), self.step_count)
         return loss
-
-    def _step_async(self, index, hyper, clip, count, step) -> None:
-        try:
-            self.step_unit(index, hyper, clip, count, step)
-        finally:
-            self.store.ready[index].set()  # a failure surfaces in synchronize(), not as a hang
 
     def synchronize(self) -> None:
         """Block until every pending step has been applied (re-raises a failed one)."""

@@ -19,6 +19,12 @@ import mmap
 import torch
 
 _ALIGN = 4096  # page-aligned slices: clean DMA, no false sharing between units
+_registered = [0]  # bytes page-locked by live arenas (tests check that a failed run returns them)
+
+
+def pinned_bytes() -> int:
+    """Bytes of host memory currently page-locked by hf_megatrain's arenas."""
+    return _registered[0]
 
 
 class HostArena:
@@ -42,6 +48,7 @@ class HostArena:
                     "the host may not allow that much page-locked memory (check `ulimit -l`)."
                 )
             self.pinned = True
+            _registered[0] += total
 
     def tensor(self, i: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -52,6 +59,7 @@ class HostArena:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self.pinned = False
+            _registered[0] -= self.nbytes
 
     def __del__(self):
         try:

@@ -4,24 +4,41 @@ The schedule (schedule.py) only ever says: "give me unit i's weights", "I am don
 them", "here is unit i's gradient". A pipeline decides how. `HostPipeline` is the CPU
 case: the weights are used where they lie and gradients are accumulated at once. The CUDA
 pipeline (cuda_pipeline.py) streams through pinned buffers, GPU ring slots and events.
+
+Both keep the same contract with the optimizer: `weights(i)` waits for unit i's pending step
+(`store.ready[i]`, which raises if that step failed), and `on_final_grad(i, landed)` (set by
+`HostAdamW.step_during_backward`) is told when a unit's last gradient of the step was emitted,
+with `landed()` blocking until it is in the accumulator.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 
 from .store import HostStore
+from .worker import Signal, Worker
+
+
+def _landed() -> None:
+    """A gradient added on the calling thread has landed already."""
 
 
 class HostPipeline:
-    """Compute on the host itself: no copies, no streams."""
+    """Compute on the host itself: no copies, no streams.
 
-    def __init__(self, store: HostStore, device: torch.device):
+    asynchronous: gradient accumulation runs on a worker thread, as on a GPU (the optimizer
+    then steps on its own worker too): CPU tests exercise the same ordering and failure paths.
+    """
+
+    def __init__(self, store: HostStore, device: torch.device, asynchronous: bool = False):
         self.store = store
         self.device = device
         self.timeline = None
+        self.on_final_grad = None  # set by HostAdamW.step_during_backward()
+        self.accumulator = Worker("megatrain-accumulate") if asynchronous else None
 
     def span(self, lane: str, stream=None):
         """A busy span (compute etc.) for the timeline; host work is timed on the host clock."""
@@ -31,6 +48,7 @@ class HostPipeline:
         """The order in which units will be asked for during this forward/backward."""
 
     def weights(self, index: int) -> torch.Tensor:
+        self.store.ready[index].wait()  # its pending optimizer step writes this very buffer
         return self.store.compute[index]  # a resident unit's copy is already on the device
 
     def release(self, index: int) -> None:
@@ -42,7 +60,22 @@ class HostPipeline:
         return torch.empty(self.store.units[index].n_train, dtype=self.store.compute_dtype, device=self.device)
 
     def emit_grad(self, index: int, grad: torch.Tensor) -> None:
-        self.store.accumulate(index, grad)
+        store = self.store
+        if store.sharding is not None:  # collectives stay on the training thread, in order
+            grad = store.sharding.reduce(grad.float(), store.units[index].n_train)
+        first = store.count_grad(index)
+        landed = _landed
+        if self.accumulator is None:
+            store.add_grad(index, grad, first)
+        else:  # `grad` is a fresh tensor (grad_buffer), so the job may hold it
+            done = Signal(done=False)
+            self.accumulator.submit(partial(store.add_grad, index, grad, first),
+                                    f"gradient accumulation of {store.units[index].label}", done)
+            landed = done.wait
+        if self.on_final_grad is not None:
+            self.on_final_grad(index, landed)
 
     def finish(self) -> None:
         """Block until every emitted gradient is in the host accumulators."""
+        if self.accumulator is not None:
+            self.accumulator.drain()

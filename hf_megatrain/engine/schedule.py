@@ -102,6 +102,9 @@ class StreamingEngine(nn.Module):
     sharding: data parallel (engine/distributed.py): this rank keeps a slice of the fp32 state.
     weights_from: a checkpoint folder; then `model` is a meta skeleton (see checkpoint.loading)
         and the store is filled straight from the safetensors files.
+    background_host_jobs: run gradient accumulation and the host AdamW on worker threads,
+        overlapped with compute (default: on a GPU). On the CPU it exists so that tests walk
+        the same asynchronous ordering and failure paths as a GPU run; the numbers are equal.
     """
 
     def __init__(
@@ -119,6 +122,7 @@ class StreamingEngine(nn.Module):
         resident_layers: int = 0,
         sharding=None,
         offload_activations: int = 0,
+        background_host_jobs: bool | None = None,
     ):
         super().__init__()
         # A PEFT model trains through its underlying causal LM: the adapter layers are part of
@@ -129,6 +133,8 @@ class StreamingEngine(nn.Module):
         self.spec = spec_for(model.config)
         _check_model(model, self.spec, skeleton=weights_from is not None)
         self.device = torch.device(device)
+        self.background_host_jobs = self.device.type == "cuda" if background_host_jobs is None \
+            else bool(background_host_jobs)
         self.config = model.config
         self.model_class = type(model)
         self.compute_dtype = compute_dtype
@@ -196,7 +202,7 @@ class StreamingEngine(nn.Module):
             from .cuda_pipeline import CudaPipeline
 
             return CudaPipeline(self.store, self.device, **options)
-        return HostPipeline(self.store, self.device)
+        return HostPipeline(self.store, self.device, asynchronous=self.background_host_jobs)
 
     # -- nn.Module behaviour that Trainer relies on ------------------------------------------
     def train(self, mode: bool = True):
@@ -218,8 +224,11 @@ class StreamingEngine(nn.Module):
 
     # -- inspection API (tests rely on it) -------------------------------------------------
     def named_grads(self):
-        """(name, fp32 CPU gradient) for every parameter of the original model."""
-        self.pipeline.finish()
+        """(name, fp32 CPU gradient) for every parameter of the original model.
+
+        Waits for every pending host job that writes gradients: accumulation, and a step that
+        is still clipping them in place."""
+        self.synchronize()
         grads = [self.store.grad_or_zeros(u.index) for u in self.units]
         yield from self.store.named([self.store.full(grads, u.index) for u in self.units])
 
@@ -229,8 +238,8 @@ class StreamingEngine(nn.Module):
         On a GPU the per-parameter norms were taken on the device as each gradient left it; on
         the CPU they are taken from the accumulators (bit-identical to stock).
         """
+        self.synchronize()  # every contribution landed, and no step still clipping in place
         if self.store.sharding is not None:  # each rank holds a slice: sum the squares over ranks
-            self.pipeline.finish()
             local = torch.zeros((), dtype=torch.float64)
             for u in self.units:
                 if self.store.grad_count[u.index]:
@@ -382,6 +391,14 @@ class StreamingEngine(nn.Module):
         The gradient is that of `scale * loss`; the returned loss (detached, on the compute
         device) is not scaled, exactly what `model(**batch).loss` would be.
         """
+        try:
+            return self._forward_backward(batch, num_items_in_batch, scale)
+        except BaseException:
+            if self.optimizer is not None:
+                self.optimizer.disarm()  # an early step armed for this backward must not outlive it
+            raise
+
+    def _forward_backward(self, batch: dict, num_items_in_batch, scale: float) -> torch.Tensor:
         ids, mask, labels, pos, rows, docs = self._prepare(batch)
         if labels is None:
             raise MegaTrainError("the batch has no 'labels'; training needs them (use -100 to ignore a token).")

@@ -15,12 +15,31 @@ Buffers per unit:
 All three are carved from exact-size arenas; on a GPU the compute copy and the gradient (what
 crosses PCIe) are page-locked (pinned.py), the master is not.
 Adam moments live in the optimizer (`HostAdamW`), in the same layout.
+
+Who writes what, and what orders the readers (three threads share these buffers: the training
+thread, the optimizer's `megatrain-adamw` worker and the pipeline's `megatrain-accumulate`
+worker, plus the CUDA copy streams):
+
+  master[i], compute[i]  written by unit i's optimizer step (the adamw worker; the training
+           thread for a resident unit, on the device's stream). `ready[i]` is cleared before
+           that step is queued and set when it has run, so every reader waits on it first:
+           the pipeline before it loads unit i (H2D, or the CPU compute), `synchronize()`
+           before saving or reading masters.
+  grad[i]  written by unit i's gradient contributions (the first by the D2H stream or the
+           training thread, later ones by the accumulate worker) and scaled in place by the
+           clipped step (adamw worker). Readers (norms, `named_grads`, the step) come after
+           `pipeline.finish()` (every contribution landed) and, outside the step itself, after
+           the optimizer's `synchronize()` (no step still clipping it). The next step's first
+           contribution cannot overtake the previous step: unit i's backward runs after its
+           forward, which waited on `ready[i]`.
+  grad_count[i]  the training thread only (counted when a contribution is emitted, not when
+           it lands), so decisions about "first contribution" never race a worker.
+  ready[i] a `Signal`: a failed step sets it with its failure, so a waiter raises, never hangs.
 """
 
 from __future__ import annotations
 
 import re
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +47,7 @@ from torch import nn
 
 from ..patcher.specs import ArchSpec
 from .pinned import arena_tensors
+from .worker import Signal
 
 
 @dataclass(frozen=True)
@@ -65,6 +85,11 @@ class Unit:
     @property
     def train_slots(self) -> list[Slot]:
         return [s for s in self.slots if s.trainable]
+
+    @property
+    def label(self) -> str:
+        """What errors call it: 'decoder layer 3', 'the embedding', 'the head'."""
+        return f"decoder layer {self.layer}" if self.kind == "layer" else f"the {'embedding' if self.kind == 'embed' else 'head'}"
 
 
 def _unit_of(name: str, spec: ArchSpec) -> tuple[str, int | None, str]:
@@ -156,9 +181,7 @@ class HostStore:
         self.grad_count = [0] * len(units)
         # Set while a unit's master and compute copy are current; cleared while an optimizer
         # step on it is pending, so nothing streams a half-updated unit to the GPU.
-        self.ready = [threading.Event() for _ in units]
-        for e in self.ready:
-            e.set()
+        self.ready = [Signal() for _ in units]
         self.order = [s.name for s in sorted((s for u in units for s in u.train_slots), key=lambda s: s.order)]
 
     def _alloc(self, numels: list[int], dtype: torch.dtype, pin: bool | None = None) -> list[torch.Tensor]:
@@ -229,6 +252,7 @@ class HostStore:
         return [(name, where[name]) for name in self.order]
 
     def wait_ready(self, index: int | None = None) -> None:
+        """Block until the unit's (every unit's) pending optimizer step has run; raise its failure."""
         for e in self.ready if index is None else [self.ready[index]]:
             e.wait()
 
@@ -257,17 +281,26 @@ class HostStore:
 
     # -- gradients --------------------------------------------------------------------------
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
-        """Add one gradient contribution (any float dtype, host) into the fp32 accumulator.
+        """Add one gradient contribution (any float dtype, host) into the fp32 accumulator, now.
 
         Data parallel: the contribution is summed over ranks first, keeping this rank's slice."""
         if self.sharding is not None:
             grad = self.sharding.reduce(grad.float(), self.units[index].n_train)
-        if self.grad_count[index] == 0:
-            if grad.data_ptr() != self.grad[index].data_ptr():
-                self.grad[index].copy_(grad)
-        else:
-            self.grad[index].add_(grad)
+        self.add_grad(index, grad, self.count_grad(index))
+
+    def count_grad(self, index: int) -> bool:
+        """Count one more contribution to unit `index` (training thread); True for the step's first."""
         self.grad_count[index] += 1
+        return self.grad_count[index] == 1
+
+    def add_grad(self, index: int, grad: torch.Tensor, first: bool) -> None:
+        """Write a counted contribution into the accumulator: the first is copied in (nothing is
+        ever memset), later ones are added. Any thread; see the ownership rules above."""
+        acc = self.grad[index]
+        if not first:
+            acc.add_(grad)
+        elif grad.data_ptr() != acc.data_ptr():
+            acc.copy_(grad)
 
     def grad_or_zeros(self, index: int) -> torch.Tensor:
         lo, hi = self.bounds[index]

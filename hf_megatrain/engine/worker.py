@@ -1,24 +1,59 @@
-"""A host thread that runs submitted jobs in order (gradient accumulation, optimizer steps).
+"""Host threads: an ordered job worker (gradient accumulation, optimizer steps) and a span pool.
 
 torch's CPU kernels release the GIL and parallelise internally, so one ordered worker per job
 kind keeps all cores busy without oversubscribing them, while the main thread goes on feeding
-the GPU. An exception in a job is re-raised in the caller at the next `drain()`.
+the GPU.
 
-The thread holds only the queue, never the Worker or a finished job: when the owner (an
-optimizer, a pipeline) is dropped, its host store is freed and the thread is told to end. A
-thread that kept its last job alive once kept a whole 27 GB host store alive after its trainer
-was gone.
+Failures are part of the contract. A job that raises makes its worker *failed* for good: every
+later job is skipped (the state it would work on is torn), yet each job's `Signal` is still set,
+carrying the failure, so whoever waits on it wakes and raises instead of hanging. The caller
+sees a `HostJobError` naming the job and the unit at its next `submit`, `drain` or `Signal.wait`.
+
+The thread holds only the queue and the failure, never the Worker, a finished job or a
+traceback (the error keeps its traceback as text): when the owner (an optimizer, a pipeline)
+is dropped, its host store is freed and the thread is told to end. A thread that kept its last
+job alive once kept a whole 27 GB host store alive after its trainer was gone.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import traceback
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
+from ..errors import HostJobError
+
 _STOP = object()
+
+
+class Signal:
+    """A 'this is done' flag that can also carry a failure: `wait()` returns once it is set and
+    raises the failure if the job that set it failed (or was skipped after another one failed)."""
+
+    def __init__(self, done: bool = True):
+        self._event = threading.Event()
+        self._error: HostJobError | None = None
+        if done:
+            self._event.set()
+
+    def clear(self) -> None:
+        self._error = None
+        self._event.clear()
+
+    def set(self, error: HostJobError | None = None) -> None:
+        self._error = error
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> None:
+        self._event.wait()
+        if self._error is not None:
+            raise self._error.fresh()
 
 
 class Worker:
@@ -29,26 +64,30 @@ class Worker:
         # happened would run the host AdamW on one core (measured: 0.3 instead of ~2 G params/s).
         # The worker takes its creator's count and runs its lazy init at once (see _serve).
         self._jobs: queue.Queue = queue.Queue()
-        self._errors: list[BaseException] = []
+        self._failed: list[HostJobError] = []  # the first failure, shared with the thread
         self.name = name
-        thread = threading.Thread(target=_serve, args=(self._jobs, self._errors, torch.get_num_threads()),
+        thread = threading.Thread(target=_serve, args=(self._jobs, self._failed, name, torch.get_num_threads()),
                                   name=name, daemon=True)
         thread.start()
 
-    def submit(self, job) -> None:
+    def submit(self, run, job: str, done: Signal | None = None) -> None:
+        """Run `run()` on the thread, in submission order. `job` names it in errors ("AdamW step of
+        layer 3"); `done` is set when it has run, with the failure if it (or an earlier job) failed."""
         self.check()
-        self._jobs.put(job)
+        self._jobs.put((run, job, done))
 
     def drain(self) -> None:
-        """Block until every submitted job has run; re-raise the first failure."""
+        """Block until every submitted job has run; raise the worker's failure if it has one."""
         self._jobs.join()
         self.check()
 
     def check(self) -> None:
-        if self._errors:
-            err = self._errors.pop(0)
-            self._errors.clear()
-            raise RuntimeError(f"background job in {self.name} failed: {err!r}") from err
+        if self._failed:
+            raise self._failed[0].fresh()
+
+    @property
+    def failed(self) -> bool:
+        return bool(self._failed)
 
     def __del__(self):
         try:
@@ -66,19 +105,28 @@ def set_thread_count(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _serve(jobs: queue.Queue, errors: list, threads: int) -> None:
+def _serve(jobs: queue.Queue, failed: list, worker: str, threads: int) -> None:
     set_thread_count(threads)
     while True:
-        job = jobs.get()
+        item = jobs.get()
+        if item is _STOP:
+            jobs.task_done()
+            return
+        run, job, done = item
+        error = failed[0] if failed else None
         try:
-            if job is _STOP:
-                return
-            if not errors:
-                job()
-        except BaseException as e:  # surfaced to the owner's thread by drain()
-            errors.append(e)
+            if error is None:
+                run()
+        except BaseException as e:  # everything must reach the owner's thread
+            # A job that waited on another worker's failed job re-raises that failure as it is.
+            error = e if isinstance(e, HostJobError) else \
+                HostJobError(job, worker, e, "".join(traceback.format_exception(e)))
+            e.__traceback__ = None  # its frames hold the job's engine: keep the text, not them
+            failed.append(error)
         finally:
-            job = None  # a finished job's closure must not keep its engine alive
+            if done is not None:
+                done.set(error)
+            run = item = done = error = None  # a finished job's closure must not keep its engine alive
             jobs.task_done()
 
 
