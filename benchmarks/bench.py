@@ -476,9 +476,14 @@ def run_worker(cmd: list, env: dict, log_path: str, header: str) -> tuple[list, 
 
 
 def run_system(system: str, opts) -> list:
+    # megatrain:0@DIR: that checkout's hf_megatrain (its own benchmarks/bench.py runs the worker),
+    # so an earlier commit and this one are compared in one run, on one card
+    system, _, source = system.partition("@")
     system, _, resident = system.partition(":")  # megatrain:auto, megatrain:0 = gpu_resident_layers
     resident = resident or opts.resident
-    base = [sys.executable, __file__, "--system", system, "--shape", opts.shape, "--seq", str(opts.seq),
+    script = os.path.join(source, "benchmarks", "bench.py") if source else __file__
+    tag = f"@{os.path.basename(os.path.normpath(source))}" if source else ""
+    base = [sys.executable, script, "--system", system, "--shape", opts.shape, "--seq", str(opts.seq),
             "--steps", str(opts.steps), "--warmup", str(opts.warmup), "--stock_micro", str(opts.stock_micro),
             "--resident", resident]
     if opts.layers:
@@ -488,7 +493,7 @@ def run_system(system: str, opts) -> list:
     if system == "megatrain" and opts.from_disk:
         base += ["--checkpoint", random_checkpoint(opts.from_disk, opts.shape, opts.layers, max(opts.seq, 4096))]
     if system == "megatrain":
-        base += ["--trace_out", os.path.join(opts.out, f"trace_{opts.shape}_resident-{resident}.json")]
+        base += ["--trace_out", os.path.join(opts.out, f"trace_{opts.shape}_resident-{resident}{tag}.json")]
     env = dict(os.environ)
     if system in DISTRIBUTED:  # a one-rank job, with the environment `torchrun --nproc_per_node 1` gives
         env.update(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
@@ -507,7 +512,7 @@ def run_system(system: str, opts) -> list:
         configs = [([t], [c]) for t in opts.tokens for c in clips]
     else:
         configs = [(opts.tokens, clips)]
-    log_path = os.path.join(opts.out, f"{system}{resident if system == 'megatrain' else ''}_{opts.shape}.log")
+    log_path = os.path.join(opts.out, f"{system}{resident if system == 'megatrain' else ''}{tag}_{opts.shape}.log")
     open(log_path, "w").close()
     rows = []
     for tokens, clips in configs:
@@ -516,6 +521,8 @@ def run_system(system: str, opts) -> list:
         cmd = base + ["--tokens", *map(str, tokens), "--clip", *map(str, clips)]
         free = host_free_gib()  # a SIGKILL below is easier to read knowing what the host had
         got, rc, text = run_worker(cmd, env, log_path, f"tokens {tokens} clip {clips} (host MemAvailable {free} GiB)")
+        for r in got:
+            r["system"] += tag
         if rc != 0 and not any("error" in r for r in got):
             err = dict(system=system, shape=opts.shape, error=f"{log_error(text, rc)} (see {log_path})")
             if len(tokens) == len(clips) == 1:
@@ -596,13 +603,13 @@ def print_table(record) -> None:
           f"{record['peak']['burst_tflops']}/{record['peak']['sustained_tflops']} TFLOP/s")
     stock = {(r["tokens_per_step"], r["clip"]): r["tokens_per_s"] for r in rows
              if r.get("system") == "stock" and "tokens_per_s" in r}
-    head = f"{'system':10} {'shape':13} {'L':>3} {'tok/step':>8} {'clip':>4} {'tok/s':>9} {'TFLOPS':>7} " \
+    head = f"{'system':18} {'shape':13} {'L':>3} {'tok/step':>8} {'clip':>4} {'tok/s':>9} {'TFLOPS':>7} " \
            f"{'MFU':>5} {'x stock':>7} {'GPU GiB':>7} {'host GiB':>8}  breakdown"
     print(head)
     for r in rows:
         if "tokens_per_s" not in r:  # an error, or a --dry_run row
             what = f"ERROR {r['error']}" if "error" in r else f"DRY RUN {json.dumps(r.get('dry_run'))}"
-            print(f"{r['system']:10} {r['shape']:13} {'':>3} {r.get('tokens_per_step', '-'):>8} "
+            print(f"{r['system']:18} {r['shape']:13} {'':>3} {r.get('tokens_per_step', '-'):>8} "
                   f"{r.get('clip', '-'):>4}  {what}")
             continue
         ref = stock.get((r["tokens_per_step"], r["clip"]))
@@ -611,7 +618,7 @@ def print_table(record) -> None:
         bds = " ".join(f"{k.replace('_busy', '')}={v:.2f}" for k, v in bd.items()) if bd else ""
         name = r["system"] + (f"/r{r['resident_layers']}" if "resident_layers" in r else "")
         mfu = f"{r['mfu']:.2f}" if "mfu" in r else "-"  # no peak measured (--skip_peak)
-        print(f"{name:10} {r['shape']:13} {r['layers']:>3} {r['tokens_per_step']:>8} {r['clip']:>4} "
+        print(f"{name:18} {r['shape']:13} {r['layers']:>3} {r['tokens_per_step']:>8} {r['clip']:>4} "
               f"{r['tokens_per_s']:>9.0f} {r['model_tflops']:>7.1f} {mfu:>5} {ratio:>7} "
               f"{r['gpu_peak_gib']:>7.1f} {r['host_peak_gib']:>8.1f}  {bds}")
 

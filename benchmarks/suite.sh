@@ -10,6 +10,10 @@
 # E: the 3B shape at 512K tokens, full depth (about 8 minutes of attention)
 # F: long rows of packed documents: the GPU test of document-wise attention + the 3B shape at 512K
 #    tokens packed from 32K-token documents, full depth
+# G: issue 16 (reliability): the GPU tests with the failure-injection and ownership tests, then the
+#    3B shape at 16K tokens/step, stock vs default vs all-streamed, this code beside the code before
+#    the change (a copy of commit 3ecacb0 in .old: `git archive 3ecacb0 hf_megatrain benchmarks`,
+#    carried); `G tests` or `G bench` runs one half
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -56,6 +60,15 @@ F)
   part 120 gpu_documents python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k by_document
   part 420 packed_3b python3 benchmarks/long_context.py --shape llama-3.2-3b --seq 524288 --doc_tokens 32768 \
     --out "$OUT" ;;
-*) echo "unknown group $1 (A to F)"; exit 2 ;;
+G)
+  if [ "${2:-all}" != bench ]; then
+    part 300 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_failures.py
+  fi
+  if [ "${2:-all}" != tests ]; then
+    part 480 bench_3b_16k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip 1.0 \
+      --systems stock,megatrain:0,megatrain:0@.old,megatrain:auto,megatrain:auto@.old --steps 6 --warmup 2 \
+      --out "$OUT"
+  fi ;;
+*) echo "unknown group $1 (A to G)"; exit 2 ;;
 esac
 for f in "${names[@]}"; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done
