@@ -18,6 +18,19 @@ Gradients: the first contribution to a unit in a step goes straight into the pin
 accumulator (cast to fp32 on the GPU; no host work at all), with its per-parameter norms taken
 on the GPU on the way. Later contributions (gradient accumulation) land in a pinned staging
 slab and a host worker adds them in.
+
+Who owns what (the store's own buffers: see engine/store.py):
+  ring slot        refilled by the H2D stream after the compute stream recorded `released`
+                   for its previous unit; read by compute after waiting on `ready`.
+  grad ring slot   written by compute (the backward), read by the D2H stream; handed out
+                   again only after that D2H (`released`, which emit_grad re-points at it).
+  staging slab     taken by the training thread (a free one, or it drains the worker), filled
+                   by the D2H stream, added into grad[i] and marked free by the accumulate
+                   worker once that D2H event has completed.
+  norms[i]         written by the training thread (resident units), the D2H stream (first
+                   contribution) or the accumulate worker (later ones); read after finish().
+A failed accumulation sets its Signal with the failure: the early step waiting on it, and
+`finish()`, raise instead of waiting for a slab or a gradient that will never come.
 """
 
 from __future__ import annotations
