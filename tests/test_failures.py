@@ -100,6 +100,10 @@ def fail_and_recover(tmp_path, device, monkeypatch, inject, expect, error=HostJo
         err = within(TIMEOUT, failing.train)
         assert isinstance(err, error), repr(err)
         assert expect in str(err), str(err)
+        if error is HostJobError:  # the same trainer again: refuses, never hangs
+            again = within(TIMEOUT, failing.train)
+            assert isinstance(again, HostJobError) and expect in str(again), repr(again)
+            del again
         del failing, err
     assert_let_go(threads, pinned)
     again = trainer(tmp_path, device, "again", **overrides)
@@ -110,17 +114,25 @@ def fail_and_recover(tmp_path, device, monkeypatch, inject, expect, error=HostJo
 # -- the worker itself --------------------------------------------------------------------------
 def test_a_failed_job_wakes_every_waiter_and_stays_failed():
     worker = Worker("megatrain-test")
-    first, later = Signal(done=False), Signal(done=False)
+    go = threading.Event()
+    first, queued, refused = Signal(done=False), Signal(done=False), Signal(done=False)
     ran = []
-    worker.submit(lambda: 1 / 0, "dividing", first)
-    worker.drain.__self__._jobs.put((lambda: ran.append(1), "after it", later))  # queued behind the failure
-    for signal in (first, later):
+
+    def fail():
+        go.wait(5)
+        raise ZeroDivisionError("injected")
+
+    worker.submit(fail, "dividing", first)
+    worker.submit(lambda: ran.append(1), "after it", queued)  # queued before the failure happens
+    go.set()
+    for signal in (first, queued):
         err = within(5, signal.wait)
         assert isinstance(err, HostJobError) and "dividing failed" in str(err) and "ZeroDivisionError" in str(err)
     assert ran == []  # skipped: the state it would work on is torn
-    for call in (worker.drain, lambda: worker.submit(lambda: None, "more")):
+    for call in (worker.drain, lambda: worker.submit(lambda: ran.append(2), "more", refused), refused.wait):
         err = within(5, call)
         assert isinstance(err, HostJobError) and "dividing failed" in str(err)
+    assert ran == []
 
 
 def test_a_failed_worker_lets_go_of_its_owner():

@@ -144,9 +144,8 @@ class HostAdamW(torch.optim.Optimizer):
                 self.step_unit(index, hyper, clip, counts[index], step)
             else:
                 host.append(index)
-        for index in host:
+        for index in host:  # cleared and queued together: a refused submit sets it again, failed
             self.store.ready[index].clear()
-        for index in host:
             self._stepper.submit(partial(self.step_unit, index, hyper, clip, counts[index], step),
                                  f"AdamW step {step} of {self.store.units[index].label}", self.store.ready[index])
 

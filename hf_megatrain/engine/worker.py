@@ -72,7 +72,10 @@ class Worker:
 
     def submit(self, run, job: str, done: Signal | None = None) -> None:
         """Run `run()` on the thread, in submission order. `job` names it in errors ("AdamW step of
-        layer 3"); `done` is set when it has run, with the failure if it (or an earlier job) failed."""
+        layer 3"); `done` is set when it has run, with the failure if it (or an earlier job) failed;
+        at once, failed, when the worker has failed already and refuses the job."""
+        if self._failed and done is not None:
+            done.set(self._failed[0])
         self.check()
         self._jobs.put((run, job, done))
 
