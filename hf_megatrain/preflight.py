@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 import tempfile
+from shutil import disk_usage
 
 from .errors import MegaTrainError
 
@@ -180,7 +180,7 @@ def check_disk(args, model) -> None:
     if keeps_state:
         parts += f", optimizer state {optimizer / GiB:.2f} GiB"
     for disk in per_disk.values():
-        free = shutil.disk_usage(disk["at"]).free
+        free = disk_usage(disk["at"]).free
         if disk["bytes"] > free:
             raise MegaTrainError(
                 f"not enough disk: {' and '.join(disk['names'])} need about {disk['bytes'] / GiB:.2f} GiB for one "
