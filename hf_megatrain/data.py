@@ -26,7 +26,7 @@ import os
 import numpy as np
 import torch
 
-from .checkpoint.stream_load import looks_local
+from .checkpoint.stream_load import looks_local, missing_path
 from .errors import MegaTrainError
 
 logger = logging.getLogger(__name__)
@@ -49,8 +49,7 @@ def load_raw_dataset(path: str):
     elif os.path.isfile(path):
         files = [path]
     elif looks_local(path):  # a missing file is reported here, before datasets would try the hub for it
-        raise MegaTrainError(f"data path {path!r} does not exist (no such file or folder); check the path "
-                             f"(relative paths start from {os.getcwd()}).")
+        raise missing_path("data", path)
     else:
         try:
             return _train_split(datasets.load_dataset(path), path)

@@ -351,7 +351,8 @@ def test_complete_checkpoint_goes_on_to_training(tmp_path, saved_run, no_trainin
 # -- the model, LoRA, memory ---------------------------------------------------------------------------
 def test_missing_model_fails_at_once(tmp_path, weights_read, online):
     start = time.perf_counter()
-    refused(str(tmp_path / "nowhere"), args_for(tmp_path), weights_read, "model path .* does not exist")
+    message = refused(str(tmp_path / "nowhere"), args_for(tmp_path), weights_read, "model path .* does not exist")
+    assert message.endswith("check the path, or pass a hub id such as org/name.")
     refused("megatrain-tests/never-downloaded", args_for(tmp_path), weights_read, "not in the local HF cache")
     assert time.perf_counter() - start < FAST
 
@@ -388,7 +389,7 @@ def test_cli_missing_data_one_line_no_network(tmp_path, model_dir):
     elapsed = time.perf_counter() - start
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
-        f"hf-megatrain train: error: data path 'missing.jsonl' does not exist (no such file or folder); check the "
-        f"path (relative paths start from {tmp_path}).")
+        f"hf-megatrain train: error: data path 'missing.jsonl' does not exist; check the path (relative paths "
+        f"start from {tmp_path}).")
     assert "loading weights" not in r.stderr and "huggingface.co" not in r.stderr
     assert elapsed < 30, elapsed  # imports take ~10 s; the hub's retries alone would add ~25 s

@@ -36,6 +36,12 @@ def looks_local(name: str) -> bool:
             or name.count("/") > 1 or "\\" in name or name.lower().endswith(LOCAL_SUFFIXES))
 
 
+def missing_path(kind: str, path: str, alternative: str = "") -> MegaTrainError:
+    """The refusal for a local path that does not exist: one line, with where a relative one was looked for."""
+    where = "" if os.path.isabs(path) else f" (relative paths start from {os.getcwd()})"
+    return MegaTrainError(f"{kind} path {path!r} does not exist; check the path{where}{alternative}.")
+
+
 def resolve_folder(model_id_or_path: str, revision: str | None = None) -> str:
     """A local folder, or the snapshot of a hub id in the local HF cache (never the network)."""
     if os.path.isdir(model_id_or_path):
@@ -44,8 +50,7 @@ def resolve_folder(model_id_or_path: str, revision: str | None = None) -> str:
         raise MegaTrainError(f"model {model_id_or_path!r} is a file; pass the folder that holds config.json "
                              "and the safetensors weights.")
     if looks_local(model_id_or_path):
-        raise MegaTrainError(f"model path {model_id_or_path!r} does not exist; check the path (relative paths "
-                             f"start from {os.getcwd()}), or pass a hub id such as org/name.")
+        raise missing_path("model", model_id_or_path, ", or pass a hub id such as org/name")
     from huggingface_hub import snapshot_download
 
     try:
