@@ -363,6 +363,17 @@ def test_lora_that_does_not_fit_the_model(tmp_path, model_dir, weights_read):
     refused(model_dir, args, weights_read, "peft_config does not fit this llama model.*no_such_proj")
 
 
+def test_lora_estimate_counts_the_adapters_peft_adds(tmp_path, model_dir, weights_read):
+    data = write_jsonl(tmp_path / "train.jsonl", text_rows())
+    args = args_for(tmp_path, data_path=data, peft_config={"r": 4, "target_modules": ["q_proj", "v_proj"]})
+    trainer = MegaTrainTrainer(model_dir, args)
+    assert weights_read == ["from_pretrained", "HostStore.from_model"]  # the base, after every check
+    adapters = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    assert adapters == 3 * 4 * ((64 + 64) + (64 + 32))  # layers x r x (q: in + out, v: in + kv out)
+    skeleton, _, _ = loading.load_model_and_tokenizer(model_dir)  # what preflight saw: no adapters yet
+    assert checkpoint_bytes(skeleton, args) == checkpoint_bytes(trainer.model, args) == (4 * adapters, 12 * adapters)
+
+
 def test_run_that_does_not_fit_is_refused_before_weights(tmp_path, model_dir, weights_read, monkeypatch):
     import hf_megatrain.memory as memory
 
