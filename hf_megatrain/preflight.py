@@ -176,14 +176,14 @@ def check_disk(args, model) -> None:
         disk = per_disk.setdefault(os.stat(here).st_dev, {"names": [], "bytes": 0, "at": here})
         disk["names"].append(f"{what}={os.fspath(folder)!r}")
         disk["bytes"] += nbytes
-    parts = f"model files {weights / GiB:.2f} GiB"
+    parts, fix = f"model files {weights / GiB:.2f} GiB", "free space or choose another folder"
     if keeps_state:
         parts += f", optimizer state {optimizer / GiB:.2f} GiB"
+        fix += ", or save less (save_only_model=True leaves out the optimizer state)"
     for disk in per_disk.values():
         free = disk_usage(disk["at"]).free
         if disk["bytes"] > free:
             raise MegaTrainError(
                 f"not enough disk: {' and '.join(disk['names'])} need about {disk['bytes'] / GiB:.2f} GiB for one "
-                f"checkpoint ({parts}), and {disk['at']} has {free / GiB:.2f} GiB free; free space, choose another "
-                "folder, or save less (save_only_model=True leaves out the optimizer state)."
+                f"checkpoint ({parts}), and {disk['at']} has {free / GiB:.2f} GiB free; {fix}."
             )

@@ -59,7 +59,8 @@ class MegaTrainTrainer(Trainer):
     """`Trainer` for models larger than the GPU: state in host RAM, one layer on the GPU at a time.
 
     `model` is a hub id, a local path, or a loaded CPU `PreTrainedModel`. With no
-    `train_dataset`, `args.data_path` is loaded, tokenized and packed.
+    `train_dataset`, `args.data_path` is loaded, tokenized and packed. Everything that can be
+    checked without the weights (see `preflight`) is checked before any weight is read.
     """
 
     def __init__(

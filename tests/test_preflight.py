@@ -263,6 +263,21 @@ def test_not_enough_disk_for_one_checkpoint(tmp_path, model_dir, weights_read, m
     message = refused(model_dir, args_for(tmp_path, data_path=data, save_strategy="steps"), weights_read,
                       "not enough disk")
     assert "optimizer state" in message and "0.01 GiB free" in message and "save_only_model=True" in message
+    message = refused(model_dir, args_for(tmp_path, data_path=data, save_strategy="no"), weights_read,
+                      "not enough disk")
+    assert "optimizer state" not in message and "save_only_model" not in message  # nothing to leave out
+
+
+def test_output_and_hub_on_one_disk_add_up(tmp_path, model_dir, weights_read, monkeypatch):
+    real = shutil.disk_usage
+    # room for what either folder needs alone (64 MiB of small files and the tiny model), not for both
+    monkeypatch.setattr(preflight, "disk_usage", lambda p: real(p)._replace(free=100 * 1024**2))
+    data = write_jsonl(tmp_path / "train.jsonl", text_rows())
+    MegaTrainTrainer(model_dir, args_for(tmp_path, data_path=data))
+    weights_read.clear()
+    hub = str(tmp_path / "hub")
+    refused(model_dir, args_for(tmp_path, data_path=data, push_to_hub=True, hub_dir=hub), weights_read,
+            f"not enough disk: output_dir=.* and hub_dir={hub!r} need about 0.13 GiB")
 
 
 # -- resuming ---------------------------------------------------------------------------------------
