@@ -26,6 +26,7 @@ import os
 import numpy as np
 import torch
 
+from .checkpoint.stream_load import looks_local, missing_path
 from .errors import MegaTrainError
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ def load_raw_dataset(path: str):
         files = _data_files(path)
     elif os.path.isfile(path):
         files = [path]
+    elif looks_local(path):  # a missing file is reported here, before datasets would try the hub for it
+        raise missing_path("data", path)
     else:
         try:
             return _train_split(datasets.load_dataset(path), path)
@@ -213,6 +216,17 @@ def _learns(labels) -> bool:
 # -- tokenize, pack or truncate -------------------------------------------------------------------
 def tokenize_dataset(raw, tokenizer, max_seq_length: int, packing: bool, text_field: str = "text"):
     """Rows of input_ids / labels (/ position_ids when packing), ready for `CausalCollator`."""
+    docs = tokenize_documents(raw, tokenizer, text_field)
+    if len(docs) == 0:
+        raise MegaTrainError(
+            "after tokenization no sample has a token to learn (empty texts, or no assistant/completion tokens)."
+        )
+    return _pack(docs, max_seq_length) if packing else truncate(docs, max_seq_length)
+
+
+def tokenize_documents(raw, tokenizer, text_field: str = "text"):
+    """One sample of input_ids / labels per document (per assistant turn when the template needs it),
+    without the samples that have no token to learn; neither packed nor truncated."""
     if tokenizer is None:
         raise MegaTrainError("loading data from a file needs a tokenizer: pass processing_class=.")
     if len(raw) == 0:
@@ -229,14 +243,10 @@ def tokenize_dataset(raw, tokenizer, max_seq_length: int, packing: bool, text_fi
                    remove_columns=raw.column_names, desc=f"tokenizing ({fmt})")
     docs = docs.filter(lambda b: [_learns(x) for x in b["labels"]], batched=True, desc="dropping empty samples")
     logger.info("data format %r: %d rows -> %d samples with tokens to learn", fmt, len(raw), len(docs))
-    if len(docs) == 0:
-        raise MegaTrainError(
-            "after tokenization no sample has a token to learn (empty texts, or no assistant/completion tokens)."
-        )
-    return _pack(docs, max_seq_length) if packing else _truncate(docs, max_seq_length)
+    return docs
 
 
-def _truncate(docs, length):
+def truncate(docs, length):
     def cut(batch):
         pairs = [(i[:length], lab[:length]) for i, lab in zip(batch["input_ids"], batch["labels"])]
         pairs = [p for p in pairs if _learns(p[1])]

@@ -28,18 +28,18 @@ from .checkpoint.peft_export import save_adapter, save_merged
 from .checkpoint.local_hub import LocalHub, default_hub_dir
 from .checkpoint.manifest import MANIFEST, commit_dir, partial_dir, verify_manifest, write_manifest
 from .checkpoint.optimizer_state import (
-    has_optimizer_state,
     load_masters,
     load_optimizer_state,
     save_optimizer_state,
 )
-from .data import CausalCollator, count_real_tokens, load_raw_dataset, tokenize_dataset
+from .data import CausalCollator, count_real_tokens, tokenize_dataset
 from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine
 from .engine.timeline import Timeline
 from .errors import MegaTrainError
 from .memory import (GiB, admit, estimate, gpu_available, host_available, longest_fitting_row, mlp_tile,
                      plan_placement)
+from .preflight import check_data, check_disk, check_outputs, check_resume
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class MegaTrainTrainer(Trainer):
     """`Trainer` for models larger than the GPU: state in host RAM, one layer on the GPU at a time.
 
     `model` is a hub id, a local path, or a loaded CPU `PreTrainedModel`. With no
-    `train_dataset`, `args.data_path` is loaded, tokenized and packed.
+    `train_dataset`, `args.data_path` is loaded, tokenized and packed. Everything that can be
+    checked without the weights (see `preflight`) is checked before any weight is read.
     """
 
     def __init__(
@@ -78,12 +79,17 @@ class MegaTrainTrainer(Trainer):
         check_arguments(args)
         if optimizers[0] is not None and not isinstance(optimizers[0], HostAdamW):
             raise MegaTrainError("a custom optimizer was passed; hf_megatrain steps its own HostAdamW on the host.")
+        # Preflight: what can be checked without the weights is checked before any is read (loading
+        # a 70B model takes minutes). The model id resolves to a config and a meta skeleton here.
+        check_outputs(args)
+        check_resume(getattr(args, "resume_from_checkpoint", None), args.output_dir)
         model, tokenizer, weights_from = load_model_and_tokenizer(model)
-        device = args.device  # resolves the device now, as Trainer would
-        if getattr(args, "peft_config", None) is not None:
-            model = with_adapters(model, args.peft_config, weights_from, resolve_compute_dtype(args, device))
-            weights_from = None
         processing_class = processing_class if processing_class is not None else tokenizer
+        raw_data = {name: check_data(getattr(args, name), processing_class, args, name)
+                    for name, given in (("data_path", train_dataset), ("eval_data_path", eval_dataset))
+                    if given is None and getattr(args, name, None)}
+        check_disk(args, model)
+        device = args.device  # resolves the device now, as Trainer would
         if getattr(args, "gradient_checkpointing", False):
             logger.info("gradient_checkpointing: the engine always recomputes at layer boundaries; flag ignored")
             args.gradient_checkpointing = False
@@ -112,6 +118,18 @@ class MegaTrainTrainer(Trainer):
         if device.type == "cpu":
             args.dataloader_pin_memory = False  # nothing to pin for
         args._n_gpu = 1 if device.type == "cuda" else args._n_gpu
+        # Weights are read last: the data is tokenized first, then the LoRA base and the store are filled.
+        if "data_path" in raw_data:
+            train_dataset = self._dataset_from(raw_data["data_path"], processing_class, args)
+            data_collator = data_collator or CausalCollator(_pad_id(processing_class, model))
+        if "eval_data_path" in raw_data:
+            eval_dataset = self._dataset_from(raw_data["eval_data_path"], processing_class, args)
+            data_collator = data_collator or CausalCollator(_pad_id(processing_class, model))
+        if train_dataset is not None and hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
+            raise MegaTrainError("train_dataset is empty: there is nothing to train on.")
+        if getattr(args, "peft_config", None) is not None:
+            model = with_adapters(model, args.peft_config, weights_from, resolve_compute_dtype(args, device))
+            weights_from = None
         base = model.get_base_model() if is_peft_model(model) else model
         decay = Trainer.get_decay_parameter_names(None, base)
         sharding = None
@@ -135,14 +153,6 @@ class MegaTrainTrainer(Trainer):
             background_host_jobs=getattr(args, "background_host_jobs", None),
         )
 
-        if train_dataset is None and getattr(args, "data_path", None):
-            train_dataset = self._dataset_from(args.data_path, processing_class, args)
-            data_collator = data_collator or CausalCollator(_pad_id(processing_class, model))
-        if eval_dataset is None and getattr(args, "eval_data_path", None):
-            eval_dataset = self._dataset_from(args.eval_data_path, processing_class, args)
-            data_collator = data_collator or CausalCollator(_pad_id(processing_class, model))
-        if train_dataset is not None and hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
-            raise MegaTrainError("train_dataset is empty: there is nothing to train on.")
         if data_collator is None and train_dataset is not None:
             data_collator = CausalCollator(_pad_id(processing_class, model))
 
@@ -168,13 +178,14 @@ class MegaTrainTrainer(Trainer):
             self.engine.pipeline.timeline = self._timeline
 
     @staticmethod
-    def _dataset_from(path, tokenizer, args):
-        raw = load_raw_dataset(path)
+    def _dataset_from(raw, tokenizer, args):
         return tokenize_dataset(raw, tokenizer, args.max_seq_length, args.packing, args.text_field)
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        # A wrong or incomplete checkpoint fails now, before the dataloader and optimizer are built.
+        resume_from_checkpoint = check_resume(resume_from_checkpoint, self.args.output_dir)
         try:
-            result = super().train(*args, **kwargs)
+            result = super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException:
             try:
                 self.engine.synchronize()  # let pending steps land before anyone reads the model
@@ -378,13 +389,8 @@ class MegaTrainTrainer(Trainer):
             self.engine.store.sharding.barrier()
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        # Masters (fp32) come back with the optimizer state; the model files hold only the
-        # save dtype. Check now, before any training, that the checkpoint is whole.
-        if not has_optimizer_state(resume_from_checkpoint):
-            raise MegaTrainError(
-                f"{resume_from_checkpoint} has no hf_megatrain optimizer state; it cannot be resumed exactly. "
-                "Start a new run from it with MegaTrainTrainer(<that folder>, args) instead."
-            )
+        # Masters (fp32) come back with the optimizer state; the model files hold only the save
+        # dtype. train() checked the folder is complete (files and sizes); the hashes are read now.
         if os.path.isfile(os.path.join(resume_from_checkpoint, MANIFEST)):
             verify_manifest(resume_from_checkpoint)
 

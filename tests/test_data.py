@@ -100,8 +100,10 @@ def test_dataset_in_local_hf_cache_loads_offline(tmp_path, datasets_cache):
 
 
 def test_load_errors_say_what_to_do(tmp_path):
+    with pytest.raises(MegaTrainError, match="does not exist; check the path"):
+        load_raw_dataset(str(tmp_path / "nope" / "missing"))  # a path: never looked up on the hub
     with pytest.raises(MegaTrainError, match="not a file or folder, and not a dataset in the local HF cache"):
-        load_raw_dataset(str(tmp_path / "nope" / "missing"))
+        load_raw_dataset("megatrain-no-such-dataset")  # a name: looked up in the local cache (offline here)
     (tmp_path / "empty").mkdir()
     with pytest.raises(MegaTrainError, match="holds no"):
         load_raw_dataset(str(tmp_path / "empty"))

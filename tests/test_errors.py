@@ -61,5 +61,5 @@ def test_missing_labels_and_bad_model_arguments(tmp_path):
         engine.forward_backward(batch)
     with pytest.raises(MegaTrainError, match="hub id"):
         MegaTrainTrainer(42, MegaTrainArguments(output_dir=str(tmp_path), report_to=[]))
-    with pytest.raises(MegaTrainError, match="not a local folder"):
+    with pytest.raises(MegaTrainError, match="does not exist"):
         MegaTrainTrainer(str(tmp_path / "nowhere"), MegaTrainArguments(output_dir=str(tmp_path), report_to=[]))

@@ -32,22 +32,34 @@ def with_adapters(model, peft_config, folder: str | None, compute_dtype: torch.d
     The frozen base is loaded for real (it streams as compute weights only, 2 bytes/param in
     bf16), in the compute dtype; the adapters are created by PEFT and trained in fp32.
     """
-    import json
+    from peft import get_peft_model
 
-    from peft import LoraConfig, PeftConfig, get_peft_model
-
-    if isinstance(peft_config, str):
-        with open(peft_config) as f:
-            peft_config = json.load(f)
-    if isinstance(peft_config, dict):
-        peft_config = LoraConfig(**{"task_type": "CAUSAL_LM", **peft_config})
-    if not isinstance(peft_config, PeftConfig):
-        raise MegaTrainError(f"peft_config must be a peft config, a dict or a JSON path, not {type(peft_config).__name__}")
+    peft_config = lora_config(peft_config)
     if is_peft_model(model):
         raise MegaTrainError("the model already has adapters; pass either a PEFT model or peft_config, not both.")
     if folder is not None:  # a meta skeleton: LoRA needs the real base weights to wrap
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=compute_dtype, device_map="cpu")
     return get_peft_model(model, peft_config)
+
+
+def lora_config(peft_config):
+    """A peft config from a peft config object, a dict of LoraConfig fields, or a JSON file of them."""
+    import json
+
+    from peft import LoraConfig, PeftConfig
+
+    if isinstance(peft_config, str):
+        try:
+            with open(peft_config) as f:
+                peft_config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise MegaTrainError(f"peft_config={peft_config!r} cannot be read as JSON ({e}); pass a LoRA JSON file, "
+                                 "a dict or a peft config.") from e
+    if isinstance(peft_config, dict):
+        peft_config = LoraConfig(**{"task_type": "CAUSAL_LM", **peft_config})
+    if not isinstance(peft_config, PeftConfig):
+        raise MegaTrainError(f"peft_config must be a peft config, a dict or a JSON path, not {type(peft_config).__name__}")
+    return peft_config
 
 
 def meta_skeleton(config, attn_implementation: str | None = None) -> PreTrainedModel:

@@ -20,10 +20,37 @@ SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 
 
+# Endings of the files hf_megatrain reads (data, configs, weights): a name ending so is a path.
+LOCAL_SUFFIXES = (".json", ".jsonl", ".txt", ".text", ".csv", ".parquet", ".arrow", ".yaml", ".yml",
+                  ".safetensors", ".bin", ".pt")
+
+
+def looks_local(name: str) -> bool:
+    """Whether `name` can only mean a local path, never a hub id ('org/name') or a dataset name.
+
+    Absolute, ~ or ./../-relative, more than one '/', a backslash, or a file ending: when such a
+    path does not exist, the lookup must stop there (datasets would spend ~25 s retrying the hub).
+    """
+    name = os.fspath(name)
+    return (os.path.isabs(name) or name.startswith(("~", "./", "../")) or name in (".", "..")
+            or name.count("/") > 1 or "\\" in name or name.lower().endswith(LOCAL_SUFFIXES))
+
+
+def missing_path(kind: str, path: str, alternative: str = "") -> MegaTrainError:
+    """The refusal for a local path that does not exist: one line, with where a relative one was looked for."""
+    where = "" if os.path.isabs(path) else f" (relative paths start from {os.getcwd()})"
+    return MegaTrainError(f"{kind} path {path!r} does not exist; check the path{where}{alternative}.")
+
+
 def resolve_folder(model_id_or_path: str, revision: str | None = None) -> str:
     """A local folder, or the snapshot of a hub id in the local HF cache (never the network)."""
     if os.path.isdir(model_id_or_path):
         return model_id_or_path
+    if os.path.exists(model_id_or_path):
+        raise MegaTrainError(f"model {model_id_or_path!r} is a file; pass the folder that holds config.json "
+                             "and the safetensors weights.")
+    if looks_local(model_id_or_path):
+        raise missing_path("model", model_id_or_path, ", or pass a hub id such as org/name")
     from huggingface_hub import snapshot_download
 
     try:
