@@ -224,6 +224,7 @@ def one_process(sources, tmp_path_factory):
     return {run: cli_result(s, root / run[0]) for run, s in zip(runs, started)}
 
 
+@pytest.mark.slow
 def test_one_process_from_folder_and_from_hub_id(one_process):
     """torchrun from the folder and accelerate launch from the hub id: the same run, to the bit."""
     a, b = one_process[("torchrun", "folder")], one_process[("accelerate", "hub")]
@@ -233,6 +234,7 @@ def test_one_process_from_folder_and_from_hub_id(one_process):
 
 
 # Each launcher with 2 and 4 ranks, each number of ranks from a folder and from a hub id.
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher,source,ranks", [("torchrun", "hub", 2), ("accelerate", "folder", 2),
                                                    ("torchrun", "folder", 4), ("accelerate", "hub", 4)])
 def test_launcher_matches_one_process(launcher, source, ranks, sources, one_process, tmp_path):
@@ -242,6 +244,7 @@ def test_launcher_matches_one_process(launcher, source, ranks, sources, one_proc
     assert_same_run(one_process[("torchrun", "folder")], run)
 
 
+@pytest.mark.slow
 def test_processes_without_a_process_group_are_refused(sources, tmp_path):
     """torchrun without --use_cpu on a machine without a GPU: two lone trainings into one output_dir
     are refused before any weight is read (the weights file here is not even readable)."""
