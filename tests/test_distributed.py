@@ -186,8 +186,9 @@ def start_cli(launcher, ranks, source, sources, out, cpu=True):
             "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "3", "--report_to", "none",
             "--disable_tqdm", "true", "--train_sampling_strategy", "sequential", "--log_pipeline", "false",
             "--seed", "0"] + (["--use_cpu"] if cpu else [])
+    os.makedirs(f"{out}-tmp")  # the launchers' own files (torchelastic logs) stay in the test's folder
     env = dict(os.environ, HF_HUB_CACHE=sources["hub_cache"], HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               HF_DATASETS_CACHE=f"{out}-datasets", PYTHONPATH=os.path.dirname(HERE))
+               HF_DATASETS_CACHE=f"{out}-datasets", TMPDIR=f"{out}-tmp", PYTHONPATH=os.path.dirname(HERE))
     log = open(f"{out}.log", "w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True), log
 
