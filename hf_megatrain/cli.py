@@ -100,6 +100,11 @@ def _estimate(argv: list[str]) -> int:
                    help="plan for a GPU with this much free memory: place layers and activations as the "
                         "trainer would, and say whether the run fits (with --host_gib)")
     p.add_argument("--host_gib", type=float, default=None, help="... and a host with this much available RAM")
+    p.add_argument("--world_size", type=int, default=1,
+                   help="data-parallel ranks in all: each keeps 1/world_size of the fp32 state and a whole "
+                        "compute copy")
+    p.add_argument("--local_ranks", type=int, default=None,
+                   help="how many of those ranks run on one host (default: all); --host_gib is that host's RAM")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     a = p.parse_args(argv)
     from .errors import MegaTrainError
@@ -114,10 +119,12 @@ def _estimate(argv: list[str]) -> int:
             raise SystemExit(f"hf-megatrain estimate: --{name} takes a number of layers or 'auto', not {value!r}")
 
     config = _config_of(a.model)
-    kw = dict(compute_dtype=a.compute_dtype, device=a.device,
-              mlp_tile_tokens=mlp_tile(a.seq, a.mlp_tile_tokens))
+    kw = dict(compute_dtype=a.compute_dtype, device=a.device, mlp_tile_tokens=mlp_tile(a.seq, a.mlp_tile_tokens),
+              world_size=a.world_size, local_ranks=a.local_ranks)
     resident, offload = count(a.gpu_resident_layers, "gpu_resident_layers"), count(a.offload_activations,
                                                                                   "offload_activations")
+    if a.world_size > 1:
+        resident = 0  # data parallel streams every layer, as the trainer does
     planned = a.gpu_gib is not None and resident is None  # the planner picks residency for that GPU
     if a.gpu_gib is not None:
         resident, offload = plan_placement(config, a.batch, a.seq, a.gpu_gib * GiB, resident_layers=resident,

@@ -7,6 +7,10 @@ would make it fit, instead of letting the OOM killer end a run halfway through l
 
 Per parameter on the host: fp32 master 4 B, bf16 compute copy 2 B (0 in fp32 mode: the master
 streams), fp32 gradient 4 B, Adam moments 8 B: 18 B, i.e. 1.26 TB for a 70B model.
+
+Data parallel over W ranks (engine/distributed.py): each rank holds the whole compute copy but
+only 1/W of the master, gradient and moments, so the host entries are per rank, and a host
+running L of the ranks needs L times their total; that per-host figure is what admission checks.
 """
 
 from __future__ import annotations
@@ -63,10 +67,18 @@ class MemoryPlan:
     notes: list = field(default_factory=list)
     resident_layers: int = 0
     offload_activations: int = 0
+    world_size: int = 1  # data-parallel ranks in all
+    local_ranks: int = 1  # of them on this host: each holds the `host` entries
 
     @property
     def host_total(self) -> float:
+        """Host RAM of one rank."""
         return sum(self.host.values())
+
+    @property
+    def host_per_host(self) -> float:
+        """Host RAM of every rank on this host together: what the host must have."""
+        return self.host_total * self.local_ranks
 
     @property
     def gpu_total(self) -> float:
@@ -82,36 +94,65 @@ class MemoryPlan:
         return fixed + max(phases.values(), default=0.0)
 
     def table(self) -> str:
-        lines = [f"{'host RAM':34} {'GiB':>9}"]
+        ranks = self.world_size > 1
+        lines = [f"{'host RAM per rank' if ranks else 'host RAM':34} {'GiB':>9}"]
         lines += [f"  {k:32} {v / GiB:9.2f}" for k, v in self.host.items()]
-        lines += [f"  {'total':32} {self.host_total / GiB:9.2f}", "", f"{'GPU memory':34} {'GiB':>9}"]
+        lines += [f"  {'total':32} {self.host_total / GiB:9.2f}"]
+        if ranks:
+            here = f"x {self.local_ranks} ranks on this host" if self.local_ranks > 1 else "1 rank on this host"
+            lines += [f"  {here:32} {self.host_per_host / GiB:9.2f}"]
+        lines += ["", f"{'GPU memory per rank' if ranks else 'GPU memory':34} {'GiB':>9}"]
         lines += [f"  {k:32} {v / GiB:9.2f}" for k, v in self.gpu.items()]
         lines += [f"  {'total (fixed + largest [phase])':32} {self.gpu_total / GiB:9.2f}"]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
     def as_dict(self) -> dict:
         return {"host": self.host, "gpu": self.gpu, "host_total": self.host_total, "gpu_total": self.gpu_total,
-                "resident_layers": self.resident_layers, "offload_activations": self.offload_activations}
+                "resident_layers": self.resident_layers, "offload_activations": self.offload_activations,
+                "world_size": self.world_size, "local_ranks": self.local_ranks, "host_per_host": self.host_per_host}
 
 
 def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", device: str = "cuda",
              prefetch_depth: int = 2, loss_chunk_tokens: int | None = None, resident_layers: int = 0,
-             mlp_tile_tokens: int | None = None, offload_activations: int = 0) -> MemoryPlan:
-    """What training `config` at `batch` x `seq` tokens per micro-batch needs, by component."""
+             mlp_tile_tokens: int | None = None, offload_activations: int = 0, world_size: int = 1,
+             local_ranks: int | None = None) -> MemoryPlan:
+    """What training `config` at `batch` x `seq` tokens per micro-batch needs, by component.
+
+    world_size: data-parallel ranks; local_ranks: how many of them run on this host (default all).
+    The entries are one rank's; `host_per_host` is what this host needs for its ranks."""
     s = model_shapes(config)
     cbytes = 2 if compute_dtype in ("bfloat16", "bf16") else 4
     tokens = batch * seq
-    resident_layers = max(0, min(resident_layers, s.layers))
+    world = max(1, world_size)
+    # data parallel streams every layer (residency is not combined with sharding yet)
+    resident_layers = 0 if world > 1 else max(0, min(resident_layers, s.layers))
     offload = max(0, min(offload_activations, s.layers)) if device == "cuda" else 0
     layer_input = tokens * s.hidden * cbytes  # one saved [batch, seq, hidden] layer input
     # resident: the embedding, the head and the first N layers (engine.schedule.mark_resident)
     on_gpu = resident_layers * s.layer + (s.embed + s.head if resident_layers else 0)
     streamed = s.params - on_gpu
-    plan = MemoryPlan(resident_layers=resident_layers, offload_activations=offload)
-    plan.host["fp32 master weights"] = 4 * streamed
-    plan.host["compute copy (streamed)"] = cbytes * streamed if cbytes == 2 else 0
-    plan.host["fp32 gradient accumulator"] = 4 * streamed
-    plan.host["Adam moments (fp32 x2)"] = 8 * streamed
+    plan = MemoryPlan(resident_layers=resident_layers, offload_activations=offload, world_size=world,
+                      local_ranks=1 if world == 1 else max(1, min(local_ranks or world, world)))
+    # This rank's share of the fp32 state: the largest rank's slice of every unit, ceil(n / world)
+    # (engine.distributed.Sharding); all of it in one process.
+    owned = streamed if world == 1 else \
+        _share(s.embed, world) + _share(s.head, world) + s.layers * _share(s.layer, world)
+    plan.host["fp32 master weights"] = 4 * owned
+    # fp32 compute in one process streams the master itself; a rank holds only a slice of the master
+    # but streams every weight, so it keeps a whole compute copy of its own
+    plan.host["compute copy (streamed)"] = cbytes * streamed if cbytes == 2 or world > 1 else 0
+    plan.host["fp32 gradient accumulator"] = 4 * owned
+    plan.host["Adam moments (fp32 x2)"] = 8 * owned
+    if world > 1:
+        # Transient, one unit at a time: the all-gather of updated weights (own slice + the whole
+        # unit, compute dtype) and, on a CPU, the gradient reduce-scatter on the host (an fp32 copy,
+        # its padded copy, this rank's sum); the largest unit is usually the embedding.
+        n = max(s.embed, s.head, s.layer)
+        gather = cbytes * (n + _share(n, world))
+        reduce = 4 * (2 * n + _share(n, world)) if device != "cuda" else 0
+        plan.host["data-parallel exchange (one unit)"] = max(gather, reduce)
+        plan.notes.append(f"data parallel: {world} ranks, {plan.local_ranks} on this host; each rank holds the "
+                          f"whole compute copy and 1/{world} of the fp32 master, gradient and Adam moments.")
     if device == "cuda":
         plan.host["pinned staging slabs"] = 2 * 4 * s.layer if streamed else 0
     if offload:
@@ -152,6 +193,18 @@ def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", d
     return plan
 
 
+def _share(n: int, world: int) -> int:
+    return -(-n // world)
+
+
+def ranks_on_this_host(world_size: int) -> int:
+    """How many ranks of a data-parallel run share this host: LOCAL_WORLD_SIZE, which torchrun and
+    accelerate set; all of them when it is unset (the cautious guess)."""
+    if world_size <= 1:
+        return 1
+    return max(1, min(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), world_size))
+
+
 def mlp_tile(seq: int, tile: int | None = None) -> int | None:
     """The MLP sequence tile: the one asked for, or 16K tokens once rows are long (> 32K tokens).
 
@@ -181,6 +234,8 @@ def plan_placement(config, batch: int, seq: int, gpu_free: float, *, margin: flo
     """
     layers = model_shapes(config).layers
     budget = gpu_free * (1 - margin)
+    if kw.get("world_size", 1) > 1:
+        resident_layers = 0  # data parallel streams every layer (estimate counts none resident)
 
     def gpu(n, off):
         return estimate(config, batch, seq, resident_layers=n, offload_activations=off, **kw).gpu_total
@@ -198,7 +253,7 @@ def plan_placement(config, batch: int, seq: int, gpu_free: float, *, margin: flo
         if host_free is not None:
             def host_short(n):
                 plan = estimate(config, batch, seq, resident_layers=n, offload_activations=offload, **kw)
-                return plan.host_total > host_free * (1 - ADMIT_MARGIN)
+                return plan.host_per_host > host_free * (1 - ADMIT_MARGIN)
 
             while resident < layers and host_short(resident) and gpu(resident + 1, offload) <= gpu_free * (1 - ADMIT_MARGIN):
                 resident += 1
@@ -247,7 +302,9 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
                   "offload_activations='auto' or a larger number (layer inputs kept in pinned host memory)"]
     hint = hint(host_free=host_free, gpu_free=gpu_free) if hint is not None else None
     if any(p.startswith("host") for p in problems):
-        if not residency_planned:
+        if plan.local_ranks > 1:
+            fixes += [f"fewer ranks on this host than {plan.local_ranks} (each holds the whole compute copy)"]
+        if not residency_planned and plan.world_size == 1:
             fixes += ["gpu_resident_layers > 0 to keep some layers' state on the GPU instead" if not plan.resident_layers
                       else f"more than {plan.resident_layers} gpu_resident_layers, if the GPU has room for them"]
         fixes += ["a host with more RAM (18 bytes per parameter: fp32 master, gradient and Adam states)",
@@ -261,8 +318,11 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
 def shortfalls(plan: MemoryPlan, host_free: float, gpu_free: float | None, margin: float = ADMIT_MARGIN) -> list[str]:
     """What the plan lacks on this machine (host RAM, GPU memory), as admission words it; empty if it fits."""
     problems = []
-    if plan.host_total > host_free * (1 - margin):
-        problems.append(f"host RAM: needs {plan.host_total / GiB:.1f} GiB, {host_free / GiB:.1f} GiB available")
+    if plan.host_per_host > host_free * (1 - margin):
+        ranks = f" for the {plan.local_ranks} ranks on this host ({plan.host_total / GiB:.1f} GiB each)" \
+            if plan.local_ranks > 1 else ""
+        problems.append(f"host RAM: needs {plan.host_per_host / GiB:.1f} GiB{ranks}, "
+                        f"{host_free / GiB:.1f} GiB available")
     if plan.gpu and plan.gpu_total > gpu_free * (1 - margin):
         problems.append(f"GPU memory: needs {plan.gpu_total / GiB:.1f} GiB, {gpu_free / GiB:.1f} GiB free")
     return problems
@@ -280,7 +340,7 @@ def longest_fitting_row(config, batch: int, seq: int, gpu_free: float, host_free
         plan = estimate(config, batch, length, resident_layers=resident, offload_activations=offload, **kw_len)
         if not shortfalls(plan, host_free, gpu_free, ADMIT_MARGIN):
             return (f"max_seq_length={length} fits this machine ({resident} layers resident on the GPU, "
-                    f"{offload} layer inputs offloaded; {plan.host_total / GiB:.1f} GiB host, "
+                    f"{offload} layer inputs offloaded; {plan.host_per_host / GiB:.1f} GiB host, "
                     f"{plan.gpu_total / GiB:.1f} GiB GPU).")
         length //= 2
     return None

@@ -33,12 +33,13 @@ from .checkpoint.optimizer_state import (
     save_optimizer_state,
 )
 from .data import CausalCollator, count_real_tokens, tokenize_dataset
+from .engine.distributed import check_launch
 from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine
 from .engine.timeline import Timeline
 from .errors import MegaTrainError
 from .memory import (GiB, admit, estimate, gpu_available, host_available, longest_fitting_row, mlp_tile,
-                     plan_placement)
+                     plan_placement, ranks_on_this_host)
 from .preflight import check_data, check_disk, check_outputs, check_resume
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class MegaTrainTrainer(Trainer):
     ):
         args = args if args is not None else MegaTrainArguments(output_dir="megatrain_output")
         check_arguments(args)
+        check_launch(args)  # several processes but no process group: refused before any weight is read
         if optimizers[0] is not None and not isinstance(optimizers[0], HostAdamW):
             raise MegaTrainError("a custom optimizer was passed; hf_megatrain steps its own HostAdamW on the host.")
         # Preflight: what can be checked without the weights is checked before any is read (loading
@@ -96,7 +98,8 @@ class MegaTrainTrainer(Trainer):
 
         tiles = mlp_tile(getattr(args, "max_seq_length", 0), getattr(args, "mlp_tile_tokens", None))
         plan_kw = dict(compute_dtype=str(resolve_compute_dtype(args, device)).replace("torch.", ""),
-                       device=device.type, prefetch_depth=getattr(args, "prefetch_depth", 2), mlp_tile_tokens=tiles)
+                       device=device.type, prefetch_depth=getattr(args, "prefetch_depth", 2), mlp_tile_tokens=tiles,
+                       world_size=args.world_size, local_ranks=ranks_on_this_host(args.world_size))
         batch, seq = args.per_device_train_batch_size, getattr(args, "max_seq_length", 1024)
         # Data parallel streams every layer (residency is not combined with sharding yet): the plan
         # that admission checks must say so, or it would count host memory the run does not save.

@@ -1,25 +1,84 @@
 """Data parallel on the CPU with gloo: N ranks equal one process on the same global batch."""
 
+import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 import dp_worker
+from tiny import make_model
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_engine_data_parallel_matches_one_process(world, tmp_path):
-    out = str(tmp_path / "result.pt")
-    mp.start_processes(dp_worker.engine_rank, args=(world, str(tmp_path / "init"), "llama_tied", out),
-                       nprocs=world, start_method="spawn")
-    got = torch.load(out)
+# (model, dtype on disk, compute dtype): fp32 on disk with bf16 compute is read in parts (the
+# rank's master slice exactly, the rest only rounded into the compute copy); bf16 on disk with
+# bf16 compute goes byte for byte into the compute copy; Mixtral's experts land in rows of fused
+# parameters; the tied Llama's head has no weight of its own.
+STORE_CASES = [("llama", torch.float32, torch.bfloat16), ("llama_tied", torch.float32, torch.float32),
+               ("mixtral", torch.bfloat16, torch.bfloat16), ("mixtral", torch.float32, torch.bfloat16)]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
+def spawned(request, tmp_path_factory):
+    """One spawn of N gloo ranks (dp_worker.rank_main) serves the engine and the store tests."""
+    world, tmp = request.param, tmp_path_factory.mktemp("spawned")
+    cases = []
+    for kind, disk, compute in STORE_CASES:
+        folder = tmp / f"{kind}-{str(disk)[6:]}"
+        if not folder.exists():  # several shards, so tensors come from more than one file
+            make_model(kind, seed=3).to(disk).save_pretrained(folder, max_shard_size="50KB")
+        cases.append((f"{kind}, {disk} on disk, {compute} compute", str(folder), compute))
+    out = str(tmp / "out")
+    mp.start_processes(dp_worker.rank_main, args=(world, str(tmp / "init"), cases, out), nprocs=world,
+                       start_method="spawn")
+    return world, out, cases
+
+
+def test_engine_data_parallel_matches_one_process(spawned):
+    _, out, _ = spawned
+    got = torch.load(f"{out}.pt")
     ref_masters, ref_norms = dp_worker.train_engine("llama_tied", dp_worker.global_batches(3, 4))
     for a, b in zip(got["norms"], ref_norms):
         assert abs(a - b) <= 1e-5 * max(1, b), (got["norms"], ref_norms)
     for name, t in ref_masters.items():
         torch.testing.assert_close(got["masters"][name], t, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_folder_load_gives_each_rank_what_from_model_gives(spawned):
+    """Several ranks loading a checkpoint folder: each rank's master slices and compute copies
+    equal, byte for byte, those HostStore.from_model builds from the model transformers loads."""
+    world, out, cases = spawned
+    for rank in range(world):
+        got = torch.load(f"{out}.{rank}")
+        for name, _, _ in cases:
+            mine, ref = got[name]["folder"], got[name]["from_model"]
+            assert mine["bounds"] == ref["bounds"], name
+            if rank:  # the slices are real: this rank holds only part of a unit's master
+                assert all(lo > 0 for lo, _ in mine["bounds"]), (name, mine["bounds"])
+            for kind in ("master", "compute"):
+                for u, (x, y) in enumerate(zip(mine[kind], ref[kind])):
+                    assert x.dtype == y.dtype and x.shape == y.shape, (name, rank, kind, u)
+                    assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (name, rank, kind, u)
+
+
+def test_estimate_counts_what_each_rank_allocates(spawned):
+    """Admission's host figure per rank at N ranks is what the rank with the largest slices
+    allocates: the whole compute copy, 1/N of the fp32 master, gradient and Adam moments."""
+    from hf_megatrain.memory import estimate
+
+    world, out, cases = spawned
+    got = [torch.load(f"{out}.{rank}") for rank in range(world)]
+    for (kind, _, dtype), (name, _, _) in zip(STORE_CASES, cases):
+        plan = estimate(make_model(kind).config, 1, 16, compute_dtype=str(dtype)[6:], device="cpu", world_size=world)
+        counted = plan.host_total - plan.host["runtime (torch, CUDA, Python)"] - \
+            plan.host["data-parallel exchange (one unit)"]  # transient: not in the arenas
+        allocated = max(g[name]["allocated"]["bytes"] for g in got)
+        # the arenas round each unit up to a 4 KiB page; nothing else may differ
+        assert counted <= allocated <= counted + 4096 * got[0][name]["allocated"]["slots"], (name, counted, allocated)
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,7 +121,8 @@ def assert_same_run(a, b, from_step=0):
         for k in ("loss", "grad_norm", "learning_rate"):
             assert abs(x[k] - y[k]) <= 1e-5 * max(1.0, abs(x[k])), (k, x, y)
     for name, t in a["masters"].items():
-        torch.testing.assert_close(torch.tensor(b["masters"][name]), torch.tensor(t), atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(torch.as_tensor(b["masters"][name]), torch.as_tensor(t), atol=1e-5, rtol=1e-5,
+                                   msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +144,115 @@ def test_save_with_two_ranks_resume_with_one(tmp_path, single):
     assert any("-r00001-" in f for f in files), files  # rank 1 wrote its own optimizer slice
     resumed = launch(1, tmp_path / "run", 4, "--resume", str(ckpt), port=_free_port())
     assert_same_run(single, resumed, from_step=3)
+
+
+# -- real launchers: `hf-megatrain train` from a folder and from a hub id in the local cache -----
+
+GLOBAL_BATCH = 4  # rows per optimizer step, whatever the number of ranks
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """A tiny Llama with its tokenizer, as a folder and as `org/tiny` in a local hub cache, and data."""
+    from hf_megatrain.checkpoint.local_hub import LocalHub
+    from hf_megatrain.demo import build_tokenizer
+
+    root = tmp_path_factory.mktemp("sources")
+    folder = root / "tiny"
+    make_model("llama").save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    LocalHub(str(root / "hub"), "org/tiny").commit([(str(folder), "")], "a tiny llama")
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": "abcdefghij"[i % 7:] + " xyz" * (i % 5)}) + "\n" for i in range(40)))
+    return {"folder": str(folder), "hub": "org/tiny", "hub_cache": str(root / "hub"), "data": str(data)}
+
+
+def start_cli(launcher, ranks, source, sources, out, cpu=True):
+    """Start `hf-megatrain train` under a real launcher with `ranks` processes on the CPU (gloo);
+    its output goes to OUT.log."""
+    port = str(_free_port())
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", port]
+    elif ranks == 1:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1"]
+    else:  # accelerate starts several processes only through its torchrun launcher; --cpu would start one
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(ranks),
+               "--main_process_port", port]
+    cli = shutil.which("hf-megatrain", path=os.path.dirname(sys.executable)) or "hf-megatrain"
+    cmd += ["--no_python", cli, "train", "--model", sources[source], "--data", sources["data"],
+            "--output_dir", str(out),
+            "--max_steps", "3", "--per_device_train_batch_size", str(GLOBAL_BATCH // ranks), "--max_seq_length", "16",
+            "--learning_rate", "1e-2", "--warmup_steps", "1", "--max_grad_norm", "0.5", "--weight_decay", "0.1",
+            "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "3", "--report_to", "none",
+            "--disable_tqdm", "true", "--train_sampling_strategy", "sequential", "--log_pipeline", "false",
+            "--seed", "0"] + (["--use_cpu"] if cpu else [])
+    os.makedirs(f"{out}-tmp")  # the launchers' own files (torchelastic logs) stay in the test's folder
+    env = dict(os.environ, HF_HUB_CACHE=sources["hub_cache"], HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+               HF_DATASETS_CACHE=f"{out}-datasets", TMPDIR=f"{out}-tmp", PYTHONPATH=os.path.dirname(HERE))
+    log = open(f"{out}.log", "w")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True), log
+
+
+def finish(started, out):
+    """Wait for a started run; its return code and output."""
+    proc, log = started
+    proc.wait(timeout=600)
+    log.close()
+    with open(f"{out}.log") as f:
+        return proc.returncode, f.read()
+
+
+def cli_result(started, out):
+    """The launched run's logged steps (its checkpoint's trainer state) and the weights it saved."""
+    from safetensors.torch import load_file
+
+    code, output = finish(started, out)
+    assert code == 0, output[-4000:]
+    with open(out / "checkpoint-3" / "trainer_state.json") as f:
+        logs = [{k: h[k] for k in ("step", "loss", "grad_norm", "learning_rate")}
+                for h in json.load(f)["log_history"] if "loss" in h]
+    assert len(logs) == 3
+    return {"logs": logs, "masters": load_file(out / "model.safetensors")}  # saved in fp32: the masters
+
+
+@pytest.fixture(scope="module")
+def one_process(sources, tmp_path_factory):
+    """One process with torchrun from the folder (the reference) and with accelerate from the hub
+    id, run side by side (each uses one core)."""
+    root = tmp_path_factory.mktemp("one")
+    runs = [("torchrun", "folder"), ("accelerate", "hub")]
+    started = [start_cli(launcher, 1, source, sources, root / launcher) for launcher, source in runs]
+    return {run: cli_result(s, root / run[0]) for run, s in zip(runs, started)}
+
+
+@pytest.mark.slow
+def test_one_process_from_folder_and_from_hub_id(one_process):
+    """torchrun from the folder and accelerate launch from the hub id: the same run, to the bit."""
+    a, b = one_process[("torchrun", "folder")], one_process[("accelerate", "hub")]
+    assert a["logs"] == b["logs"]
+    assert a["masters"].keys() == b["masters"].keys()
+    assert all(torch.equal(t, b["masters"][n]) for n, t in a["masters"].items())
+
+
+# Each launcher with 2 and 4 ranks, each number of ranks from a folder and from a hub id.
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher,source,ranks", [("torchrun", "hub", 2), ("accelerate", "folder", 2),
+                                                   ("torchrun", "folder", 4), ("accelerate", "hub", 4)])
+def test_launcher_matches_one_process(launcher, source, ranks, sources, one_process, tmp_path):
+    out = tmp_path / "out"
+    run = cli_result(start_cli(launcher, ranks, source, sources, out), out)
+    # gradients are summed over ranks in another order: equal up to fp32 rounding
+    assert_same_run(one_process[("torchrun", "folder")], run)
+
+
+@pytest.mark.slow
+def test_processes_without_a_process_group_are_refused(sources, tmp_path):
+    """torchrun without --use_cpu on a machine without a GPU: two lone trainings into one output_dir
+    are refused before any weight is read (the weights file here is not even readable)."""
+    folder, out = tmp_path / "model", tmp_path / "out"
+    shutil.copytree(sources["folder"], folder)
+    (folder / "model.safetensors").write_bytes(b"not read")
+    code, output = finish(start_cli("torchrun", 2, "folder", dict(sources, folder=str(folder)), out, cpu=False), out)
+    assert code != 0
+    assert output.count("Add --use_cpu") == 2, output[-3000:]  # each rank says so
+    assert "safetensors" not in output and not out.exists()

@@ -46,6 +46,38 @@ def test_admission_refuses_with_a_way_out():
     assert "gpu_resident_layers" not in str(e.value).split("Would fit with")[1]
 
 
+def test_admission_counts_every_rank_on_the_host(capsys):
+    """8 data-parallel ranks of an 8B model: each holds 1/8 of the fp32 state but a whole bf16
+    compute copy, so 8 ranks on one host need about twice what one process needs; admission
+    checks the host's total and names it."""
+    from hf_megatrain.shapes import make_config
+
+    cfg = make_config("llama-3.1-8b")
+    one = estimate(cfg, 1, 4096)
+    spread = estimate(cfg, 1, 4096, world_size=8, local_ranks=1)  # one rank on each of 8 hosts
+    packed = estimate(cfg, 1, 4096, world_size=8)  # all 8 on this host
+    params = model_shapes(cfg).params
+    for name in ("fp32 master weights", "fp32 gradient accumulator", "Adam moments (fp32 x2)"):
+        assert one.host[name] / 8 <= packed.host[name] <= one.host[name] / 8 + 16 * (cfg.num_hidden_layers + 2)
+    assert packed.host["compute copy (streamed)"] == one.host["compute copy (streamed)"] == 2 * params
+    assert packed.host_total == spread.host_total < one.host_total
+    assert packed.host_per_host == 8 * packed.host_total > one.host_total
+    # fp32 compute: one process streams the master itself, a rank needs its own whole copy
+    assert estimate(cfg, 1, 4096, compute_dtype="float32", world_size=2).host["compute copy (streamed)"] == 4 * params
+    host = 200 * GiB  # enough for one process, and for one rank, not for 8 ranks
+    admit(one, host_free=host, gpu_free=1e12)
+    admit(spread, host_free=host, gpu_free=1e12)
+    with pytest.raises(MegaTrainError, match="(?s)needs {:.1f} GiB for the 8 ranks on this host \\({:.1f} GiB each\\)"
+                       ".*fewer ranks on this host".format(packed.host_per_host / GiB, packed.host_total / GiB)):
+        admit(packed, host_free=host, gpu_free=1e12)
+    # the command says the same for a machine
+    assert main(["estimate", "llama-3.1-8b", "--world_size", "8", "--gpu_gib", "139", "--host_gib", "200"]) == 1
+    out = capsys.readouterr().out
+    assert "host RAM per rank" in out and "for the 8 ranks on this host" in out
+    assert main(["estimate", "llama-3.1-8b", "--world_size", "8", "--local_ranks", "1", "--gpu_gib", "139",
+                 "--host_gib", "200"]) == 0
+
+
 def test_trainer_checks_before_loading(tmp_path, monkeypatch):
     import hf_megatrain.memory as memory
 

@@ -84,27 +84,34 @@ class TensorReader:
             self._files[path] = open(path, "rb", buffering=0)
         return self._files[path]
 
-    def read_into(self, entry: TensorEntry, dest: torch.Tensor) -> None:
-        """Copy the tensor into `dest` (same number of elements; any float dtype)."""
+    def read_into(self, entry: TensorEntry, dest: torch.Tensor, first: int | None = None) -> None:
+        """Copy the tensor into `dest` (any float dtype, any device).
+
+        first: copy only the flat elements [first, first + dest.numel()) (a data-parallel rank's
+        slice of a tensor); by default `dest` must hold the whole tensor."""
         numel = 1
         for d in entry.shape:
             numel *= d
-        if dest.numel() != numel:
+        whole = first is None
+        first = first or 0
+        if (whole and dest.numel() != numel) or first < 0 or first + dest.numel() > numel:
             raise MegaTrainError(
                 f"{entry.path}: tensor {entry.name!r} has shape {list(entry.shape)}, "
                 f"but the model expects {list(dest.shape)}"
             )
+        size = entry.dtype.itemsize
+        nbytes = dest.numel() * size
         f = self._file(entry.path)
-        f.seek(entry.start)
+        f.seek(entry.start + first * size)
         if dest.dtype == entry.dtype and dest.is_contiguous() and dest.device.type == "cpu":
             target = dest
         else:
-            if self._staging.numel() < entry.nbytes:
-                self._staging = torch.empty(entry.nbytes, dtype=torch.uint8)
-            target = self._staging[: entry.nbytes].view(entry.dtype)
-        got = f.readinto(_buffer(target)) if entry.nbytes else 0
-        if got != entry.nbytes:
-            raise MegaTrainError(f"{entry.path}: tensor {entry.name!r} is truncated ({got} of {entry.nbytes} bytes)")
+            if self._staging.numel() < nbytes:
+                self._staging = torch.empty(nbytes, dtype=torch.uint8)
+            target = self._staging[:nbytes].view(entry.dtype)
+        got = f.readinto(_buffer(target)) if nbytes else 0
+        if got != nbytes:
+            raise MegaTrainError(f"{entry.path}: tensor {entry.name!r} is truncated ({got} of {nbytes} bytes)")
         if target is not dest:
             dest.copy_(target.view(dest.shape))
 

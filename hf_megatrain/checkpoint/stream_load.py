@@ -1,15 +1,21 @@
 """Load an HF checkpoint folder straight into the host store.
 
 The model is built on the meta device (no memory), its units are laid out, the store is
-allocated once, and every tensor of every shard is read into its place in the fp32 masters
-(with the dtype conversion and, for Mixtral, the expert fusion that transformers applies).
-No full model is ever materialised besides the store itself.
+allocated once, and every tensor of every shard is read into its place: the compute copy that
+streams and the fp32 master (with the dtype conversion and, for Mixtral, the expert fusion that
+transformers applies). No full model is ever materialised besides the store itself.
+
+Data parallel: every rank reads every tensor into its compute copy (each rank streams the whole
+model) and keeps, in its master, only its own slice of each unit (`store.bounds`), exactly what
+`HostStore.from_model` gives it from a loaded model.
 """
 
 from __future__ import annotations
 
 import json
 import os
+
+import torch
 
 from tqdm.auto import tqdm
 
@@ -85,7 +91,7 @@ def shard_files(folder: str) -> list[str]:
 
 
 def load_into_store(store, spec, config, folder: str, progress: bool = True) -> None:
-    """Fill every unit's fp32 master from the checkpoint, then its compute copy."""
+    """Fill every unit's compute copy and this rank's part of its fp32 master from the checkpoint."""
     files = shard_files(folder)
     entries = [e for path in files for e in read_header(path)]  # every header first: fail before reading
     slots = {s.name: (u.index, s) for u in store.units for s in u.slots}
@@ -105,29 +111,12 @@ def load_into_store(store, spec, config, folder: str, progress: bool = True) -> 
         plan.append((e, target, index))
     reader = TensorReader()
     total = sum(e.nbytes for e, _, _ in plan)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress)
-    stale = set()  # units whose compute copy must be refreshed from the master at the end
+    quiet = not progress or (store.sharding is not None and store.sharding.rank != 0)  # one bar, not one a rank
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=quiet)
     try:
         for e, target, index in plan:
             u, slot = slots[target]
-            master = store.master[u][slot.offset : slot.offset + slot.numel].view(slot.shape)
-            dest = master[index] if index else master
-            if tuple(dest.shape) != tuple(e.shape):
-                raise MegaTrainError(
-                    f"{e.path}: tensor {e.name!r} has shape {list(e.shape)}, but the model expects "
-                    f"{list(dest.shape)} for {target}. Does config.json match these weights?"
-                )
-            if e.dtype == store.compute_dtype and store.compute[u] is not store.master[u] and not store.units[u].resident:
-                # e.g. a bf16 checkpoint and bf16 compute: the bytes go straight into the compute
-                # copy, and the master is their exact fp32 upcast (one pass, no staging).
-                compute = store.compute[u][slot.offset : slot.offset + slot.numel].view(slot.shape)
-                compute = compute[index] if index else compute
-                reader.read_into(e, compute)
-                dest.copy_(compute)
-            else:
-                reader.read_into(e, dest)
-                stale.add(u)
-            filled[target] += dest.numel()
+            filled[target] += _read_tensor(store, reader, e, u, slot, index, target)
             bar.update(e.nbytes)
     finally:
         reader.close()
@@ -137,5 +126,43 @@ def load_into_store(store, spec, config, folder: str, progress: bool = True) -> 
         raise MegaTrainError(
             f"the checkpoint in {folder} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}."
         )
-    for index in sorted(stale):
-        store.refresh_compute(index)
+
+
+def _read_tensor(store, reader, e, u: int, slot, index: tuple, target: str) -> int:
+    """One checkpoint tensor into unit u: all of it into the compute copy, and the part inside this
+    rank's master slice into the master, both as HostStore.from_model would fill them. Returns the
+    number of elements of the slot it filled."""
+    flat = store.compute[u][slot.offset : slot.offset + slot.numel]
+    dest = flat.view(slot.shape)[index] if index else flat.view(slot.shape)
+    if tuple(dest.shape) != tuple(e.shape):
+        raise MegaTrainError(
+            f"{e.path}: tensor {e.name!r} has shape {list(e.shape)}, but the model expects "
+            f"{list(dest.shape)} for {target}. Does config.json match these weights?"
+        )
+    if not dest.is_contiguous():  # every spec's index picks leading rows, so this is a new spec's bug
+        raise MegaTrainError(f"{target}{list(index)}: a checkpoint tensor must land in one flat range")
+    a = slot.offset + dest.storage_offset() - flat.storage_offset()  # [a, b) in the unit's flat layout
+    b = a + dest.numel()
+    lo, hi = store.bounds[u]
+    master = store.master[u]
+    # The part of [a, b) this rank's master holds; none for a frozen slot, and nothing to do twice
+    # when the master itself is what streams (fp32 compute, one process).
+    p, q = (max(a, lo), min(b, hi)) if slot.trainable and master is not store.compute[u] else (a, a)
+    dest = dest.reshape(-1)
+    if p >= q or e.dtype == store.compute_dtype or store.compute_dtype == torch.float32:
+        # The compute copy can hold what the master needs (the checkpoint's own bytes, e.g. bf16 on
+        # disk and bf16 compute, or in fp32 compute the fp32 value itself): read it there once,
+        # and the master is its exact upcast.
+        reader.read_into(e, dest)
+        if p < q:
+            master[p - lo : q - lo].copy_(dest[p - a : q - a])
+        return b - a
+    # A checkpoint more precise than the compute copy (fp32 on disk, bf16 compute): the master
+    # gets the exact values, the compute copy their rounding; the rest of the tensor only streams.
+    mine = master[p - lo : q - lo]
+    reader.read_into(e, mine, first=p - a)
+    dest[p - a : q - a].copy_(mine)
+    for x, y in ((a, p), (q, b)):
+        if x < y:
+            reader.read_into(e, dest[x - a : y - a], first=x - a)
+    return b - a

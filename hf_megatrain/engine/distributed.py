@@ -18,8 +18,29 @@ kinds of collectives never interleave.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
+
+from ..errors import MegaTrainError
+
+
+def check_launch(args) -> None:
+    """Refuse several launched processes that TrainingArguments did not join into one run.
+
+    On a machine without a GPU, torchrun (or accelerate launch --multi_gpu) starts WORLD_SIZE
+    processes, but without use_cpu=True TrainingArguments treats each as a run of its own
+    (args.world_size == 1): they would train the same model independently into one output_dir.
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched > 1 and args.world_size == 1:
+        raise MegaTrainError(
+            f"{launched} processes were launched (WORLD_SIZE={launched}), but they do not form one data-parallel "
+            f"run (TrainingArguments sees a world of 1; on a machine without a GPU it joins them only with "
+            f"use_cpu=True). Add --use_cpu (use_cpu=True) to train on the CPU with {launched} processes, "
+            "or launch one process."
+        )
 
 
 class Sharding:
