@@ -483,6 +483,8 @@ def run_system(system: str, opts) -> list:
     resident = resident or opts.resident
     script = os.path.join(source, "benchmarks", "bench.py") if source else __file__
     tag = f"@{os.path.basename(os.path.normpath(source))}" if source else ""
+    stem = tag.replace("@", "-").replace("-.", "-")  # file names in letters, digits, '-', '_', '.'
+
     base = [sys.executable, script, "--system", system, "--shape", opts.shape, "--seq", str(opts.seq),
             "--steps", str(opts.steps), "--warmup", str(opts.warmup), "--stock_micro", str(opts.stock_micro),
             "--resident", resident]
@@ -493,7 +495,7 @@ def run_system(system: str, opts) -> list:
     if system == "megatrain" and opts.from_disk:
         base += ["--checkpoint", random_checkpoint(opts.from_disk, opts.shape, opts.layers, max(opts.seq, 4096))]
     if system == "megatrain":
-        base += ["--trace_out", os.path.join(opts.out, f"trace_{opts.shape}_resident-{resident}{tag}.json")]
+        base += ["--trace_out", os.path.join(opts.out, f"trace_{opts.shape}_resident-{resident}{stem}.json")]
     env = dict(os.environ)
     if system in DISTRIBUTED:  # a one-rank job, with the environment `torchrun --nproc_per_node 1` gives
         env.update(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
@@ -512,7 +514,7 @@ def run_system(system: str, opts) -> list:
         configs = [([t], [c]) for t in opts.tokens for c in clips]
     else:
         configs = [(opts.tokens, clips)]
-    log_path = os.path.join(opts.out, f"{system}{resident if system == 'megatrain' else ''}{tag}_{opts.shape}.log")
+    log_path = os.path.join(opts.out, f"{system}{resident if system == 'megatrain' else ''}{stem}_{opts.shape}.log")
     open(log_path, "w").close()
     rows = []
     for tokens, clips in configs:

@@ -65,7 +65,7 @@ G)
     part 300 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_failures.py
   fi
   if [ "${2:-all}" != tests ]; then
-    part 480 bench_3b_16k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip 1.0 \
+    part 480 bench_3b_16k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip ${CLIPS:-1.0} \
       --systems stock,megatrain:0,megatrain:0@.old,megatrain:auto,megatrain:auto@.old --steps 6 --warmup 2 \
       --out "$OUT"
   fi ;;
