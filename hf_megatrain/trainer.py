@@ -13,10 +13,11 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import fields
 from functools import partial
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy, rotate_checkpoints
@@ -42,6 +43,12 @@ from .memory import (GiB, admit, estimate, gpu_available, host_available, longes
                      plan_placement)
 
 logger = logging.getLogger(__name__)
+
+# Trainer's recompute flag: transformers 5.25 renamed TrainingArguments.gradient_checkpointing to
+# activation_checkpointing (the old name is a deprecated mirror that Trainer no longer reads); 5.17 has
+# only the old name. Read once from the dataclass so the flag cleared below is the one Trainer acts on.
+_RECOMPUTE_FLAG = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
+                       if name in {f.name for f in fields(TrainingArguments)})
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -84,9 +91,9 @@ class MegaTrainTrainer(Trainer):
             model = with_adapters(model, args.peft_config, weights_from, resolve_compute_dtype(args, device))
             weights_from = None
         processing_class = processing_class if processing_class is not None else tokenizer
-        if getattr(args, "gradient_checkpointing", False):
-            logger.info("gradient_checkpointing: the engine always recomputes at layer boundaries; flag ignored")
-            args.gradient_checkpointing = False
+        if getattr(args, _RECOMPUTE_FLAG, False):
+            logger.info("%s: the engine always recomputes at layer boundaries; flag ignored", _RECOMPUTE_FLAG)
+            setattr(args, _RECOMPUTE_FLAG, False)
 
         tiles = mlp_tile(getattr(args, "max_seq_length", 0), getattr(args, "mlp_tile_tokens", None))
         plan_kw = dict(compute_dtype=str(resolve_compute_dtype(args, device)).replace("torch.", ""),
