@@ -388,7 +388,8 @@ class MegaTrainTrainer(Trainer):
         load_masters(self.engine.store, best)
 
     # -- the local hub ---------------------------------------------------------------------------
-    def init_hf_repo(self, token=None):
+    def init_hf_repo(self, token=None, private=None):
+        # Trainer takes `private` too on newer transformers (5.25); a local hub folder has no visibility to set.
         repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
         self.local_hub = LocalHub(default_hub_dir(self.args), repo_id)
         self.hub_model_id = repo_id
