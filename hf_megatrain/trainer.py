@@ -13,10 +13,11 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import fields
 from functools import partial
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy, rotate_checkpoints
@@ -43,6 +44,12 @@ from .memory import (GiB, admit, estimate, gpu_available, host_available, longes
 from .preflight import check_data, check_disk, check_outputs, check_resume
 
 logger = logging.getLogger(__name__)
+
+# Trainer's recompute flag: transformers 5.25 renamed TrainingArguments.gradient_checkpointing to
+# activation_checkpointing (the old name is a deprecated mirror that Trainer no longer reads); 5.17 has
+# only the old name. Read once from the dataclass so the flag cleared below is the one Trainer acts on.
+_RECOMPUTE_FLAG = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
+                       if name in {f.name for f in fields(TrainingArguments)})
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -92,9 +99,9 @@ class MegaTrainTrainer(Trainer):
                     if given is None and getattr(args, name, None)}
         check_disk(args, model)
         device = args.device  # resolves the device now, as Trainer would
-        if getattr(args, "gradient_checkpointing", False):
-            logger.info("gradient_checkpointing: the engine always recomputes at layer boundaries; flag ignored")
-            args.gradient_checkpointing = False
+        if getattr(args, _RECOMPUTE_FLAG, False):
+            logger.info("%s: the engine always recomputes at layer boundaries; flag ignored", _RECOMPUTE_FLAG)
+            setattr(args, _RECOMPUTE_FLAG, False)
 
         tiles = mlp_tile(getattr(args, "max_seq_length", 0), getattr(args, "mlp_tile_tokens", None))
         plan_kw = dict(compute_dtype=str(resolve_compute_dtype(args, device)).replace("torch.", ""),
@@ -411,7 +418,8 @@ class MegaTrainTrainer(Trainer):
         load_masters(self.engine.store, best)
 
     # -- the local hub ---------------------------------------------------------------------------
-    def init_hf_repo(self, token=None):
+    def init_hf_repo(self, token=None, private=None):
+        # Trainer takes `private` too on newer transformers (5.25); a local hub folder has no visibility to set.
         repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
         self.local_hub = LocalHub(default_hub_dir(self.args), repo_id)
         self.hub_model_id = repo_id

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from warning_guard import deprecations_from_our_calls  # noqa: E402  (found through the path just added)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -17,3 +19,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _fail_on_deprecations_from_our_calls():
+    """Runs one test phase (setup, call or teardown) and fails it on what warning_guard catches."""
+    with deprecations_from_our_calls() as caught:
+        result = yield
+    if caught:
+        pytest.fail("deprecated transformers/accelerate/peft API used inside hf_megatrain:\n" + "\n".join(
+            f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}" for w in caught), pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _fail_on_deprecations_from_our_calls())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _fail_on_deprecations_from_our_calls())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    return (yield from _fail_on_deprecations_from_our_calls())

@@ -116,6 +116,20 @@ def test_resume_matches_uninterrupted(tmp_path):
         assert torch.equal(m1[n], m2[n]), n
 
 
+def test_trainer_recompute_flag_is_switched_off(tmp_path):
+    """Asking Trainer for activation checkpointing (gradient_checkpointing before transformers 5.25) leaves the
+    model's layers alone: the engine already recomputes at layer boundaries."""
+    from hf_megatrain.trainer import _RECOMPUTE_FLAG
+
+    model = make_model("llama")
+    kw = dict(COMMON, eval_strategy="no", max_steps=1, **{_RECOMPUTE_FLAG: True})
+    trainer = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path), **kw),
+                               train_dataset=rows(4, 0), data_collator=default_data_collator)
+    trainer.train()
+    assert getattr(trainer.args, _RECOMPUTE_FLAG) is False
+    assert not any(layer.gradient_checkpointing for layer in model.model.layers)
+
+
 def test_logs_show_throughput_and_pipeline(tmp_path):
     train = rows(16, 0)
     args = MegaTrainArguments(output_dir=str(tmp_path), **dict(COMMON, eval_strategy="no", gpu_peak_tflops=1.0))

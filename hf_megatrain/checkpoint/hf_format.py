@@ -23,7 +23,7 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3
 
 def model_dtype(config) -> torch.dtype:
     """The dtype the model declares for its weights (what `save_pretrained` would keep)."""
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = getattr(config, "dtype", None)  # (config.torch_dtype is a deprecated alias of it)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32

@@ -8,6 +8,7 @@ decoder family that follows the Llama layout is one `register(ArchSpec(...))` ca
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 from dataclasses import dataclass
@@ -19,6 +20,11 @@ from ..errors import MegaTrainError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+
+# The mask builders' cache argument: transformers 5.25 renamed `past_key_values` to `cache` (the old name
+# warns and goes in 5.40); 5.17 knows only `past_key_values`. Read once from the signature, so neither
+# version sees a deprecated keyword.
+_CACHE_KW = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 
 def _uniform_window(config, index: int) -> str:
@@ -89,8 +95,8 @@ class ArchSpec:
             config=config,
             inputs_embeds=embeds,
             attention_mask=attention_mask,
-            past_key_values=None,
             position_ids=position_ids,
+            **{_CACHE_KW: None},
         )
         masks = {}
         for kind in set(self.kinds(config)):
