@@ -44,7 +44,7 @@ from functools import partial
 import torch
 
 from .store import HostStore
-from .worker import Signal, Worker
+from .worker import Worker
 
 
 @dataclass
@@ -243,10 +243,8 @@ class CudaPipeline:
             self._pending.append(done)
             landed = done.synchronize
         else:
-            added = Signal(done=False)
-            self.accumulator.submit(partial(self._accumulate, index, slab, done),
-                                    f"gradient accumulation of {unit.label}", added)
-            landed = added.wait
+            landed = self.accumulator.later(partial(self._accumulate, index, slab, done),
+                                            f"gradient accumulation of {unit.label}")
         if self.on_final_grad is not None:
             self.on_final_grad(index, landed)
 

@@ -19,7 +19,7 @@ from functools import partial
 import torch
 
 from .store import HostStore
-from .worker import Signal, Worker
+from .worker import Worker
 
 
 def _landed() -> None:
@@ -68,10 +68,8 @@ class HostPipeline:
         if self.accumulator is None:
             store.add_grad(index, grad, first)
         else:  # `grad` is a fresh tensor (grad_buffer), so the job may hold it
-            done = Signal(done=False)
-            self.accumulator.submit(partial(store.add_grad, index, grad, first),
-                                    f"gradient accumulation of {store.units[index].label}", done)
-            landed = done.wait
+            landed = self.accumulator.later(partial(store.add_grad, index, grad, first),
+                                            f"gradient accumulation of {store.units[index].label}")
         if self.on_final_grad is not None:
             self.on_final_grad(index, landed)
 

@@ -79,6 +79,12 @@ class Worker:
         self.check()
         self._jobs.put((run, job, done))
 
+    def later(self, run, job: str):
+        """submit(), and return a function that blocks until `run` has run (raising its failure)."""
+        done = Signal(done=False)
+        self.submit(run, job, done)
+        return done.wait
+
     def drain(self) -> None:
         """Block until every submitted job has run; raise the worker's failure if it has one."""
         self._jobs.join()
