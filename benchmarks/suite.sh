@@ -62,7 +62,8 @@ F)
     --out "$OUT" ;;
 G)
   if [ "${2:-all}" != bench ]; then
-    part 300 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_failures.py
+    part 300 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_failures.py \
+      tests/test_checkpoints.py
   fi
   if [ "${2:-all}" != tests ]; then
     part 480 bench_3b_16k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip ${CLIPS:-1.0} \

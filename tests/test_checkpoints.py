@@ -64,6 +64,23 @@ def test_streamed_load_equals_from_pretrained(kind, tmp_path):
     assert all(p.device.type == "cpu" for p in skeleton.parameters())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("disk_dtype", [torch.float32, torch.bfloat16])
+def test_streamed_load_with_resident_layers_equals_from_model(device, disk_dtype, tmp_path):
+    """A folder loaded into a store whose first layers are resident (on the device), bf16 compute:
+    every compute copy and master equals the store built from the loaded model."""
+    make_model("llama", num_hidden_layers=4).to(disk_dtype).save_pretrained(tmp_path, max_shard_size="50KB")
+    skeleton, _, folder = load_model_and_tokenizer(str(tmp_path))
+    kw = dict(device=device, compute_dtype=torch.bfloat16, resident_layers=2)
+    streamed = StreamingEngine(skeleton, weights_from=folder, progress=False, **kw)
+    built = StreamingEngine(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32), **kw)
+    assert [u.resident for u in streamed.units] == [True, True, True, False, False, True]
+    for u in streamed.units:
+        for kind in ("compute", "master"):
+            a, b = getattr(streamed.store, kind)[u.index], getattr(built.store, kind)[u.index]
+            assert a.device == b.device and torch.equal(a.cpu(), b.cpu()), (kind, u.label)
+
+
 def _run(out, *opts, check=True):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
     r = subprocess.run([sys.executable, os.path.join(HERE, "train_subprocess.py"), str(out), *opts],
