@@ -89,7 +89,9 @@ class Unit:
     @property
     def label(self) -> str:
         """What errors call it: 'decoder layer 3', 'the embedding', 'the head'."""
-        return f"decoder layer {self.layer}" if self.kind == "layer" else f"the {'embedding' if self.kind == 'embed' else 'head'}"
+        if self.kind == "layer":
+            return f"decoder layer {self.layer}"
+        return "the embedding" if self.kind == "embed" else "the head"
 
 
 def _unit_of(name: str, spec: ArchSpec) -> tuple[str, int | None, str]:

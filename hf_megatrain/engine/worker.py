@@ -47,9 +47,6 @@ class Signal:
         self._error = error
         self._event.set()
 
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
     def wait(self) -> None:
         self._event.wait()
         if self._error is not None:
@@ -93,10 +90,6 @@ class Worker:
     def check(self) -> None:
         if self._failed:
             raise self._failed[0].fresh()
-
-    @property
-    def failed(self) -> bool:
-        return bool(self._failed)
 
     def __del__(self):
         try:
