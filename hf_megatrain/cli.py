@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from functools import partial
 
-from .errors import MegaTrainError
+from .errors import HostJobError, MegaTrainError
 
 
 @dataclass
@@ -217,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     except MegaTrainError as e:
         print(f"hf-megatrain {cmd}: error: {e}", file=sys.stderr)
         return 2
+    except HostJobError as e:  # the failed thread's traceback is in the message; the main thread's is noise
+        print(f"hf-megatrain {cmd}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

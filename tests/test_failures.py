@@ -247,6 +247,44 @@ def trainer_done(tmp_path, device):
     return t
 
 
+def test_failed_step_through_the_cli(tmp_path):
+    """`hf-megatrain train` with the host AdamW failing on its thread: the command ends within the
+    timeout, exit status 1, its last words naming the job and the unit, the thread's traceback above."""
+    import json
+    import subprocess
+    import sys
+
+    from hf_megatrain.demo import build_tokenizer
+
+    folder = tmp_path / "model"
+    make_model("llama", num_hidden_layers=4).save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": "abcdefghij"[i % 7:] * 3}) + "\n" for i in range(40)))
+    script = (
+        "import sys, threading\n"
+        "from hf_megatrain import HostAdamW, cli\n"
+        "real = HostAdamW._adamw\n"
+        "def adamw(self, i, *a):\n"
+        "    if i == 2 and threading.current_thread().name == 'megatrain-adamw':\n"
+        "        raise MemoryError('injected: host allocation failed')\n"
+        "    return real(self, i, *a)\n"
+        "HostAdamW._adamw = adamw\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", script, "train", "--model", str(folder), "--data", str(data),
+                        "--output_dir", str(tmp_path / "out"), "--use_cpu", "--background_host_jobs", "true",
+                        "--max_seq_length", "32", "--max_steps", "3", "--report_to", "none",
+                        "--save_strategy", "no"],
+                       capture_output=True, text=True, env=env, timeout=TIMEOUT * 5)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "hf-megatrain train: error: AdamW step 1 of decoder layer 1 failed on host thread megatrain-adamw: " \
+           "MemoryError('injected: host allocation failed')" in r.stderr, r.stderr[-3000:]
+    assert "--- traceback in megatrain-adamw ---" in r.stderr
+
+
 # -- ordering: the asynchronous host jobs give the synchronous numbers ----------------------------
 def _slow_steps(m, seconds=0.01):
     """Every host step sleeps first, so a reader that does not wait for it sees stale buffers."""
