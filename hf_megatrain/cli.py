@@ -73,7 +73,20 @@ def _train(argv: list[str]) -> int:
     trainer = MegaTrainTrainer(margs.model, targs)
     trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
     trainer.save_model(targs.output_dir)
+    _leave_process_group()
     return 0
+
+
+def _leave_process_group() -> None:
+    """The command owns its process: take the process group down in order, every rank together.
+    Left to interpreter exit, gloo's threads were torn down in no set order, and once (4 CPU ranks
+    under load) one rank aborted after training had finished ("terminate called without an active
+    exception"), failing the whole launch."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _estimate(argv: list[str]) -> int:

@@ -25,6 +25,11 @@ import torch.distributed as dist
 
 from ..errors import MegaTrainError
 
+# torch 2.13 renamed the flat-tensor collectives (`*_into_tensor` / `*_tensor` -> `*_single`, same
+# arguments) and warns on the old names; older releases (the GPU machine's 2.11) may lack the new ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def check_launch(args) -> None:
     """Refuse several launched processes that TrainingArguments did not join into one run.
@@ -76,7 +81,7 @@ class Sharding:
         """Sum of `flat[:n]` over ranks, this rank's slice only."""
         out = torch.empty(self.per(n), dtype=flat.dtype, device=flat.device)
         group = self.host_group if flat.device.type == "cpu" else self.group
-        dist.reduce_scatter_tensor(out, self._padded(flat, n), group=group)
+        _reduce_scatter(out, self._padded(flat, n), group=group)
         lo, hi = self.bounds(n)
         return out[: hi - lo]
 
@@ -87,7 +92,7 @@ class Sharding:
         mine = torch.zeros(per, dtype=full.dtype)
         mine[: hi - lo].copy_(full[lo:hi])
         out = torch.empty(per * self.world, dtype=full.dtype)
-        dist.all_gather_into_tensor(out, mine, group=self.weights_group if weights else self.host_group)
+        _all_gather(out, mine, group=self.weights_group if weights else self.host_group)
         full[:n].copy_(out[:n])
 
     def gather_slice(self, part: torch.Tensor, n: int) -> torch.Tensor:
