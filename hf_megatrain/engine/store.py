@@ -282,14 +282,6 @@ class HostStore:
         return self.sharding.gather_slice(buffers[index].cpu(), self.units[index].n_train)
 
     # -- gradients --------------------------------------------------------------------------
-    def accumulate(self, index: int, grad: torch.Tensor) -> None:
-        """Add one gradient contribution (any float dtype, host) into the fp32 accumulator, now.
-
-        Data parallel: the contribution is summed over ranks first, keeping this rank's slice."""
-        if self.sharding is not None:
-            grad = self.sharding.reduce(grad.float(), self.units[index].n_train)
-        self.add_grad(index, grad, self.count_grad(index))
-
     def count_grad(self, index: int) -> bool:
         """Count one more contribution to unit `index` (training thread); True for the step's first."""
         self.grad_count[index] += 1
