@@ -71,7 +71,7 @@ def check_resume(checkpoint, output_dir) -> str | None:
     from transformers.trainer import TRAINER_STATE_NAME
     from transformers.trainer_utils import get_last_checkpoint
 
-    from .checkpoint.manifest import MANIFEST, verify_manifest
+    from .checkpoint.manifest import MANIFEST, RESUME_ELSEWHERE, verify_manifest
     from .checkpoint.optimizer_state import has_optimizer_state
 
     if checkpoint is None or checkpoint is False:
@@ -92,8 +92,7 @@ def check_resume(checkpoint, output_dir) -> str | None:
     if os.path.isfile(os.path.join(path, MANIFEST)):
         verify_manifest(path, hashes=False)
     elif not os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):  # written before manifests were
-        raise MegaTrainError(f"{path} has no {TRAINER_STATE_NAME}: the checkpoint is incomplete; resume from "
-                             "another checkpoint-N folder, or start without resume_from_checkpoint.")
+        raise MegaTrainError(f"{path} has no {TRAINER_STATE_NAME}: the checkpoint is incomplete; {RESUME_ELSEWHERE}")
     return path
 
 

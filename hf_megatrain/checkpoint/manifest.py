@@ -17,7 +17,7 @@ from ..errors import MegaTrainError
 
 MANIFEST = "megatrain_manifest.json"
 _CHUNK = 16 << 20
-_OTHER = "resume from another checkpoint-N folder, or start without resume_from_checkpoint."
+RESUME_ELSEWHERE = "resume from another checkpoint-N folder, or start without resume_from_checkpoint."
 
 
 def _hash(path: str) -> str:
@@ -61,20 +61,21 @@ def verify_manifest(folder: str, hashes: bool = True) -> None:
     hashes=False checks presence and sizes only: seconds instead of reading every byte (preflight)."""
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
-        raise MegaTrainError(f"{folder} has no {MANIFEST}: it was not written completely by hf_megatrain; {_OTHER}")
+        raise MegaTrainError(
+            f"{folder} has no {MANIFEST}: it was not written completely by hf_megatrain; {RESUME_ELSEWHERE}")
     with open(path) as f:
         files = json.load(f)["files"]
     for rel, entry in sorted(files.items()):
         full = os.path.join(folder, rel)
         if not os.path.isfile(full):
-            raise MegaTrainError(f"checkpoint {folder} is missing {rel}; {_OTHER}")
+            raise MegaTrainError(f"checkpoint {folder} is missing {rel}; {RESUME_ELSEWHERE}")
         size = os.path.getsize(full)
         if size != entry["size"]:
             raise MegaTrainError(
-                f"checkpoint file {full} has {size} bytes, the manifest says {entry['size']}; {_OTHER}")
+                f"checkpoint file {full} has {size} bytes, the manifest says {entry['size']}; {RESUME_ELSEWHERE}")
         if hashes and "hash" in entry and _hash(full) != entry["hash"]:
             raise MegaTrainError(
-                f"checkpoint file {full} does not match its hash in the manifest (corrupted); {_OTHER}")
+                f"checkpoint file {full} does not match its hash in the manifest (corrupted); {RESUME_ELSEWHERE}")
 
 
 def partial_dir(final: str) -> str:
