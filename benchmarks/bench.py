@@ -387,7 +387,7 @@ def worker(opts) -> None:
                 def on_warm(engine=engine):
                     nonlocal timeline
                     timeline = Timeline()
-                    engine.pipeline.timeline = timeline
+                    engine.attach_timeline(timeline)
             else:
                 from transformers import Trainer
 

@@ -49,15 +49,14 @@ def main():
           "OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY"), flush=True)
     model = build_model(a.shape, a.layers, "cpu", a.seq)
     engine, opt = prepare(model, lr=1e-5, weight_decay=0.1)
-    n_layers = sum(u.kind == "layer" for u in engine.store.units)
+    n_layers = sum(u.kind == "layer" for u in engine.units)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (a.tokens // a.seq, a.seq))
     batch = {"input_ids": ids, "labels": ids}
     rows = []
 
     def sync():
-        engine.pipeline.finish()
-        opt.synchronize()
+        engine.synchronize()
         torch.cuda.synchronize()
 
     def full_step():
@@ -73,7 +72,7 @@ def main():
 
     def timed(name, fn, reps=3, lane="optimizer"):
         tl = Timeline()
-        engine.pipeline.timeline = tl
+        engine.attach_timeline(tl)
         ts = []
         for _ in range(reps):
             sync()
@@ -81,7 +80,7 @@ def main():
             fn()
             sync()
             ts.append(time.perf_counter() - t0)
-        engine.pipeline.timeline = None
+        engine.attach_timeline(None)
         b = tl.collect()
         total, count = lane_seconds(b["spans"], lane)
         row = dict(name=name, s=round(min(ts), 4), opt_s_per_step=round(total / reps, 4), opt_spans=count,
@@ -92,22 +91,22 @@ def main():
 
     def fwd_bwd():
         engine.forward_backward(batch)
-        engine.pipeline.finish()
+        engine.wait_for_gradients()
         engine.zero_grad()
 
     timed("fwd_bwd", fwd_bwd)
     engine.forward_backward(batch)
-    engine.pipeline.finish()
+    engine.wait_for_gradients()
     for k in a.threads:
-        opt._stepper.submit(lambda k=k: torch.set_num_threads(k), "set threads")
+        opt.set_openmp_threads(k)
         timed(f"opt alone t={k}", lambda: (opt.step(), opt.synchronize()))
-    opt._stepper.submit(lambda: torch.set_num_threads(a.threads[0]), "set threads")
+    opt.set_openmp_threads(a.threads[0])
     engine.zero_grad()
     b = timed("full step", full_step)
     with open(os.path.join(a.out, f"probe_trace{a.tag}.json"), "w") as f:
         json.dump({"spans": b["spans"], "wall_s": b["wall_s"]}, f)
     for k in a.threads[1:]:
-        opt._stepper.submit(lambda k=k: torch.set_num_threads(k), "set threads")
+        opt.set_openmp_threads(k)
         timed(f"full step t={k}", full_step)
     params = engine.num_parameters
     print(f"\n{a.shape} layers={n_layers} params={params / 1e9:.2f}B tokens/step={a.tokens} clip={a.clip} {a.tag}")

@@ -56,12 +56,12 @@ def run_megatrain(src: str, dst: str) -> dict:
 
     from hf_megatrain.checkpoint.hf_format import save_hf_model
     from hf_megatrain.checkpoint.loading import load_model_and_tokenizer
-    from hf_megatrain.engine.schedule import StreamingEngine
+    from hf_megatrain.checkpoint.stream_load import engine_from_checkpoint
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
     skeleton, _, folder = load_model_and_tokenizer(src)
-    engine = StreamingEngine(skeleton, device=device, compute_dtype=torch.bfloat16, weights_from=folder)
+    engine = engine_from_checkpoint(skeleton, folder, device=device, compute_dtype=torch.bfloat16)
     t_load = time.perf_counter() - t0
     rss_load = _rss_gib()
     t0 = time.perf_counter()

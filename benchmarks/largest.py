@@ -102,7 +102,7 @@ def main() -> None:
     timeline = Timeline()
 
     def on_warm():
-        trainer.engine.pipeline.timeline = timeline
+        trainer.engine.attach_timeline(timeline)
 
     from hf_megatrain.memory import GiB, host_available
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import MISSING, dataclass, field, fields
 
+import torch
 from transformers import TrainingArguments
 
+from .engine.config import DTYPES, EngineConfig, parse_count
 from .errors import MegaTrainError
 
 SUPPORTED_OPTIM = ("adamw_torch", "adamw_torch_fused")
+SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -86,6 +90,11 @@ class MegaTrainArguments(TrainingArguments):
         default=True,
         metadata={"help": "Refuse, before loading, a run whose estimated host RAM or GPU memory exceeds the machine."},
     )
+    host_threads: int = field(
+        default=0,
+        metadata={"help": "Threads of the host AdamW: 0 steps large tiles with OpenMP inside each op (faster with "
+                  "clipping); N > 0 spreads one-core spans over N threads (faster without clipping)."},
+    )
     background_host_jobs: bool | None = field(
         default=None,
         metadata={"help": "Run the host AdamW and gradient accumulation on background threads, overlapped with "
@@ -105,46 +114,91 @@ class MegaTrainArguments(TrainingArguments):
 
 def check_arguments(args, before_init: bool = False) -> None:
     """Refuse, with a reason and a way out, what the streaming engine cannot honour."""
-    if getattr(args, "fp16", False) or getattr(args, "fp16_full_eval", False):
+    if args.fp16 or args.fp16_full_eval:
         raise MegaTrainError(
             "fp16=True is not supported: hf_megatrain keeps fp32 master weights and needs no GradScaler. "
             "Use bf16=True (or leave compute_dtype='auto') for 16-bit compute."
         )
-    if getattr(args, "deepspeed", None):
+    if args.deepspeed:
         raise MegaTrainError(
             "a DeepSpeed config was given, but hf_megatrain replaces DeepSpeed's offload with its own engine. "
             "Remove `deepspeed=` from the arguments."
         )
-    if getattr(args, "fsdp", None):
+    if args.fsdp:
         raise MegaTrainError("FSDP is not supported together with hf_megatrain; remove `fsdp=` from the arguments.")
-    if getattr(args, "torch_compile", False):
+    if args.torch_compile:
         raise MegaTrainError(
             "torch_compile=True is not supported: the engine runs HF's layer code one unit at a time. "
             "Set torch_compile=False."
         )
-    if getattr(args, "label_smoothing_factor", 0) or 0:
+    if args.label_smoothing_factor:
         raise MegaTrainError("label_smoothing_factor > 0 is not supported by the chunked loss; set it to 0.")
-    if getattr(args, "neftune_noise_alpha", None):
+    if args.neftune_noise_alpha:
         raise MegaTrainError("neftune_noise_alpha is not supported; leave it unset.")
-    if getattr(args, "use_liger_kernel", False):
+    if args.use_liger_kernel:
         raise MegaTrainError("use_liger_kernel is not supported; the loss is already chunked.")
-    optim = str(getattr(getattr(args, "optim", None), "value", getattr(args, "optim", "adamw_torch_fused")))
+    optim = str(getattr(args.optim, "value", args.optim))  # a string before __post_init__, an enum after
     if optim not in SUPPORTED_OPTIM:
         raise MegaTrainError(
             f"optim={optim!r} is not supported: hf_megatrain runs AdamW on the host. Use one of {SUPPORTED_OPTIM}."
         )
-    dtype = getattr(args, "compute_dtype", "auto")
-    if dtype not in ("auto", "bfloat16", "float32", "bf16", "fp32"):
-        raise MegaTrainError(f"compute_dtype={dtype!r}; choose auto, bfloat16 or float32.")
-    if getattr(args, "save_dtype", "auto") not in ("auto", "float32", "bfloat16", "float16"):
-        raise MegaTrainError(f"save_dtype={args.save_dtype!r}; choose auto, float32, bfloat16 or float16.")
-    resident = str(getattr(args, "gpu_resident_layers", "auto"))
-    if resident != "auto" and not (resident.isdigit()):
-        raise MegaTrainError(f"gpu_resident_layers={resident!r}; use 'auto', 0 or a number of layers.")
-    offload = str(getattr(args, "offload_activations", "auto"))
-    if offload != "auto" and not offload.isdigit():
-        raise MegaTrainError(f"offload_activations={offload!r}; use 'auto', 0 or a number of layers.")
-    if getattr(args, "prefetch_depth", 2) < 2:
-        raise MegaTrainError("prefetch_depth must be >= 2 (double buffering needs two GPU slots).")
-    if getattr(args, "max_seq_length", 1) < 1:
+    if args.compute_dtype != "auto" and args.compute_dtype not in DTYPES:
+        raise MegaTrainError(f"compute_dtype={args.compute_dtype!r}; choose auto, bfloat16 or float32.")
+    if args.save_dtype not in SAVE_DTYPES:
+        raise MegaTrainError(f"save_dtype={args.save_dtype!r}; choose {', '.join(SAVE_DTYPES)}.")
+    if args.max_seq_length < 1:
         raise MegaTrainError("max_seq_length must be a positive number of tokens.")
+    engine_config(args, torch.device("cpu"))  # the engine's own checks of its knobs, on any machine
+
+
+def megatrain_arguments(args) -> MegaTrainArguments:
+    """The trainer's own copy of the user's arguments, checked: it may adjust the copy (pinning,
+    the recompute flag) and the user's object never changes. A plain TrainingArguments becomes a
+    MegaTrainArguments with this library's fields at their defaults."""
+    if args is None:
+        return MegaTrainArguments(output_dir="megatrain_output")
+    if not isinstance(args, TrainingArguments):
+        raise MegaTrainError(f"args must be MegaTrainArguments (or TrainingArguments), not {type(args).__name__}.")
+    own = copy.copy(args)
+    if not isinstance(args, MegaTrainArguments):
+        if type(args) is not TrainingArguments:
+            raise MegaTrainError(
+                f"args is a {type(args).__name__}: a TrainingArguments subclass of another library, whose fields "
+                "hf_megatrain cannot carry over. Pass MegaTrainArguments (every TrainingArguments field works there)."
+            )
+        own.__class__ = MegaTrainArguments  # it only adds fields, each with a default
+        for f in fields(MegaTrainArguments):
+            if f.name not in vars(own):
+                setattr(own, f.name, f.default_factory() if f.default_factory is not MISSING else f.default)
+    check_arguments(own)
+    return own
+
+
+def compute_dtype(args, device: torch.device) -> torch.dtype:
+    """auto: bf16 on a GPU or with --bf16, fp32 on the CPU."""
+    if args.compute_dtype != "auto":
+        return DTYPES[args.compute_dtype]
+    return torch.bfloat16 if args.bf16 or device.type == "cuda" else torch.float32
+
+
+def save_dtype(args) -> torch.dtype | None:
+    """The dtype saved model files hold; None: the model's own (config.dtype)."""
+    return None if args.save_dtype == "auto" else getattr(torch, args.save_dtype)
+
+
+def engine_config(args, device: torch.device) -> EngineConfig:
+    """The EngineConfig these arguments ask for on `device`; the placements stay None where they
+    say 'auto' (memory.resolve_placement decides them)."""
+    from .memory import mlp_tile
+
+    return EngineConfig(
+        device=device,
+        compute_dtype=compute_dtype(args, device),
+        loss_chunk_tokens=args.loss_chunk_tokens,
+        mlp_tile_tokens=mlp_tile(args.max_seq_length, args.mlp_tile_tokens),
+        resident_layers=parse_count(args.gpu_resident_layers, "gpu_resident_layers"),
+        offload_activations=parse_count(args.offload_activations, "offload_activations"),
+        prefetch_depth=args.prefetch_depth,
+        host_threads=args.host_threads,
+        background_host_jobs=args.background_host_jobs,
+    )

@@ -120,41 +120,39 @@ def _estimate(argv: list[str]) -> int:
                    help="how many of those ranks run on one host (default: all); --host_gib is that host's RAM")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     a = p.parse_args(argv)
+    from .engine.config import EngineConfig, parse_count
     from .errors import MegaTrainError
-    from .memory import GiB, admit, estimate, longest_fitting_row, mlp_tile, model_shapes, plan_placement
+    from .memory import GiB, admit, estimate, longest_fitting_row, mlp_tile, model_shapes, resolve_placement
 
     def count(value, name):
-        if value is None or value == "auto":
-            return None
         try:
-            return int(value)
-        except ValueError:
+            return parse_count(value, name)
+        except MegaTrainError:
             raise SystemExit(f"hf-megatrain estimate: --{name} takes a number of layers or 'auto', not {value!r}")
 
     config = _config_of(a.model)
-    kw = dict(compute_dtype=a.compute_dtype, device=a.device, mlp_tile_tokens=mlp_tile(a.seq, a.mlp_tile_tokens),
-              world_size=a.world_size, local_ranks=a.local_ranks)
     resident, offload = count(a.gpu_resident_layers, "gpu_resident_layers"), count(a.offload_activations,
                                                                                   "offload_activations")
-    if a.world_size > 1:
-        resident = 0  # data parallel streams every layer, as the trainer does
-    planned = a.gpu_gib is not None and resident is None  # the planner picks residency for that GPU
-    if a.gpu_gib is not None:
-        resident, offload = plan_placement(config, a.batch, a.seq, a.gpu_gib * GiB, resident_layers=resident,
-                                           offload_activations=offload,
-                                           host_free=a.host_gib * GiB if a.host_gib else None, **kw)
-    elif "auto" in (a.gpu_resident_layers, a.offload_activations):
-        raise SystemExit("hf-megatrain estimate: 'auto' places layers for a machine: give its --gpu_gib")
-    plan = estimate(config, a.batch, a.seq, resident_layers=resident or 0, offload_activations=offload or 0, **kw)
+    if a.gpu_gib is None:  # no machine to place for: what is not given stays off
+        if "auto" in (a.gpu_resident_layers, a.offload_activations):
+            raise SystemExit("hf-megatrain estimate: 'auto' places layers for a machine: give its --gpu_gib")
+        resident, offload = resident or 0, offload or 0
+    engine = EngineConfig(device=a.device, compute_dtype=a.compute_dtype, resident_layers=resident,
+                          offload_activations=offload, mlp_tile_tokens=mlp_tile(a.seq, a.mlp_tile_tokens))
+    ranks = dict(world_size=a.world_size, local_ranks=a.local_ranks)
+    shapes = model_shapes(config)
+    placement = resolve_placement(config, a.batch, a.seq, engine, gpu_free=a.gpu_gib * GiB if a.gpu_gib else None,
+                                  host_free=a.host_gib * GiB if a.host_gib else None, **ranks)
+    plan = estimate(config, a.batch, a.seq, placement.engine, shapes=shapes, **ranks)
     verdict = None
     if a.gpu_gib is not None or a.host_gib is not None:
         try:
             hint = None
             if a.gpu_gib is not None and a.host_gib is not None and a.device == "cuda":
-                hint = partial(longest_fitting_row, config, a.batch, a.seq,
-                               **dict(kw, mlp_tile_tokens=a.mlp_tile_tokens))
+                hint = partial(longest_fitting_row, config, a.batch, a.seq, engine=engine, shapes=shapes,
+                               mlp_tile_tokens=a.mlp_tile_tokens, **ranks)
             admit(plan, host_free=(a.host_gib or float("inf")) * GiB, gpu_free=(a.gpu_gib or float("inf")) * GiB,
-                  hint=hint, residency_planned=planned)
+                  hint=hint, residency_planned=placement.planned)
             verdict = "fits"
         except MegaTrainError as e:
             lines = str(e).splitlines()  # the verdict, and the longest row that fits when there is one
@@ -164,7 +162,7 @@ def _estimate(argv: list[str]) -> int:
 
         print(json.dumps({**plan.as_dict(), "verdict": verdict}, indent=1))
     else:
-        print(f"{a.model}: {model_shapes(config).params / 1e9:.2f} B parameters, "
+        print(f"{a.model}: {shapes.params / 1e9:.2f} B parameters, "
               f"{a.batch} x {a.seq} tokens per micro-batch, {a.compute_dtype} compute, "
               f"{plan.resident_layers} layers resident on the GPU, {plan.offload_activations} layer inputs "
               f"offloaded\n")
@@ -199,14 +197,12 @@ def _push(argv: list[str]) -> int:
     p.add_argument("--hub_dir", default=None, help="the hub cache folder (default: $HF_HUB_CACHE)")
     p.add_argument("--message", default="Upload with hf-megatrain push")
     a = p.parse_args(argv)
-    from types import SimpleNamespace
-
     from .checkpoint.local_hub import LocalHub, default_hub_dir
 
     if not os.path.isfile(os.path.join(a.folder, "config.json")) and \
             not os.path.isfile(os.path.join(a.folder, "adapter_config.json")):
         raise MegaTrainError(f"{a.folder} holds no config.json or adapter_config.json: not a saved model.")
-    hub = LocalHub(default_hub_dir(SimpleNamespace(hub_dir=a.hub_dir)), a.repo)
+    hub = LocalHub(default_hub_dir(a.hub_dir), a.repo)
     commit = hub.commit([(a.folder, "")], a.message, ignore=("checkpoint-*", ".partial-*", "runs", "_*"))
     print(f"{a.repo} @ {commit} in {hub.root}")
     return 0

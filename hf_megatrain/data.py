@@ -27,12 +27,12 @@ import numpy as np
 import torch
 
 from .checkpoint.stream_load import looks_local, missing_path
+from .engine.loss import IGNORE_INDEX
 from .errors import MegaTrainError
 
 logger = logging.getLogger(__name__)
 
 _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-IGNORE = -100
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -170,7 +170,7 @@ def _tokenize_pieces(tokenizer, samples):
         ids, labels = [], []
         for (_, learned), t in zip(pieces, toks):
             ids += t
-            labels += t if learned else [IGNORE] * len(t)
+            labels += t if learned else [IGNORE_INDEX] * len(t)
         out["input_ids"].append(ids)
         out["labels"].append(labels)
     return out
@@ -194,7 +194,7 @@ def _encoder(fmt, tokenizer, text_field):
             prompts = tokenizer(batch["prompt"])["input_ids"]
             answers = tokenizer(batch["completion"], add_special_tokens=False)["input_ids"]
             return {"input_ids": [p + a + eos for p, a in zip(prompts, answers)],
-                    "labels": [[IGNORE] * len(p) + a + eos for p, a in zip(prompts, answers)]}
+                    "labels": [[IGNORE_INDEX] * len(p) + a + eos for p, a in zip(prompts, answers)]}
         samples = []
         for row, p, c in zip(rows, batch["prompt"], batch["completion"]):
             p, c = _clean(p, row), _clean(c, row)
@@ -210,7 +210,7 @@ def _uses_template(fmt, raw) -> bool:
 
 def _learns(labels) -> bool:
     # A row's first label is never a target (targets are shifted by one).
-    return any(x != IGNORE for x in labels[1:])
+    return any(x != IGNORE_INDEX for x in labels[1:])
 
 
 # -- tokenize, pack or truncate -------------------------------------------------------------------
@@ -271,7 +271,7 @@ def _pack(docs, length):
     labels = table.column("labels").combine_chunks().flatten().to_numpy().copy()
     sizes = pc.list_value_length(ids_col).to_numpy().astype(np.int64)
     starts = np.cumsum(sizes) - sizes
-    labels[starts] = IGNORE  # never predict a document's first token from the previous one
+    labels[starts] = IGNORE_INDEX  # never predict a document's first token from the previous one
     n_rows = len(ids) // length
     if n_rows == 0:
         raise MegaTrainError(
@@ -287,7 +287,7 @@ def _pack(docs, length):
         return a[:total].astype(np.int32).reshape(n_rows, length)
 
     labels = rows(labels)
-    labels[:, 0] = IGNORE  # a continued document has nothing in this row to predict its first token from
+    labels[:, 0] = IGNORE_INDEX  # a continued document has nothing in this row to predict its first token from
     return datasets.Dataset.from_dict({"input_ids": rows(ids), "labels": labels, "position_ids": rows(positions)})
 
 
@@ -312,7 +312,7 @@ class CausalCollator:
             n = len(ids)
             pad = length - n
             out["input_ids"].append(ids + [self.pad] * pad)
-            out["labels"].append(labels + [IGNORE] * pad)
+            out["labels"].append(labels + [IGNORE_INDEX] * pad)
             out["attention_mask"].append([1] * n + [0] * pad)
             if packed:
                 out["position_ids"].append(list(f["position_ids"]) + list(range(pad)))

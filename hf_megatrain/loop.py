@@ -14,6 +14,8 @@ import torch
 from transformers import Trainer
 
 from .checkpoint.loading import load_model_and_tokenizer
+from .checkpoint.stream_load import engine_from_checkpoint
+from .engine.config import EngineConfig
 from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine
 
@@ -24,13 +26,17 @@ def prepare(model, *, device=None, compute_dtype=None, lr: float = 1e-5, betas=(
 
     device defaults to the first GPU when there is one; compute_dtype to bf16 on a GPU and
     fp32 on the CPU. Weight decay follows Trainer's grouping (no decay on norms and biases).
+    engine_options: the other EngineConfig fields (resident_layers=, mlp_tile_tokens=, ...).
     """
     model, _, weights_from = load_model_and_tokenizer(model)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    engine = StreamingEngine(model, device=device, compute_dtype=compute_dtype,
-                             decay_names=Trainer.get_decay_parameter_names(None, model),
-                             weights_from=weights_from, **engine_options)
+    config = EngineConfig(device=device, compute_dtype=compute_dtype, **engine_options)
+    decay = Trainer.get_decay_parameter_names(None, model)
+    if weights_from is None:
+        engine = StreamingEngine(model, config, decay_names=decay)
+    else:
+        engine = engine_from_checkpoint(model, weights_from, config=config, decay_names=decay)
     optimizer = HostAdamW(engine, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     return engine.train(), optimizer

@@ -15,14 +15,22 @@ running L of the ranks needs L times their total; that per-host figure is what a
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+from .engine.config import EngineConfig
+from .engine.layout import (LOSS_CHUNK_COPIES, config_units, fixed_buffer_numel, grad_slot_numel, loss_chunk,
+                            mark_resident, ring_numel)
+
+logger = logging.getLogger(__name__)
 
 GiB = 1024**3
-# Fixed costs measured on the device (torch + CUDA context + libraries, host and GPU).
+# Fixed costs of torch + CUDA context + libraries, host and GPU (measured on the device: BENCHMARKS.md,
+# "Measurements the code's defaults rest on").
 HOST_RUNTIME = 3.0 * GiB
 GPU_RUNTIME = 1.0 * GiB
-LOSS_CHUNK_BYTES = 2 * GiB  # the engine's default budget for fp32 logits (+ grad, softmax) per chunk
 
 
 @dataclass
@@ -37,27 +45,22 @@ class Shapes:
     vocab: int
     kv_dim: int
     tied: bool
+    units: list = field(default_factory=list, repr=False)  # the engine's own units (engine.layout)
 
 
 def model_shapes(config) -> Shapes:
-    """Parameter counts per unit, from the config alone (no model is built)."""
-    h, v, n = config.hidden_size, config.vocab_size, config.num_hidden_layers
+    """Parameter counts per unit, laid out as the engine lays them out (engine.layout.config_units:
+    a meta copy of the model, no memory), plus the widths the activation terms need."""
+    units = config_units(config)
+    h = config.hidden_size
     heads = config.num_attention_heads
     hd = getattr(config, "head_dim", None) or h // heads
     kv = getattr(config, "num_key_value_heads", heads) * hd
-    q = heads * hd
-    bias = q + 2 * kv if getattr(config, "attention_bias", False) or config.model_type == "qwen2" else 0
-    attn = h * q + 2 * h * kv + q * h + bias
-    if config.model_type == "qwen3":
-        attn += 2 * hd  # q_norm, k_norm
-    experts = getattr(config, "num_local_experts", None)
-    inter = config.intermediate_size
-    mlp = 3 * h * inter * (experts or 1) + (experts * h if experts else 0)
-    layer = attn + mlp + 2 * h
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    embed = v * h
-    head = h + (0 if tied else v * h)
-    return Shapes(embed + n * layer + head, embed, head, layer, n, h, inter, v, kv, tied)
+    layers = [u for u in units if u.kind == "layer"]
+    return Shapes(params=sum(u.numel for u in units), embed=units[0].numel, head=units[-1].numel,
+                  layer=max((u.numel for u in layers), default=0), layers=len(layers), hidden=h,
+                  inter=config.intermediate_size, vocab=config.vocab_size, kv_dim=kv,
+                  tied=units[-1].tied_local is not None, units=units)
 
 
 @dataclass
@@ -112,31 +115,41 @@ class MemoryPlan:
                 "world_size": self.world_size, "local_ranks": self.local_ranks, "host_per_host": self.host_per_host}
 
 
-def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", device: str = "cuda",
-             prefetch_depth: int = 2, loss_chunk_tokens: int | None = None, resident_layers: int = 0,
-             mlp_tile_tokens: int | None = None, offload_activations: int = 0, world_size: int = 1,
-             local_ranks: int | None = None) -> MemoryPlan:
+def planning_config(engine: EngineConfig | None = None, **fields) -> EngineConfig:
+    """The engine config a plan is made for: `engine` with `fields` replaced, or one built from
+    `fields` alone, which plans a GPU run unless `device` says otherwise."""
+    if engine is None:
+        return EngineConfig(**{"device": "cuda", **fields})
+    return replace(engine, **fields) if fields else engine
+
+
+def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *, world_size: int = 1,
+             local_ranks: int | None = None, shapes: Shapes | None = None, **engine_fields) -> MemoryPlan:
     """What training `config` at `batch` x `seq` tokens per micro-batch needs, by component.
 
+    engine: the EngineConfig the run will be built with (EngineConfig fields given as keywords
+    replace its values; without one, a GPU run with the engine's defaults is planned). Its
+    placements must be numbers ("auto" is resolve_placement's to settle).
     world_size: data-parallel ranks; local_ranks: how many of them run on this host (default all).
     The entries are one rank's; `host_per_host` is what this host needs for its ranks."""
-    s = model_shapes(config)
-    cbytes = 2 if compute_dtype in ("bfloat16", "bf16") else 4
+    eng = planning_config(engine, **engine_fields)
+    s = shapes or model_shapes(config)
+    cbytes = eng.compute_dtype.itemsize
+    cuda = eng.device.type == "cuda"
     tokens = batch * seq
     world = max(1, world_size)
     # data parallel streams every layer (residency is not combined with sharding yet)
-    resident_layers = 0 if world > 1 else max(0, min(resident_layers, s.layers))
-    offload = max(0, min(offload_activations, s.layers)) if device == "cuda" else 0
+    units = s.units
+    resident_layers = mark_resident(units, 0 if world > 1 else eng.resident_layers or 0)
+    offload = max(0, min(eng.offload_activations or 0, s.layers)) if cuda else 0
     layer_input = tokens * s.hidden * cbytes  # one saved [batch, seq, hidden] layer input
-    # resident: the embedding, the head and the first N layers (engine.schedule.mark_resident)
-    on_gpu = resident_layers * s.layer + (s.embed + s.head if resident_layers else 0)
+    on_gpu = sum(u.numel for u in units if u.resident)
     streamed = s.params - on_gpu
     plan = MemoryPlan(resident_layers=resident_layers, offload_activations=offload, world_size=world,
                       local_ranks=1 if world == 1 else max(1, min(local_ranks or world, world)))
     # This rank's share of the fp32 state: the largest rank's slice of every unit, ceil(n / world)
     # (engine.distributed.Sharding); all of it in one process.
-    owned = streamed if world == 1 else \
-        _share(s.embed, world) + _share(s.head, world) + s.layers * _share(s.layer, world)
+    owned = streamed if world == 1 else sum(_share(u.numel, world) for u in units)
     plan.host["fp32 master weights"] = 4 * owned
     # fp32 compute in one process streams the master itself; a rank holds only a slice of the master
     # but streams every weight, so it keeps a whole compute copy of its own
@@ -147,45 +160,41 @@ def estimate(config, batch: int, seq: int, *, compute_dtype: str = "bfloat16", d
         # Transient, one unit at a time: the all-gather of updated weights (own slice + the whole
         # unit, compute dtype) and, on a CPU, the gradient reduce-scatter on the host (an fp32 copy,
         # its padded copy, this rank's sum); the largest unit is usually the embedding.
-        n = max(s.embed, s.head, s.layer)
+        n = max(u.numel for u in units)
         gather = cbytes * (n + _share(n, world))
-        reduce = 4 * (2 * n + _share(n, world)) if device != "cuda" else 0
+        reduce = 4 * (2 * n + _share(n, world)) if not cuda else 0
         plan.host["data-parallel exchange (one unit)"] = max(gather, reduce)
         plan.notes.append(f"data parallel: {world} ranks, {plan.local_ranks} on this host; each rank holds the "
                           f"whole compute copy and 1/{world} of the fp32 master, gradient and Adam moments.")
-    if device == "cuda":
-        plan.host["pinned staging slabs"] = 2 * 4 * s.layer if streamed else 0
+    if cuda:
+        plan.host["pinned staging slabs"] = eng.staging_slabs * 4 * grad_slot_numel(units)
     if offload:
         plan.host["offloaded layer inputs (pinned)"] = offload * layer_input
     plan.host["runtime (torch, CUDA, Python)"] = HOST_RUNTIME
-    if device != "cuda":
+    if not cuda:
         plan.notes.append("CPU run: the compute happens in host RAM; the GPU column does not apply.")
         return plan
 
-    chunk = loss_chunk_tokens or max(1, int(LOSS_CHUNK_BYTES // (s.vocab * 4 * 3)))
-    chunk = min(chunk, tokens)
-    streams_layers = resident_layers < s.layers
-    plan.gpu["weight ring (prefetch slots)"] = prefetch_depth * cbytes * s.layer if streams_layers else 0
-    plan.gpu["embedding + head buffers"] = 0 if resident_layers else cbytes * (s.embed + s.head)
-    plan.gpu["gradient ring (fp32)"] = 2 * 4 * s.layer if streams_layers else 0
+    chunk = min(loss_chunk(s.vocab, eng.device.type, eng.loss_chunk_tokens), tokens)
+    plan.gpu["weight ring (prefetch slots)"] = eng.prefetch_depth * cbytes * ring_numel(units)
+    plan.gpu["embedding + head buffers"] = cbytes * fixed_buffer_numel(units)
+    plan.gpu["gradient ring (fp32)"] = eng.grad_slots * 4 * grad_slot_numel(units)
     plan.gpu["resident units (weights, master, grad, Adam)"] = (cbytes + 16) * on_gpu
     plan.gpu["saved layer inputs"] = (s.layers - offload) * layer_input
-    if offload:  # brought back ahead of need (engine.activations: lookahead 2, plus the one in use)
-        plan.gpu["offloaded inputs in flight"] = min(offload, 3) * layer_input
+    if offload:  # brought back ahead of need (engine.activations: the lookahead, plus the one in use)
+        plan.gpu["offloaded inputs in flight"] = min(offload, eng.activation_lookahead + 1) * layer_input
     # The backward passes through three phases that never overlap; the GPU peak is the fixed part
-    # plus the largest phase. Calibrated on the H200 (BENCHMARKS.md run 4): within 6% of the
-    # measured peak for the 1B shape streamed and resident at 16K-64K tokens and for a 3B-width
-    # layer at 512K tokens.
+    # plus the largest phase. Calibrated against measured peaks on the device (BENCHMARKS.md,
+    # "Measurements the code's defaults rest on").
     head_w = s.vocab * s.hidden
     grad_x = tokens * s.hidden * cbytes  # the gradient flowing down, alive in every phase
     held = 4 * s.embed if s.tied else 0  # a tied head's fp32 gradient waits for the embedding's
-    plan.gpu["[loss] fp32 logits chunk x3"] = chunk * s.vocab * 4 * 3
+    plan.gpu["[loss] fp32 logits chunk x3"] = chunk * s.vocab * 4 * LOSS_CHUNK_COPIES
     plan.gpu["[loss] head weight gradient (fp32, x2 while packed)"] = 2 * 4 * head_w + grad_x
     # One layer's recompute with autograd and its backward: HF's RMSNorm computes in fp32 and
     # autograd keeps those tensors, so a layer holds about 18 [tokens, hidden] compute-dtype tensors
-    # beside q/k/v (measured: 58 GiB for a 3B-width layer at 512K tokens), plus one MLP tile's
-    # intermediates and the layer's weight gradient.
-    mlp_tokens = min(tokens, mlp_tile_tokens) if mlp_tile_tokens else tokens  # a tiled MLP holds one tile
+    # beside q/k/v, plus one MLP tile's intermediates and the layer's weight gradient.
+    mlp_tokens = min(tokens, eng.mlp_tile_tokens) if eng.mlp_tile_tokens else tokens  # a tiled MLP holds one tile
     act = (tokens * (18 * s.hidden + 4 * s.kv_dim) + mlp_tokens * 4 * s.inter) * cbytes
     plan.gpu["[layer] one layer's recompute + grads"] = act + cbytes * s.layer + held + grad_x
     plan.gpu["[embedding] embedding gradient (fp32)"] = 4 * s.embed + held + grad_x
@@ -228,17 +237,23 @@ def plan_placement(config, batch: int, seq: int, gpu_free: float, *, margin: flo
     the GPU and nothing in the host optimizer. A value given by the caller is kept as it is.
 
     With `host_free`, a plan whose host side would not fit moves more layers onto the GPU, into
-    the headroom that `margin` keeps, as far as admission allows (its margin, ADMIT_MARGIN): on
-    the H200 box this is what lets the 13B shape train (19 layers resident: 117.0 GiB of host
-    against 116.6 admitted; 20 layers: 111.6).
+    the headroom that `margin` keeps, as far as admission allows (its margin, ADMIT_MARGIN): this
+    is what lets a model whose host side is just too large train (BENCHMARKS.md, "Measurements the
+    code's defaults rest on": the 13B shape on the H200 box).
+
+    kw: estimate's keywords (an `engine` config, its fields, world_size, local_ranks).
     """
-    layers = model_shapes(config).layers
+    shapes = kw.pop("shapes", None) or model_shapes(config)
+    layers = shapes.layers
     budget = gpu_free * (1 - margin)
     if kw.get("world_size", 1) > 1:
         resident_layers = 0  # data parallel streams every layer (estimate counts none resident)
 
+    def plan(n, off):
+        return estimate(config, batch, seq, resident_layers=n, offload_activations=off, shapes=shapes, **kw)
+
     def gpu(n, off):
-        return estimate(config, batch, seq, resident_layers=n, offload_activations=off, **kw).gpu_total
+        return plan(n, off).gpu_total
 
     offload = offload_activations
     if offload is None:
@@ -252,12 +267,43 @@ def plan_placement(config, batch: int, seq: int, gpu_free: float, *, margin: flo
             resident += 1
         if host_free is not None:
             def host_short(n):
-                plan = estimate(config, batch, seq, resident_layers=n, offload_activations=offload, **kw)
-                return plan.host_per_host > host_free * (1 - ADMIT_MARGIN)
+                return plan(n, offload).host_per_host > host_free * (1 - ADMIT_MARGIN)
 
             while resident < layers and host_short(resident) and gpu(resident + 1, offload) <= gpu_free * (1 - ADMIT_MARGIN):
                 resident += 1
     return resident, offload
+
+
+class Placement(NamedTuple):
+    engine: EngineConfig  # with both placements as numbers
+    planned: bool  # the planner chose the resident layers for this GPU: as many as it holds
+
+
+def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, world_size: int = 1,
+                      local_ranks: int | None = None, gpu_free: float | None = None,
+                      host_free: float | None = None) -> Placement:
+    """The engine config with 'auto' (None) placements replaced by the plan's numbers: the one
+    place where the automatic placement is decided, for the trainer and `hf-megatrain estimate`.
+
+    Data parallel streams every layer, whatever was asked for. Off a GPU nothing is placed.
+    gpu_free: the GPU's free bytes (default: measured now); host_free: the host's available bytes,
+    for moving layers onto the GPU when the host side would not fit (None: not considered)."""
+    resident, offload = engine.resident_layers, engine.offload_activations
+    if world_size > 1 and resident != 0:
+        if resident:
+            logger.info("data parallel: GPU residency is not combined with sharding yet; streaming all layers")
+        resident = 0
+    planned = resident is None and engine.device.type == "cuda"
+    if engine.device.type != "cuda":
+        resident, offload = resident or 0, offload or 0
+    elif resident is None or offload is None:
+        gpu_free = gpu_available(engine.device) if gpu_free is None else gpu_free
+        resident, offload = plan_placement(config, batch, seq, gpu_free, resident_layers=resident,
+                                           offload_activations=offload, host_free=host_free, engine=engine,
+                                           world_size=world_size, local_ranks=local_ranks)
+        logger.info("memory plan: %d of %d layers resident on the GPU, %d layer inputs offloaded (%.0f GiB free)",
+                    resident, config.num_hidden_layers, offload, gpu_free / GiB)
+    return Placement(replace(engine, resident_layers=resident, offload_activations=offload), planned)
 
 
 def host_available() -> float:
@@ -333,6 +379,7 @@ def longest_fitting_row(config, batch: int, seq: int, gpu_free: float, host_free
     """For a refusal: the longest row, halving `seq` down to 1024 tokens, whose automatic plan
     (residency, activation offload, MLP tiles as the trainer would pick them) fits this machine,
     said as the setting to use; None if none does."""
+    kw.setdefault("shapes", model_shapes(config))
     length = seq // 2
     while length >= 1024:
         kw_len = dict(kw, mlp_tile_tokens=mlp_tile(length, mlp_tile_tokens))

@@ -57,10 +57,10 @@ def check_writable(path, what: str) -> None:
 def check_outputs(args) -> None:
     """output_dir, and hub_dir when the run publishes, can be written."""
     check_writable(args.output_dir, "output_dir")
-    if getattr(args, "push_to_hub", False):
+    if args.push_to_hub:
         from .checkpoint.local_hub import default_hub_dir
 
-        check_writable(default_hub_dir(args), "hub_dir")
+        check_writable(default_hub_dir(args.hub_dir), "hub_dir")
 
 
 # -- resuming --------------------------------------------------------------------------------------
@@ -103,6 +103,7 @@ def check_data(path, tokenizer, args, what: str = "data_path"):
     import datasets
 
     from .data import load_raw_dataset, tokenize_documents, truncate
+    from .engine.loss import IGNORE_INDEX
 
     raw = load_raw_dataset(path)  # a missing local path fails here, without a look at the hub
     if len(raw) == 0:
@@ -110,11 +111,11 @@ def check_data(path, tokenizer, args, what: str = "data_path"):
     # an in-memory copy of the first rows: no cache files are written for the sample
     sample = datasets.Dataset.from_dict(raw.with_format(None)[:SAMPLE_ROWS], features=raw.features)
     try:
-        docs = tokenize_documents(sample, tokenizer, getattr(args, "text_field", "text"))
+        docs = tokenize_documents(sample, tokenizer, args.text_field)
         if len(docs) == 0:
-            raise MegaTrainError("no row has a token to learn, every label is -100 (empty texts, or no assistant "
+            raise MegaTrainError(f"no row has a token to learn, every label is {IGNORE_INDEX} (empty texts, or no assistant "
                                  "turn / completion); check the roles and columns")
-        if not getattr(args, "packing", True):
+        if not args.packing:
             truncate(docs, args.max_seq_length)
     except MegaTrainError as e:
         text = " ".join(str(e).split())  # quoted rows and template errors may span lines
@@ -130,13 +131,13 @@ def checkpoint_bytes(model, args) -> tuple[int, int]:
     at the save dtype (hf_format), or for LoRA the adapters as fp32 (peft_export); the optimizer
     state holds an fp32 master and two fp32 Adam moments per trainable parameter (optimizer_state).
     """
-    import torch
-
+    from .arguments import save_dtype
     from .checkpoint.hf_format import model_dtype
-    from .checkpoint.loading import is_peft_model, lora_config, meta_skeleton
+    from .checkpoint.loading import lora_config, meta_skeleton
+    from .patcher.adapters import base_model, is_peft_model
 
-    config = model.get_base_model().config if is_peft_model(model) else model.config
-    peft_config = getattr(args, "peft_config", None)
+    config = base_model(model).config
+    peft_config = args.peft_config
     if peft_config is not None and not is_peft_model(model):
         from peft import get_peft_model
 
@@ -151,8 +152,7 @@ def checkpoint_bytes(model, args) -> tuple[int, int]:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return 4 * trainable, 12 * trainable
     trainable = sum(p.numel() for p in model.parameters())
-    choice = getattr(args, "save_dtype", "auto")
-    dtype = model_dtype(config) if choice == "auto" else getattr(torch, choice)
+    dtype = save_dtype(args) or model_dtype(config)
     return trainable * dtype.itemsize, 12 * trainable
 
 
@@ -164,11 +164,11 @@ def check_disk(args, model) -> None:
     keeps_state = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no" and not args.save_only_model
     one = weights + (optimizer if keeps_state else 0) + SMALL_FILES
     needs = [("output_dir", args.output_dir, one)]
-    if getattr(args, "push_to_hub", False):
+    if args.push_to_hub:
         from .checkpoint.local_hub import default_hub_dir
 
         pushes_checkpoints = args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS)
-        needs.append(("hub_dir", default_hub_dir(args), one if pushes_checkpoints else weights + SMALL_FILES))
+        needs.append(("hub_dir", default_hub_dir(args.hub_dir), one if pushes_checkpoints else weights + SMALL_FILES))
     per_disk = {}  # one filesystem may hold both folders: their needs add up
     for what, folder, nbytes in needs:
         here = nearest_existing(folder)

@@ -9,6 +9,7 @@ stock Trainer, driven through the hook methods it offers for exactly this.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import shutil
@@ -22,9 +23,9 @@ from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_AR
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy, rotate_checkpoints
 
-from .arguments import MegaTrainArguments, check_arguments
+from .arguments import MegaTrainArguments, engine_config, megatrain_arguments, save_dtype
 from .checkpoint.hf_format import save_hf_model
-from .checkpoint.loading import is_peft_model, load_model_and_tokenizer, with_adapters
+from .checkpoint.loading import load_model_and_tokenizer, with_adapters
 from .checkpoint.peft_export import save_adapter, save_merged
 from .checkpoint.local_hub import LocalHub, default_hub_dir
 from .checkpoint.manifest import MANIFEST, commit_dir, partial_dir, verify_manifest, write_manifest
@@ -39,8 +40,9 @@ from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine
 from .engine.timeline import Timeline
 from .errors import MegaTrainError
-from .memory import (GiB, admit, estimate, gpu_available, host_available, longest_fitting_row, mlp_tile,
-                     plan_placement, ranks_on_this_host)
+from .checkpoint.stream_load import engine_from_checkpoint
+from .memory import admit, estimate, host_available, longest_fitting_row, ranks_on_this_host, resolve_placement
+from .patcher.adapters import base_model
 from .preflight import check_data, check_disk, check_outputs, check_resume
 
 logger = logging.getLogger(__name__)
@@ -50,18 +52,6 @@ logger = logging.getLogger(__name__)
 # only the old name. Read once from the dataclass so the flag cleared below is the one Trainer acts on.
 _RECOMPUTE_FLAG = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
                        if name in {f.name for f in fields(TrainingArguments)})
-
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
-
-
-def resolve_compute_dtype(args, device: torch.device) -> torch.dtype:
-    choice = getattr(args, "compute_dtype", "auto")
-    if choice != "auto":
-        return _DTYPES[choice]
-    if getattr(args, "bf16", False) or device.type == "cuda":
-        return torch.bfloat16
-    return torch.float32
-
 
 class MegaTrainTrainer(Trainer):
     """`Trainer` for models larger than the GPU: state in host RAM, one layer on the GPU at a time.
@@ -83,88 +73,77 @@ class MegaTrainTrainer(Trainer):
         optimizers=(None, None),
         **kwargs,
     ):
-        args = args if args is not None else MegaTrainArguments(output_dir="megatrain_output")
-        check_arguments(args)
+        check_trainer_hooks()  # a transformers release that renamed a hook we replace fails here, loudly
+        args = megatrain_arguments(args)  # our own checked copy: the user's object is never changed
         check_launch(args)  # several processes but no process group: refused before any weight is read
         if optimizers[0] is not None and not isinstance(optimizers[0], HostAdamW):
             raise MegaTrainError("a custom optimizer was passed; hf_megatrain steps its own HostAdamW on the host.")
         # Preflight: what can be checked without the weights is checked before any is read (loading
         # a 70B model takes minutes). The model id resolves to a config and a meta skeleton here.
         check_outputs(args)
-        check_resume(getattr(args, "resume_from_checkpoint", None), args.output_dir)
+        check_resume(args.resume_from_checkpoint, args.output_dir)
         model, tokenizer, weights_from = load_model_and_tokenizer(model)
         processing_class = processing_class if processing_class is not None else tokenizer
         raw_data = {name: check_data(getattr(args, name), processing_class, args, name)
                     for name, given in (("data_path", train_dataset), ("eval_data_path", eval_dataset))
-                    if given is None and getattr(args, name, None)}
+                    if given is None and getattr(args, name)}
         check_disk(args, model)
         device = args.device  # resolves the device now, as Trainer would
-        if getattr(args, _RECOMPUTE_FLAG, False):
+        if getattr(args, _RECOMPUTE_FLAG):
             logger.info("%s: the engine always recomputes at layer boundaries; flag ignored", _RECOMPUTE_FLAG)
             setattr(args, _RECOMPUTE_FLAG, False)
 
-        tiles = mlp_tile(getattr(args, "max_seq_length", 0), getattr(args, "mlp_tile_tokens", None))
-        plan_kw = dict(compute_dtype=str(resolve_compute_dtype(args, device)).replace("torch.", ""),
-                       device=device.type, prefetch_depth=getattr(args, "prefetch_depth", 2), mlp_tile_tokens=tiles,
-                       world_size=args.world_size, local_ranks=ranks_on_this_host(args.world_size))
-        batch, seq = args.per_device_train_batch_size, getattr(args, "max_seq_length", 1024)
+        config = base_model(model).config
+        world, local = args.world_size, ranks_on_this_host(args.world_size)
+        batch, seq = args.per_device_train_batch_size, args.max_seq_length
+        wanted = engine_config(args, device)
         # Data parallel streams every layer (residency is not combined with sharding yet): the plan
-        # that admission checks must say so, or it would count host memory the run does not save.
-        resident, offload = resolve_placement(args, _config(model), batch, seq, device, plan_kw,
-                                              stream_all=args.world_size > 1)
-        plan = estimate(_config(model), batch, seq, resident_layers=resident, offload_activations=offload, **plan_kw)
+        # that admission checks says so, or it would count host memory the run does not save.
+        placement = resolve_placement(config, batch, seq, wanted, world_size=world, local_ranks=local,
+                                      host_free=host_available() if device.type == "cuda" else None)
+        plan = estimate(config, batch, seq, placement.engine, world_size=world, local_ranks=local)
         if batch * seq >= LONG_CONTEXT_TOKENS and args.process_index == 0:
-            print(f"hf_megatrain memory plan for {batch} x {seq} tokens: MLP tiles of {tiles} tokens, "
-                  f"{offload} layer inputs offloaded to host, {resident} layers resident on the GPU\n{plan.table()}")
-        if getattr(args, "memory_check", True):
+            tiles = placement.engine.mlp_tile_tokens
+            print(f"hf_megatrain memory plan for {batch} x {seq} tokens: "
+                  f"{f'MLP tiles of {tiles} tokens' if tiles else 'MLP untiled'}, "
+                  f"{plan.offload_activations} layer inputs offloaded to host, {plan.resident_layers} layers "
+                  f"resident on the GPU\n{plan.table()}")
+        if args.memory_check:
             hint = None
-            if device.type == "cuda" and batch * seq >= LONG_CONTEXT_TOKENS and args.world_size == 1:
+            if device.type == "cuda" and batch * seq >= LONG_CONTEXT_TOKENS and world == 1:
                 # a long-context refusal also names the longest row that would fit
-                hint = partial(longest_fitting_row, _config(model), batch, seq,
-                               **dict(plan_kw, mlp_tile_tokens=getattr(args, "mlp_tile_tokens", None)))
-            planned = device.type == "cuda" and str(getattr(args, "gpu_resident_layers", "auto")) == "auto" \
-                and args.world_size == 1
-            admit(plan, hint=hint, residency_planned=planned)  # before a single large allocation: does it fit?
+                hint = partial(longest_fitting_row, config, batch, seq, engine=wanted,
+                               mlp_tile_tokens=args.mlp_tile_tokens, world_size=world, local_ranks=local)
+            admit(plan, hint=hint, residency_planned=placement.planned)  # before a single large allocation
         if device.type == "cpu":
             args.dataloader_pin_memory = False  # nothing to pin for
         args._n_gpu = 1 if device.type == "cuda" else args._n_gpu
         # Weights are read last: the data is tokenized first, then the LoRA base and the store are filled.
         if "data_path" in raw_data:
             train_dataset = self._dataset_from(raw_data["data_path"], processing_class, args)
-            data_collator = data_collator or CausalCollator(_pad_id(processing_class, model))
+            data_collator = data_collator or CausalCollator(_pad_id(processing_class, config))
         if "eval_data_path" in raw_data:
             eval_dataset = self._dataset_from(raw_data["eval_data_path"], processing_class, args)
-            data_collator = data_collator or CausalCollator(_pad_id(processing_class, model))
+            data_collator = data_collator or CausalCollator(_pad_id(processing_class, config))
         if train_dataset is not None and hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
             raise MegaTrainError("train_dataset is empty: there is nothing to train on.")
-        if getattr(args, "peft_config", None) is not None:
-            model = with_adapters(model, args.peft_config, weights_from, resolve_compute_dtype(args, device))
+        if args.peft_config is not None:
+            model = with_adapters(model, args.peft_config, weights_from, placement.engine.compute_dtype)
             weights_from = None
-        base = model.get_base_model() if is_peft_model(model) else model
-        decay = Trainer.get_decay_parameter_names(None, base)
+        decay = Trainer.get_decay_parameter_names(None, base_model(model))
         sharding = None
-        if args.world_size > 1:  # data parallel: each rank keeps a slice of the optimizer state
+        if world > 1:  # data parallel: each rank keeps a slice of the optimizer state
             from .engine.distributed import Sharding
 
             sharding = Sharding()
-        self.engine = StreamingEngine(
-            model,
-            device=device,
-            compute_dtype=resolve_compute_dtype(args, device),
-            decay_names=decay,
-            loss_chunk_tokens=getattr(args, "loss_chunk_tokens", None),
-            pipeline_options={"depth": getattr(args, "prefetch_depth", 2)} if device.type == "cuda" else None,
-            weights_from=weights_from,
-            progress=not args.disable_tqdm,
-            mlp_tile_tokens=tiles,
-            resident_layers=resident,
-            sharding=sharding,
-            offload_activations=offload,
-            background_host_jobs=getattr(args, "background_host_jobs", None),
-        )
+        build = dict(config=placement.engine, decay_names=decay, sharding=sharding)
+        if weights_from is None:
+            self.engine = StreamingEngine(model, **build)
+        else:
+            self.engine = engine_from_checkpoint(model, weights_from, progress=not args.disable_tqdm, **build)
 
         if data_collator is None and train_dataset is not None:
-            data_collator = CausalCollator(_pad_id(processing_class, model))
+            data_collator = CausalCollator(_pad_id(processing_class, config))
 
         super().__init__(
             model=model,
@@ -183,9 +162,9 @@ class MegaTrainTrainer(Trainer):
         # MFU against args.gpu_peak_tflops, and how busy each pipeline lane was.
         self._tokens_since_log = 0
         self._last_log = None
-        self._timeline = Timeline() if getattr(args, "log_pipeline", True) else None
+        self._timeline = Timeline() if args.log_pipeline else None
         if self._timeline is not None:
-            self.engine.pipeline.timeline = self._timeline
+            self.engine.attach_timeline(self._timeline)
 
     @staticmethod
     def _dataset_from(raw, tokenizer, args):
@@ -270,11 +249,11 @@ class MegaTrainTrainer(Trainer):
         out = {"tokens_per_second": round(tokens / seconds, 1)}
         tflops = 6 * self.engine.num_parameters * tokens / seconds / 1e12
         out["model_tflops"] = float(f"{tflops:.4g}")
-        peak = getattr(self.args, "gpu_peak_tflops", None)
+        peak = self.args.gpu_peak_tflops
         if peak:
             out["mfu"] = float(f"{tflops / peak:.4g}")
         timeline = self._timeline  # only our own: someone else's (a benchmark's) is theirs to read
-        if timeline is not None and self.engine.pipeline.timeline is timeline:
+        if timeline is not None and self.engine.timeline is timeline:
             busy = timeline.collect()
             out.update({f"pipe_{k}": v for k, v in busy.items() if k.endswith("_busy") or k == "gpu_idle"})
         return out
@@ -299,7 +278,7 @@ class MegaTrainTrainer(Trainer):
 
     # -- saving and resuming -------------------------------------------------------------------
     def save_model(self, output_dir=None, _internal_call=False):
-        if self.engine.store.sharding is None:
+        if self.engine.sharding is None:
             return super().save_model(output_dir, _internal_call)
         # Data parallel: the masters are gathered from every rank's slice, so every rank takes
         # part (Trainer would call _save on the main process only); the main process writes.
@@ -314,22 +293,18 @@ class MegaTrainTrainer(Trainer):
         if self.engine.peft_model is not None:
             save_adapter(self.engine, output_dir)  # what PeftModel.from_pretrained loads
         else:
-            save_hf_model(self.engine.store, self.model, output_dir, dtype=self._save_dtype(), write=write)
+            save_hf_model(self.engine.store, self.model, output_dir, dtype=save_dtype(self.args), write=write)
         if not write:
             return
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
-    def _save_dtype(self):
-        choice = getattr(self.args, "save_dtype", "auto")
-        return None if choice == "auto" else getattr(torch, choice)
-
     def save_merged(self, output_dir: str, dtype=None) -> None:
         """LoRA runs: base + merged adapters as a full HF checkpoint (merge_and_unload, streamed)."""
         if self.engine.peft_model is None:
             raise MegaTrainError("save_merged is for LoRA runs; use save_model for full fine-tuning.")
-        save_merged(self.engine, output_dir, dtype=dtype or self._save_dtype())
+        save_merged(self.engine, output_dir, dtype=dtype or save_dtype(self.args))
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
 
@@ -338,6 +313,16 @@ class MegaTrainTrainer(Trainer):
         save_optimizer_state(self.host_optimizer, output_dir)  # every rank: its own slices
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    # What Trainer's own _save_checkpoint calls (transformers 5.17 to 5.25). Ours writes the same files,
+    # into a hidden folder that is renamed into place when complete. No public hook can do that (a
+    # callback's on_save runs after the folder is written), so the body is mirrored in _write_checkpoint;
+    # a test compares this set with the installed Trainer's, so a release that adds a step fails loudly.
+    STOCK_CHECKPOINT_CALLS = frozenset({
+        "self._get_output_dir", "self._push_from_checkpoint", "self._save_optimizer_and_scheduler",
+        "self._save_rng_state", "self._save_scaler", "self.save_model", "self.store_flos", "rotate_checkpoints",
+        "is_sagemaker_mp_enabled", "is_torch_xla_available", "unwrap_model",
+    })
 
     def _save_checkpoint(self, model, trial):
         """Trainer's checkpoint, written into a hidden folder and renamed into place when complete.
@@ -390,13 +375,12 @@ class MegaTrainTrainer(Trainer):
             self.state.save_to_json(os.path.join(tmp, TRAINER_STATE_NAME))
         self._barrier()  # every rank's optimizer slice is on disk
         if self.args.should_save:
-            write_manifest(tmp, hashes=getattr(self.args, "checkpoint_hashes", True))
+            write_manifest(tmp, hashes=self.args.checkpoint_hashes)
             commit_dir(tmp, final)
         self._barrier()
 
     def _barrier(self) -> None:
-        if self.engine.store.sharding is not None:
-            self.engine.store.sharding.barrier()
+        self.engine.barrier()
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # Masters (fp32) come back with the optimizer state; the model files hold only the save
@@ -421,7 +405,7 @@ class MegaTrainTrainer(Trainer):
     def init_hf_repo(self, token=None, private=None):
         # Trainer takes `private` too on newer transformers (5.25); a local hub folder has no visibility to set.
         repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
-        self.local_hub = LocalHub(default_hub_dir(self.args), repo_id)
+        self.local_hub = LocalHub(default_hub_dir(self.args.hub_dir), repo_id)
         self.hub_model_id = repo_id
         self.push_in_progress = None
 
@@ -467,38 +451,61 @@ class MegaTrainTrainer(Trainer):
 
 _ENGINE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 
+# The Trainer methods MegaTrainTrainer replaces. Most are private, so a transformers release may rename
+# or re-sign one; then Trainer would go on calling its own (moving the model to the GPU, stepping a torch
+# optimizer) and training would silently bypass the engine. check_trainer_hooks refuses that instead.
+TRAINER_OVERRIDES = (
+    "train", "_move_model_to_device", "_wrap_model", "_build_accelerator_args", "create_optimizer",
+    "training_step", "log", "_clip_grad_norm", "_get_grad_norm", "prediction_step", "save_model", "_save",
+    "_save_optimizer_and_scheduler", "_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
+    "_load_best_model", "init_hf_repo", "_push_from_checkpoint", "push_to_hub",
+)
+
+
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+def hook_problems(base=Trainer) -> list[str]:
+    """What in `base` (the installed Trainer) no longer fits the methods we override: a method that is
+    gone, or one whose parameters ours do not accept as Trainer passes them (same names, same order)."""
+    problems = []
+    for name in TRAINER_OVERRIDES:
+        theirs = getattr(base, name, None)
+        if theirs is None:
+            problems.append(f"Trainer.{name} is gone")
+            continue
+        ours = list(inspect.signature(getattr(MegaTrainTrainer, name)).parameters.values())[1:]
+        wanted = list(inspect.signature(theirs).parameters.values())[1:]
+        absorbs = any(p.kind in _VARIADIC for p in ours)  # *args / **kwargs take whatever comes
+        for i, p in enumerate(wanted):
+            same_place = i < len(ours) and ours[i].name == p.name and ours[i].kind not in _VARIADIC
+            by_keyword = p.kind == p.KEYWORD_ONLY and any(q.name == p.name for q in ours)
+            if p.kind not in _VARIADIC and not (same_place or by_keyword or absorbs):
+                problems.append(f"Trainer.{name} takes {p.name!r}, which ours does not take where Trainer passes it")
+        given = {p.name for p in wanted}
+        needed = [p.name for p in ours if p.default is p.empty and p.kind not in _VARIADIC and p.name not in given]
+        if needed and not any(p.kind in _VARIADIC for p in wanted):
+            problems.append(f"Trainer.{name} no longer takes {', '.join(needed)}")
+    return problems
+
+
+def check_trainer_hooks() -> None:
+    problems = hook_problems()
+    if problems:
+        import transformers
+
+        raise MegaTrainError(
+            f"transformers {transformers.__version__} changed Trainer methods hf_megatrain replaces: "
+            + "; ".join(problems) + ". Install a transformers version hf_megatrain supports (pip install -e . "
+            "picks one), or report this so the engine can follow."
+        )
+
 
 LONG_CONTEXT_TOKENS = 65536  # from here on the plan (tiles, offload, residency) is printed
 
 
-def resolve_placement(args, config, batch, seq, device, plan_kw, stream_all: bool = False) -> tuple[int, int]:
-    """(gpu_resident_layers, offload_activations): the user's numbers, or the memory plan's for 'auto'.
-
-    stream_all (data parallel): no resident layers, whatever was asked for."""
-    choices = [str(getattr(args, name, "auto")) for name in ("gpu_resident_layers", "offload_activations")]
-    fixed = [None if c == "auto" else int(c) for c in choices]
-    if stream_all and fixed[0] != 0:
-        if fixed[0]:
-            logger.info("data parallel: GPU residency is not combined with sharding yet; streaming all layers")
-        fixed[0] = 0
-    if device.type != "cuda":
-        return fixed[0] or 0, fixed[1] or 0
-    if None not in fixed:
-        return fixed[0], fixed[1]
-    gpu_free = gpu_available(device)
-    resident, offload = plan_placement(config, batch, seq, gpu_free, resident_layers=fixed[0],
-                                       offload_activations=fixed[1], host_free=host_available(), **plan_kw)
-    logger.info("memory plan: %d of %d layers resident on the GPU, %d layer inputs offloaded (%.0f GiB free)",
-                resident, config.num_hidden_layers, offload, gpu_free / GiB)
-    return resident, offload
-
-
-def _config(model):
-    return model.get_base_model().config if is_peft_model(model) else model.config
-
-
-def _pad_id(tokenizer, model) -> int:
-    for src in (tokenizer, _config(model)):
+def _pad_id(tokenizer, config) -> int:
+    for src in (tokenizer, config):
         pid = getattr(src, "pad_token_id", None)
         if pid is not None:
             return int(pid)

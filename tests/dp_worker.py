@@ -56,13 +56,14 @@ def store_cases(cases):
 
     from hf_megatrain import HostAdamW, StreamingEngine
     from hf_megatrain.checkpoint.loading import load_model_and_tokenizer
+    from hf_megatrain.checkpoint.stream_load import engine_from_checkpoint
     from hf_megatrain.engine.distributed import Sharding
 
     got = {}
     for name, folder, dtype in cases:
         skeleton, _, weights_from = load_model_and_tokenizer(folder)
-        engine = StreamingEngine(skeleton, compute_dtype=dtype, weights_from=weights_from, sharding=Sharding(),
-                                 progress=False)
+        engine = engine_from_checkpoint(skeleton, weights_from, compute_dtype=dtype, sharding=Sharding(),
+                                        progress=False)
         loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         ref = StreamingEngine(loaded, compute_dtype=dtype, sharding=Sharding()).store
         got[name] = {which: {"bounds": s.bounds, "master": [t.clone() for t in s.master],

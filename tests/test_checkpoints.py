@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
 from hf_megatrain.checkpoint.hf_format import save_hf_model
 from hf_megatrain.checkpoint.loading import load_model_and_tokenizer
+from hf_megatrain.checkpoint.stream_load import engine_from_checkpoint
 from hf_megatrain.demo import build_tokenizer
 from tiny import make_batch, make_model
 
@@ -54,7 +55,7 @@ def test_streamed_load_equals_from_pretrained(kind, tmp_path):
     src.to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="50KB")  # bf16 on disk, sharded
     skeleton, _, folder = load_model_and_tokenizer(str(tmp_path))
     assert all(p.device.type == "meta" for p in skeleton.parameters())
-    engine = StreamingEngine(skeleton, compute_dtype=torch.float32, weights_from=folder, progress=False)
+    engine = engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     masters = dict(engine.named_master_params())
     assert list(masters) == [n for n, _ in ref.named_parameters()]
@@ -72,7 +73,7 @@ def test_streamed_load_with_resident_layers_equals_from_model(device, disk_dtype
     make_model("llama", num_hidden_layers=4).to(disk_dtype).save_pretrained(tmp_path, max_shard_size="50KB")
     skeleton, _, folder = load_model_and_tokenizer(str(tmp_path))
     kw = dict(device=device, compute_dtype=torch.bfloat16, resident_layers=2)
-    streamed = StreamingEngine(skeleton, weights_from=folder, progress=False, **kw)
+    streamed = engine_from_checkpoint(skeleton, folder, progress=False, **kw)
     built = StreamingEngine(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32), **kw)
     assert [u.resident for u in streamed.units] == [True, True, True, False, False, True]
     for u in streamed.units:
@@ -202,7 +203,7 @@ def _shards(folder):
 
 def _load(folder):
     skeleton, _, path = load_model_and_tokenizer(str(folder))
-    return StreamingEngine(skeleton, compute_dtype=torch.float32, weights_from=path, progress=False)
+    return engine_from_checkpoint(skeleton, path, compute_dtype=torch.float32, progress=False)
 
 
 def test_truncated_shard(saved):

@@ -79,8 +79,7 @@ def test_odd_shapes_match_stock():
 def _train_masters(chaos_seed, steps=20, ga=2):
     """Tiny deep model, depth-2 ring, GA and clipping, optionally with random stream delays."""
     model = make_model("llama", num_hidden_layers=12, seed=3)
-    engine = StreamingEngine(model, device=DEV, compute_dtype=torch.float32,
-                             pipeline_options={"depth": 2}).train()
+    engine = StreamingEngine(model, device=DEV, compute_dtype=torch.float32, prefetch_depth=2).train()
     if chaos_seed is not None:
         engine.pipeline.chaos = random.Random(chaos_seed)
     opt = HostAdamW(engine, lr=1e-3, weight_decay=0.1)

@@ -14,7 +14,7 @@ import pytest
 from transformers import Trainer, default_data_collator
 
 import hf_megatrain.checkpoint.loading as loading
-import hf_megatrain.engine.schedule as schedule
+import hf_megatrain.checkpoint.stream_load as stream_load
 import hf_megatrain.trainer as trainer_module
 from hf_megatrain import MegaTrainArguments, MegaTrainError, MegaTrainTrainer
 from hf_megatrain.checkpoint.stream_load import looks_local
@@ -54,7 +54,7 @@ def model_dir(tmp_path_factory):
 def weights_read(monkeypatch):
     """Every read of model weights, in order: the real loaders still run, each call is recorded."""
     calls = []
-    real_load, real_from_model = schedule.load_into_store, HostStore.from_model.__func__
+    real_load, real_from_model = stream_load.load_into_store, HostStore.from_model.__func__
     real_pretrained = loading.AutoModelForCausalLM.from_pretrained
 
     def load_into_store(*a, **kw):
@@ -69,7 +69,7 @@ def weights_read(monkeypatch):
         calls.append("from_pretrained")
         return real_pretrained(*a, **kw)
 
-    monkeypatch.setattr(schedule, "load_into_store", load_into_store)
+    monkeypatch.setattr(stream_load, "load_into_store", load_into_store)
     monkeypatch.setattr(HostStore, "from_model", classmethod(from_model))
     monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", classmethod(from_pretrained))
     return calls
@@ -228,7 +228,7 @@ def test_read_only_output_dir_through_the_cli(tmp_path, model_dir):
     data = write_jsonl(tmp_path / "train.jsonl", text_rows())
     # the CLI, with a loader that fails loudly if any weight is read
     script = (
-        "import sys, hf_megatrain.engine.schedule as s, hf_megatrain.cli as cli\n"
+        "import sys, hf_megatrain.checkpoint.stream_load as s, hf_megatrain.cli as cli\n"
         "def read(*a, **k): raise SystemExit('weights were read')\n"
         "s.load_into_store = read\n"
         "sys.exit(cli.main(sys.argv[1:]))\n"

@@ -45,7 +45,7 @@ def test_residency_none_some_all_identical(kind):
 
 def test_resident_units_hold_no_host_state():
     engine, model, _ = train("llama", 99, steps=1)
-    opt = engine.optimizer
+    opt = HostAdamW(engine)  # what the run's optimizer allocated, allocated again
     store = engine.store
     params = dict(model.named_parameters())
     for u in engine.units:

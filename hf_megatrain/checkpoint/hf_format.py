@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from transformers import GenerationConfig
 from transformers.core_model_loading import revert_weight_conversion
 
-SAFE_WEIGHTS = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
+from .safetensors_io import SAFE_INDEX, SAFE_WEIGHTS
+
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 
 

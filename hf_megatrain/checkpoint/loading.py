@@ -14,16 +14,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from ..errors import MegaTrainError
+from ..patcher.adapters import is_peft_model
 from ..patcher.specs import spec_for
 from .stream_load import resolve_folder, shard_files
 
 logger = logging.getLogger(__name__)
-
-
-def is_peft_model(model) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
 
 
 def with_adapters(model, peft_config, folder: str | None, compute_dtype: torch.dtype):

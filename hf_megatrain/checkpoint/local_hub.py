@@ -113,8 +113,9 @@ def _ignored(rel: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatch(first, p) or fnmatch.fnmatch(rel, p) for p in patterns)
 
 
-def default_hub_dir(args) -> str:
-    hub = getattr(args, "hub_dir", None) or os.environ.get("HF_HUB_CACHE")
+def default_hub_dir(hub_dir: str | None) -> str:
+    """The local hub folder to publish into: `hub_dir`, else $HF_HUB_CACHE; refused if neither."""
+    hub = hub_dir or os.environ.get("HF_HUB_CACHE")
     if not hub:
         raise MegaTrainError(
             "push_to_hub publishes into a local hub directory and never uploads: set hub_dir= "

@@ -20,6 +20,10 @@ import torch
 
 from ..errors import MegaTrainError
 
+# The file names of HF's safetensors checkpoints: one file, or shards listed by an index.
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

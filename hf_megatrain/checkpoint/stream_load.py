@@ -20,10 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import MegaTrainError
-from .safetensors_io import TensorReader, read_header
-
-SAFE_WEIGHTS = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
+from .safetensors_io import SAFE_INDEX, SAFE_WEIGHTS, TensorReader, read_header
 
 
 # Endings of the files hf_megatrain reads (data, configs, weights): a name ending so is a path.
@@ -88,6 +85,20 @@ def shard_files(folder: str) -> list[str]:
             "convert .bin checkpoints with save_pretrained first."
         )
     return [os.path.join(folder, f) for f in found]
+
+
+def engine_from_checkpoint(skeleton, folder: str, *, progress: bool = True, **engine_kw):
+    """A StreamingEngine for a meta skeleton (checkpoint.loading.meta_skeleton), its store filled
+    straight from the safetensors files in `folder`. engine_kw: StreamingEngine's keywords."""
+    from functools import partial
+
+    from ..engine.schedule import StreamingEngine
+    from ..patcher.adapters import base_model
+    from ..patcher.specs import spec_for
+
+    config = base_model(skeleton).config
+    fill = partial(load_into_store, spec=spec_for(config), config=config, folder=folder, progress=progress)
+    return StreamingEngine(skeleton, load_weights=fill, **engine_kw)
 
 
 def load_into_store(store, spec, config, folder: str, progress: bool = True) -> None:

@@ -50,8 +50,10 @@ def example(word: str) -> str:
 
 
 def make_dataset(tokenizer, n: int, seed: int, max_len: int = 20):
-    """Rows 'word>drow</s>' with the loss on the answer only (the prompt is labelled -100)."""
+    """Rows 'word>drow</s>' with the loss on the answer only (the prompt is labelled IGNORE_INDEX)."""
     import datasets
+
+    from ..engine.loss import IGNORE_INDEX
 
     ids, labels = [], []
     for word in make_words(n, seed):
@@ -59,7 +61,7 @@ def make_dataset(tokenizer, n: int, seed: int, max_len: int = 20):
         answer = tokenizer(word[::-1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         row = (prompt + answer)[:max_len]
         ids.append(row)
-        labels.append(([-100] * len(prompt) + answer)[:max_len])
+        labels.append(([IGNORE_INDEX] * len(prompt) + answer)[:max_len])
     return datasets.Dataset.from_dict({"input_ids": ids, "labels": labels})
 
 

@@ -19,18 +19,8 @@ accumulator (cast to fp32 on the GPU; no host work at all), with its per-paramet
 on the GPU on the way. Later contributions (gradient accumulation) land in a pinned staging
 slab and a host worker adds them in.
 
-Who owns what (the store's own buffers: see engine/store.py):
-  ring slot        refilled by the H2D stream after the compute stream recorded `released`
-                   for its previous unit; read by compute after waiting on `ready`.
-  grad ring slot   written by compute (the backward), read by the D2H stream; handed out
-                   again only after that D2H (`released`, which emit_grad re-points at it).
-  staging slab     taken by the training thread (a free one, or it drains the worker), filled
-                   by the D2H stream, added into grad[i] and marked free by the accumulate
-                   worker once that D2H event has completed.
-  norms[i]         written by the training thread (resident units), the D2H stream (first
-                   contribution) or the accumulate worker (later ones); read after finish().
-A failed accumulation sets its Signal with the failure: the early step waiting on it, and
-`finish()`, raise instead of waiting for a slab or a gradient that will never come.
+Who writes each buffer and which event orders its readers: the table in the engine package's
+docstring (engine/__init__.py).
 """
 
 from __future__ import annotations
@@ -43,6 +33,8 @@ from functools import partial
 
 import torch
 
+from .layout import grad_slot_numel, ring_numel
+from .pipeline import Pipeline
 from .store import HostStore
 from .worker import Worker
 
@@ -65,7 +57,14 @@ class _Entry:
     released: bool = False
 
 
-class CudaPipeline:
+class CudaPipeline(Pipeline):
+    """The `Pipeline` of a GPU run: streams units through a ring of `depth` GPU weight slots,
+    sends gradients back through `grad_slots` GPU slots and `staging_slabs` pinned slabs.
+
+    Threads: the training thread calls every method; the H2D and D2H streams do the copies it
+    queues; one `megatrain-accumulate` worker adds later gradient contributions on the host.
+    Buffer sizes are engine.layout's (the planner counts with the same functions)."""
+
     def __init__(self, store: HostStore, device: torch.device, depth: int = 2, grad_slots: int = 2,
                  staging_slabs: int = 2):
         if depth < 2:
@@ -75,10 +74,9 @@ class CudaPipeline:
         self.depth = depth
         self.h2d = torch.cuda.Stream(device)
         self.d2h = torch.cuda.Stream(device)
-        streamed = [u for u in store.units if not u.resident]
-        n = max([u.numel for u in streamed if u.kind == "layer"] + [1])
+        n = ring_numel(store.units)
         dt = store.compute_dtype
-        self.ring = [_Buffer(torch.empty(n, dtype=dt, device=device)) for _ in range(depth if n > 1 else 0)]
+        self.ring = [_Buffer(torch.empty(n, dtype=dt, device=device)) for _ in range(depth if n else 0)]
         self.fixed: dict[int, _Buffer] = {}
         for u in store.units:
             if u.resident:  # already on the device: its "buffer" is the resident copy, never loaded
@@ -86,7 +84,7 @@ class CudaPipeline:
             elif u.kind != "layer":
                 self.fixed[u.index] = _Buffer(torch.empty(u.numel, dtype=dt, device=device))
         # gradients cover the trainable prefix only
-        g = max([u.n_train for u in streamed if u.kind == "layer"] + [1])
+        g = max(grad_slot_numel(store.units), 1)
         self.grad_ring = [_Buffer(torch.empty(g, dtype=torch.float32, device=device)) for _ in range(grad_slots)]
         self._grad_next = 0
         self.slabs = [torch.empty(g, dtype=torch.float32, pin_memory=True) for _ in range(staging_slabs)]
@@ -99,7 +97,7 @@ class CudaPipeline:
         self.plan: list[_Entry] = []
         self.pos = 0
         self.timeline = None  # a Timeline records busy spans when attached (timeline.py)
-        self.on_final_grad = None  # set by HostAdamW.step_during_backward()
+        self.on_final_grad = None  # set through StreamingEngine.listen
         # Test hook: random GPU sleeps on the copy streams and host sleeps in the accumulator,
         # to shake out missing event dependencies (tests/test_gpu.py).
         self.chaos: random.Random | None = None

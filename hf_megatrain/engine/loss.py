@@ -14,17 +14,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100
+IGNORE_INDEX = -100
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    return F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
 def counted_rows(labels: torch.Tensor) -> torch.Tensor:
     """Flat indices of the tokens that have a target. Taken on the host copy of the labels when
     there is one: `nonzero` on the GPU would stall the host until the whole forward is done."""
-    return (shift_labels(labels).reshape(-1) != IGNORE).nonzero().squeeze(1)
+    return (shift_labels(labels).reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 def loss_denominator(labels: torch.Tensor, num_items_in_batch) -> torch.Tensor:
@@ -33,7 +33,7 @@ def loss_denominator(labels: torch.Tensor, num_items_in_batch) -> torch.Tensor:
         if torch.is_tensor(num_items_in_batch):
             return num_items_in_batch.to(labels.device)
         return torch.tensor(num_items_in_batch, device=labels.device)
-    return (shift_labels(labels) != IGNORE).sum()
+    return (shift_labels(labels) != IGNORE_INDEX).sum()
 
 
 def chunked_head_loss(

@@ -19,7 +19,6 @@ step multiplies each gradient tile by min(1, max_norm / (norm + 1e-6)).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -28,9 +27,8 @@ from .pinned import arena_tensors
 from .worker import SpanPool, Worker
 
 # Elements per span of the host step. Each span costs a few Python calls under the GIL, which a
-# dozen threads share with the thread that feeds the GPU, so spans must be large: on the H200
-# host (BENCHMARKS run 8, 15 threads) 2^17-element spans ran at 0.8-1.0 G params/s, 2^19 at
-# 2.5-3.0, 2^21 at 2.7-3.5, against 2.4-3.3 for OpenMP inside each op (host_threads=0).
+# dozen threads share with the thread that feeds the GPU, so spans must be large (the sizes
+# measured: BENCHMARKS.md, "Measurements the code's defaults rest on").
 # It must be a multiple of the widest SIMD vector (16 floats; 64 leaves room): torch's fused
 # kernel runs a scalar tail past the last full vector, which rounds differently from the vector
 # body, and the reference (a per-tensor step) has no tail where a span boundary is.
@@ -42,11 +40,16 @@ OPENMP_TILE = 1 << 23
 
 class HostAdamW(torch.optim.Optimizer):
     def __init__(self, engine, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 host_threads: int = 0):
-        """host_threads: 0 (default): the calling thread steps 8M-element tiles, each op spread
-        over the cores by OpenMP; n > 0: a pool of n single-core threads steps spans. On the H200
-        host the pool was ~10% faster alone (optimizer_bench) and without clipping, but 10-12%
-        slower in training with clipping, the Trainer default (BENCHMARKS run 8)."""
+                 host_threads: int | None = None):
+        """host_threads: default the engine config's. 0: the calling thread steps 8M-element
+        tiles, each op spread over the cores by OpenMP; n > 0: a pool of n single-core threads
+        steps spans (faster alone and without clipping, slower in training with clipping, the
+        Trainer default: BENCHMARKS.md, "Measurements the code's defaults rest on").
+
+        The optimizer drives the engine through its public methods; the engine never holds the
+        optimizer (step_during_backward registers it as a listener for one backward)."""
+        if host_threads is None:
+            host_threads = engine.engine_config.host_threads
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or weight_decay < 0:
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
         self.engine = engine
@@ -100,7 +103,7 @@ class HostAdamW(torch.optim.Optimizer):
         self._stepper = Worker("megatrain-adamw") if engine.background_host_jobs else None
         on_host = any(m.device.type == "cpu" and m.numel() for m in store.master)
         self._spans = SpanPool(host_threads, "megatrain-adamw-span") if on_host and host_threads > 0 else None
-        engine.optimizer = self
+        self.host_threads = self._spans.threads if self._spans is not None else 0  # 0: OpenMP inside each op
 
     # -- clipping -------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -111,7 +114,8 @@ class HostAdamW(torch.optim.Optimizer):
         return total
 
     # -- step -----------------------------------------------------------------------------------
-    def _hyper(self) -> list[dict]:
+    def hyperparameters(self) -> list[dict]:
+        """What step() would read now, per group, in the fused kernel's words."""
         return [
             dict(lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"], weight_decay=g["weight_decay"])
             for g in self.param_groups
@@ -126,9 +130,9 @@ class HostAdamW(torch.optim.Optimizer):
         self._check_whole()
         if self._eager is not None:
             return self._finish_eager(loss)
-        self.engine.pipeline.finish()
+        self.engine.wait_for_gradients()
         self.step_count += 1
-        hyper = self._hyper()
+        hyper = self.hyperparameters()
         clip = self._clip
         self._clip = None
         counts = list(self.store.grad_count)  # zero_grad() may run before the steps do
@@ -161,16 +165,15 @@ class HostAdamW(torch.optim.Optimizer):
         if self._stepper is None:
             return False
         self._check_whole()
-        self._eager = {"hyper": self._hyper(), "step": self.step_count + 1, "done": set()}
-        self.engine.pipeline.on_final_grad = self._eager_unit
+        self._eager = {"hyper": self.hyperparameters(), "step": self.step_count + 1, "done": set()}
+        self.engine.listen(self)
         return True
 
-    def disarm(self) -> None:
-        """The backward that step_during_backward() armed failed: forget the arm, so no later
-        backward steps units early. Units it already stepped cannot be un-stepped; then the next
-        step() refuses, rather than stepping them a second time."""
+    def backward_failed(self) -> None:
+        """The backward that step_during_backward() armed failed (the engine has stopped telling
+        us): forget the arm, so no later backward steps units early. Units it already stepped
+        cannot be un-stepped; then the next step() refuses, rather than stepping them twice."""
         e, self._eager = self._eager, None
-        self.engine.pipeline.on_final_grad = None
         if e is not None and e["done"]:
             done = sorted(e["done"])
             self._torn = (f"the backward failed after step_during_backward() had already stepped "
@@ -180,8 +183,8 @@ class HostAdamW(torch.optim.Optimizer):
         if self._torn is not None:
             raise RuntimeError(f"{self._torn}; the model is partly updated. Restart from the last checkpoint.")
 
-    def _eager_unit(self, index: int, landed) -> None:
-        """Pipeline callback (main thread): unit `index` got its last gradient; `landed()` blocks
+    def final_grad(self, index: int, landed) -> None:
+        """GradListener (training thread): unit `index` got its last gradient; `landed()` blocks
         until that gradient is in the host accumulator (and raises if adding it failed)."""
         e = self._eager
         e["done"].add(index)
@@ -197,14 +200,22 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _finish_eager(self, loss):
         e, self._eager = self._eager, None
-        self.engine.pipeline.on_final_grad = None
+        self.engine.listen(None)
         if self._clip is not None:
             raise RuntimeError("clip_grad_norm_ was called after step_during_backward(); the steps already ran unclipped")
-        self.engine.pipeline.finish()
+        self.engine.wait_for_gradients()
         self.step_count = e["step"]
         rest = [u.index for u in self.store.units if u.index not in e["done"]]
         self._submit(rest, e["hyper"], None, list(self.store.grad_count), self.step_count)
         return loss
+
+    def set_openmp_threads(self, threads: int) -> None:
+        """OpenMP threads of the host step (host_threads=0). The count is per thread in OpenMP, so it is
+        set on the thread that steps: the worker, in order with the steps queued before."""
+        if self._stepper is None:
+            torch.set_num_threads(threads)
+        else:
+            self._stepper.submit(partial(torch.set_num_threads, threads), "setting OpenMP threads")
 
     def synchronize(self) -> None:
         """Block until every pending step has been applied (re-raises a failed one)."""
@@ -215,8 +226,7 @@ class HostAdamW(torch.optim.Optimizer):
         """AdamW on one unit (skipped, like torch does for grad=None, if it got no gradient)."""
         if count == 0:
             return
-        timeline = self.engine.pipeline.timeline
-        with timeline.host_span("optimizer") if timeline is not None else nullcontext():
+        with self.engine.host_span("optimizer"):
             self._adamw(index, hyper, clip, step)
 
     def _adamw(self, index: int, hyper: list[dict], clip, step: int) -> None:

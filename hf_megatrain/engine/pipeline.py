@@ -1,20 +1,23 @@
-"""How unit weights reach the compute device and gradients come back.
+"""How unit weights reach the compute device and gradients come back: the `Pipeline` seam.
 
 The schedule (schedule.py) only ever says: "give me unit i's weights", "I am done with
 them", "here is unit i's gradient". A pipeline decides how. `HostPipeline` is the CPU
 case: the weights are used where they lie and gradients are accumulated at once. The CUDA
 pipeline (cuda_pipeline.py) streams through pinned buffers, GPU ring slots and events.
+Both implement `Pipeline`, and the schedule uses nothing else of them.
 
 Both keep the same contract with the optimizer: `weights(i)` waits for unit i's pending step
-(`store.ready[i]`, which raises if that step failed), and `on_final_grad(i, landed)` (set by
-`HostAdamW.step_during_backward`) is told when a unit's last gradient of the step was emitted,
-with `landed()` blocking until it is in the accumulator.
+(`store.ready[i]`, which raises if that step failed), and `on_final_grad(i, landed)` (set
+through `StreamingEngine.listen`) is told when a unit's last gradient of the step was emitted,
+with `landed()` blocking until it is in the accumulator. Who writes which buffer and what
+orders its readers: the table in the engine package's docstring (engine/__init__.py).
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from functools import partial
+from typing import Callable, ContextManager, Protocol
 
 import torch
 
@@ -22,11 +25,43 @@ from .store import HostStore
 from .worker import Worker
 
 
+class Pipeline(Protocol):
+    """What the schedule asks of a pipeline, in the order of one forward/backward:
+    start(plan), then per unit weights -> [grad_buffer -> emit_grad] -> release, then finish()."""
+
+    timeline: object | None  # a Timeline records busy spans when attached (timeline.py)
+    on_final_grad: Callable[[int, Callable[[], None]], None] | None  # StreamingEngine.listen sets it
+
+    def span(self, lane: str, stream=None) -> ContextManager:
+        """A busy span of `lane` ("compute", "h2d", ...) for the timeline."""
+
+    def start(self, plan: list[int]) -> None:
+        """The order in which units will be asked for during this forward/backward."""
+
+    def weights(self, index: int) -> torch.Tensor:
+        """Unit `index`'s flat compute-dtype weights on the compute device, ready to read."""
+
+    def release(self, index: int) -> None:
+        """Compute is done with the unit's weights (its buffer may be refilled)."""
+
+    def grad_buffer(self, index: int) -> torch.Tensor:
+        """Where the backward writes unit `index`'s flat gradient (its trainable prefix)."""
+
+    def emit_grad(self, index: int, grad: torch.Tensor) -> None:
+        """`grad` (written by the backward) is one contribution to unit `index`'s accumulator."""
+
+    def finish(self) -> None:
+        """Block until every emitted gradient is in the host accumulators."""
+
+    def grad_norms(self) -> list[torch.Tensor] | None:
+        """Per-parameter gradient norms of every unit, taken as they passed; None: not taken."""
+
+
 def _landed() -> None:
     """A gradient added on the calling thread has landed already."""
 
 
-class HostPipeline:
+class HostPipeline(Pipeline):
     """Compute on the host itself: no copies, no streams.
 
     asynchronous: gradient accumulation runs on a worker thread, as on a GPU (the optimizer
@@ -37,7 +72,7 @@ class HostPipeline:
         self.store = store
         self.device = device
         self.timeline = None
-        self.on_final_grad = None  # set by HostAdamW.step_during_backward()
+        self.on_final_grad = None  # set through StreamingEngine.listen
         self.accumulator = Worker("megatrain-accumulate") if asynchronous else None
 
     def span(self, lane: str, stream=None):
@@ -77,3 +112,6 @@ class HostPipeline:
         """Block until every emitted gradient is in the host accumulators."""
         if self.accumulator is not None:
             self.accumulator.drain()
+
+    def grad_norms(self) -> None:
+        return None  # the engine takes the norms from the accumulators, as stock does

@@ -13,27 +13,29 @@ this file only says in which order units are needed.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..checkpoint.loading import is_peft_model
-from ..checkpoint.stream_load import load_into_store
 from ..errors import MegaTrainError
+from ..patcher.adapters import is_peft_model
 from ..patcher.documents import attention_by_document, document_spans, restarts
 from ..patcher.specs import SLIDING, spec_for
 from ..patcher.templates import Template, meta_copy, recompute_grads
-from ..patcher.tiling import tile_mlp
+from ..patcher.tiling import tile_mlp, untile_mlp
 from .activations import Activations
-from .loss import chunked_head_loss, counted_rows, full_logits, loss_denominator
-from .pipeline import HostPipeline
+from .config import EngineConfig
+from .layout import loss_chunk, mark_resident
+from .loss import IGNORE_INDEX, chunked_head_loss, counted_rows, full_logits, loss_denominator
+from .pipeline import HostPipeline, Pipeline
 from .store import HostStore, build_units
 
-# Peak bytes of fp32 logits (+ their grad and softmax) per loss chunk, by device type.
-_LOSS_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}
 _DENSE_MASK_LIMIT = 2 << 30  # bytes of a boolean [batch, 1, T, T] mask we let HF build
 
 
@@ -56,18 +58,15 @@ class _Head(nn.Module):
         return self.lm_head(self.norm(hidden))
 
 
-def mark_resident(units, layers: int) -> int:
-    """Mark the embedding, the head and the first `layers` decoder layers resident (none if 0).
+class GradListener(Protocol):
+    """Told about one backward's gradients (HostAdamW.step_during_backward registers itself)."""
 
-    The first layers are the ones the next forward needs first: while the GPU runs them the
-    host optimizer can work on the streamed ones behind them.
-    """
-    decoder = [u for u in units if u.kind == "layer"]
-    layers = max(0, min(int(layers or 0), len(decoder)))
-    if layers:
-        for u in units:
-            u.resident = u.kind != "layer" or u.layer < layers
-    return layers
+    def final_grad(self, index: int, landed: Callable[[], None]) -> None:
+        """Unit `index` got its last gradient of the step; `landed()` blocks until it is in the
+        host accumulator (and raises if adding it failed). Called on the training thread."""
+
+    def backward_failed(self) -> None:
+        """The backward it listened to raised; the engine has already stopped telling it."""
 
 
 def _check_model(model: nn.Module, spec, skeleton: bool) -> None:
@@ -88,87 +87,83 @@ class StreamingEngine(nn.Module):
 
     Parameters
     ----------
-    model: a loaded HF causal LM on the CPU. Its parameters are moved into the host store
-        and the model keeps views of the compute copies (it stays a usable skeleton).
-    device: where the math runs ("cpu" or "cuda[:n]").
-    compute_dtype: dtype of the streamed weights and activations (bf16, or fp32).
+    model: a loaded HF causal LM on the CPU (or a PEFT model around one). Its parameters are
+        moved into the host store and the model keeps views of the compute copies (it stays a
+        usable skeleton). With `load_weights`, `model` is a meta skeleton instead.
+    config: an EngineConfig (engine/config.py); or its fields as keywords (`device=`,
+        `compute_dtype=`, `resident_layers=`, ...), not both.
     decay_names: parameter names that get weight decay (Trainer.get_decay_parameter_names).
-    loss_chunk_tokens: rows of logits per loss chunk; None picks from the vocabulary size.
-    mlp_tile_tokens: run each layer's MLP on sequence tiles of this many tokens (long context).
-    resident_layers: keep the embedding, the head and the first N decoder layers entirely on
-        the compute device (weights, fp32 master, gradient, Adam moments; stepped there).
-    offload_activations: keep the saved inputs of the first N decoder layers in pinned host
-        memory between forward and backward (long context; engine/activations.py).
     sharding: data parallel (engine/distributed.py): this rank keeps a slice of the fp32 state.
-    weights_from: a checkpoint folder; then `model` is a meta skeleton (see checkpoint.loading)
-        and the store is filled straight from the safetensors files.
-    background_host_jobs: run gradient accumulation and the host AdamW on worker threads,
-        overlapped with compute (default: on a GPU). On the CPU it exists so that tests walk
-        the same asynchronous ordering and failure paths as a GPU run; the numbers are equal.
+    load_weights: fills the freshly allocated store of a meta skeleton, e.g. straight from
+        safetensors files (checkpoint.stream_load.engine_from_checkpoint builds one so).
+
+    The engine keeps a copy of the model's config for its templates and masks: what it changes
+    for a batch (document-wise attention) never reaches the user's model.
     """
 
     def __init__(
         self,
         model: nn.Module,
+        config: EngineConfig | None = None,
         *,
-        device="cpu",
-        compute_dtype: torch.dtype = torch.bfloat16,
         decay_names=None,
-        loss_chunk_tokens: int | None = None,
-        pipeline_options: dict | None = None,
-        weights_from: str | None = None,
-        progress: bool = True,
-        mlp_tile_tokens: int | None = None,
-        resident_layers: int = 0,
         sharding=None,
-        offload_activations: int = 0,
-        background_host_jobs: bool | None = None,
+        load_weights: Callable[[HostStore], None] | None = None,
+        **options,
     ):
         super().__init__()
+        if config is not None and options:
+            raise TypeError(f"pass an EngineConfig or its fields, not both (got {sorted(options)})")
+        config = config if config is not None else EngineConfig(**options)
+        if not config.planned:
+            raise MegaTrainError("resident_layers and offload_activations must be numbers here; 'auto' is "
+                                 "resolved by hf_megatrain.memory.resolve_placement before the engine is built.")
         # A PEFT model trains through its underlying causal LM: the adapter layers are part of
         # the decoder layers (so of the templates), and only they are trainable.
         self.peft_model = model if is_peft_model(model) else None
         if self.peft_model is not None:
             model = model.get_base_model()
         self.spec = spec_for(model.config)
-        _check_model(model, self.spec, skeleton=weights_from is not None)
-        self.device = torch.device(device)
-        self.background_host_jobs = self.device.type == "cuda" if background_host_jobs is None \
-            else bool(background_host_jobs)
-        self.config = model.config
+        _check_model(model, self.spec, skeleton=load_weights is not None)
+        self.device = config.device
         self.model_class = type(model)
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = config.compute_dtype
+        self.config = copy.deepcopy(model.config)  # the engine's own: see the class docstring
         if decay_names is None:
             decay_names = [n for n, _ in model.named_parameters()]
         self.units = build_units(model, self.spec, decay_names)
-        self.resident_layers = mark_resident(self.units, resident_layers)
+        self.resident_layers = mark_resident(self.units, config.resident_layers)
+        self.engine_config = replace(config, resident_layers=self.resident_layers)
         pin = self.device.type == "cuda"
-        if weights_from is None:
-            self.store = HostStore.from_model(model, self.units, compute_dtype, pin=pin, device=self.device,
+        if load_weights is None:
+            self.store = HostStore.from_model(model, self.units, self.compute_dtype, pin=pin, device=self.device,
                                               sharding=sharding)
-        else:  # a meta skeleton: its weights come straight from the checkpoint files
-            self.store = HostStore(self.units, compute_dtype, pin=pin, device=self.device, sharding=sharding)
-            load_into_store(self.store, self.spec, self.config, weights_from, progress=progress)
+        else:  # a meta skeleton: its weights come from the loader
+            self.store = HostStore(self.units, self.compute_dtype, pin=pin, device=self.device, sharding=sharding)
+            load_weights(self.store)
             self.store.bind(model)
         self._templates = self._build_templates(model)
-        self.set_mlp_tiling(mlp_tile_tokens)
-        cfg = model.config
+        self.mlp_tile_tokens = None
+        self.set_mlp_tiling(config.mlp_tile_tokens)
+        cfg = self.config
         self.stochastic = any(
             float(getattr(cfg, k, 0.0) or 0.0) > 0 for k in ("attention_dropout", "router_jitter_noise", "hidden_dropout")
         ) or any(isinstance(m, nn.Dropout) and m.p > 0 for t in self._templates.values() for m in t.module.modules())
         self.rotary = self._build_rotary(model)
-        vocab = self.config.vocab_size
-        self.loss_chunk_tokens = loss_chunk_tokens or max(
-            1, _LOSS_CHUNK_BYTES.get(self.device.type, 1 << 30) // (vocab * 4 * 3)
-        )
-        self.pipeline = self._make_pipeline(pipeline_options or {})
-        self.activations = Activations(self.device, offload_activations)
-        self.optimizer = None  # set by HostAdamW, whose pending steps synchronize() waits for
+        self.loss_chunk_tokens = loss_chunk(cfg.vocab_size, self.device.type, config.loss_chunk_tokens)
+        self.pipeline: Pipeline = self._make_pipeline(config)
+        self.activations = Activations(self.device, config.offload_activations, config.activation_lookahead)
+        self._listener: GradListener | None = None
+        self._warned_length = False
+
+    @property
+    def background_host_jobs(self) -> bool:
+        return self.engine_config.background_host_jobs
 
     # -- construction -----------------------------------------------------------------------
     def _build_templates(self, model) -> dict[str, Template]:
         """One template per distinct unit structure: a meta copy of the model's own module."""
-        cfg = [model.config]
+        cfg = {id(model.config): self.config}  # templates read the engine's config copy, never the user's
         layers = model.get_submodule(self.spec.layers)
         templates = {
             "embed": Template(_Embed(meta_copy(model.get_submodule(self.spec.embed), cfg))),
@@ -184,25 +179,26 @@ class StreamingEngine(nn.Module):
         return templates
 
     def set_mlp_tiling(self, tokens: int | None) -> None:
-        """Run every layer's MLP on sequence tiles of at most `tokens` tokens (None: untiled)."""
-        self.mlp_tile_tokens = tokens
-        if not tokens:
-            return
+        """Run every layer's MLP on sequence tiles of at most `tokens` tokens; None (or 0) restores
+        the MLPs' own forward. Only the engine's templates are patched, never the user's model."""
+        self.mlp_tile_tokens = tokens or None
         for key, tmpl in self._templates.items():
             if key.startswith("layer"):
-                tile_mlp(tmpl.module.get_submodule(self.spec.mlp), tokens)
+                mlp = tmpl.module.get_submodule(self.spec.mlp)
+                tile_mlp(mlp, tokens) if tokens else untile_mlp(mlp)
 
     def _build_rotary(self, model) -> nn.Module:
         src = model.get_submodule(self.spec.rotary)
-        rotary = type(src)(config=model.config)  # inv_freq is a non-persistent buffer: rebuild it
+        rotary = type(src)(config=self.config)  # inv_freq is a non-persistent buffer: rebuild it
         return rotary.to(self.device)
 
-    def _make_pipeline(self, options: dict):
+    def _make_pipeline(self, config: EngineConfig) -> Pipeline:
         if self.device.type == "cuda":
             from .cuda_pipeline import CudaPipeline
 
-            return CudaPipeline(self.store, self.device, **options)
-        return HostPipeline(self.store, self.device, asynchronous=self.background_host_jobs)
+            return CudaPipeline(self.store, self.device, depth=config.prefetch_depth, grad_slots=config.grad_slots,
+                                staging_slabs=config.staging_slabs)
+        return HostPipeline(self.store, self.device, asynchronous=config.background_host_jobs)
 
     # -- nn.Module behaviour that Trainer relies on ------------------------------------------
     def train(self, mode: bool = True):
@@ -216,11 +212,46 @@ class StreamingEngine(nn.Module):
         self.store.zero_grad()
 
     def synchronize(self) -> None:
-        """Every gradient on the host and every optimizer step applied (before saving, reading)."""
+        """Every gradient on the host and every optimizer step applied (before saving, reading).
+
+        Every step, on whichever thread, clears its unit's `store.ready` before it is queued and
+        sets it when it has run (or failed), so waiting on those waits for every step."""
         self.pipeline.finish()
-        if self.optimizer is not None:
-            self.optimizer.synchronize()
         self.store.wait_ready()
+
+    def wait_for_gradients(self) -> None:
+        """Every gradient emitted so far is in the host accumulators (raises a failed accumulation)."""
+        self.pipeline.finish()
+
+    # -- what the optimizer, the trainer and the benchmarks use ------------------------------
+    def listen(self, listener: GradListener | None) -> None:
+        """Tell `listener` when each unit's gradient is final, from the next backward on, until
+        `listen(None)`; a backward that fails stops telling it and calls its backward_failed()."""
+        self._listener = listener
+        self.pipeline.on_final_grad = listener.final_grad if listener is not None else None
+
+    def attach_timeline(self, timeline) -> None:
+        """Record busy spans of H2D, compute, D2H and the host jobs into `timeline` (None: stop)."""
+        self.pipeline.timeline = timeline
+
+    @property
+    def timeline(self):
+        return self.pipeline.timeline
+
+    def host_span(self, lane: str):
+        """A busy span of host work on `lane` for the attached timeline (nothing without one)."""
+        timeline = self.pipeline.timeline
+        return timeline.host_span(lane) if timeline is not None else nullcontext()
+
+    @property
+    def sharding(self):
+        """The data-parallel Sharding, or None in one process."""
+        return self.store.sharding
+
+    def barrier(self) -> None:
+        """Every data-parallel rank reaches this point (nothing in one process)."""
+        if self.store.sharding is not None:
+            self.store.sharding.barrier()
 
     # -- inspection API (tests rely on it) -------------------------------------------------
     def named_grads(self):
@@ -245,7 +276,7 @@ class StreamingEngine(nn.Module):
                 if self.store.grad_count[u.index]:
                     local += self.store.grad[u.index].double().square().sum().cpu()
             return self.store.sharding.all_reduce(local).sqrt().float()
-        per_unit = getattr(self.pipeline, "grad_norms", lambda: None)()
+        per_unit = self.pipeline.grad_norms()
         if per_unit is None:
             norms = torch._foreach_norm([g for _, g in self.named_grads()], 2)
         else:
@@ -324,7 +355,7 @@ class StreamingEngine(nn.Module):
 
     def _check_length(self, seq: int) -> None:
         limit = getattr(self.config, "max_position_embeddings", None)
-        if limit and seq > limit and not getattr(self, "_warned_length", False):
+        if limit and seq > limit and not self._warned_length:
             self._warned_length = True
             warnings.warn(
                 f"sequences of {seq} tokens are longer than config.max_position_embeddings={limit}: the model was "
@@ -394,14 +425,16 @@ class StreamingEngine(nn.Module):
         try:
             return self._forward_backward(batch, num_items_in_batch, scale)
         except BaseException:
-            if self.optimizer is not None:
-                self.optimizer.disarm()  # an early step armed for this backward must not outlive it
+            listener = self._listener
+            if listener is not None:  # an early step armed for this backward must not outlive it
+                self.listen(None)
+                listener.backward_failed()
             raise
 
     def _forward_backward(self, batch: dict, num_items_in_batch, scale: float) -> torch.Tensor:
         ids, mask, labels, pos, rows, docs = self._prepare(batch)
         if labels is None:
-            raise MegaTrainError("the batch has no 'labels'; training needs them (use -100 to ignore a token).")
+            raise MegaTrainError(f"the batch has no 'labels'; training needs them (use {IGNORE_INDEX} to ignore a token).")
         pipe = self.pipeline
         pipe.start(self._unit_plan(backward=True))
         x, ctx, acts, routers, e_w = self._forward_layers(ids, mask, pos, docs, keep=True)
@@ -591,8 +624,8 @@ def validate_tokens(ids: torch.Tensor, labels: torch.Tensor | None, vocab: int) 
             f"[0, {vocab}). Is the tokenizer the model's own? (config.vocab_size={vocab})"
         )
     if labels is not None:
-        valid = labels[labels != -100]
+        valid = labels[labels != IGNORE_INDEX]
         if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
             raise MegaTrainError(
-                f"labels contain ids outside [0, {vocab}) other than -100 (the ignore index)."
+                f"labels contain ids outside [0, {vocab}) other than {IGNORE_INDEX} (the ignore index)."
             )

@@ -16,25 +16,7 @@ All three are carved from exact-size arenas; on a GPU the compute copy and the g
 crosses PCIe) are page-locked (pinned.py), the master is not.
 Adam moments live in the optimizer (`HostAdamW`), in the same layout.
 
-Who writes what, and what orders the readers (three threads share these buffers: the training
-thread, the optimizer's `megatrain-adamw` worker and the pipeline's `megatrain-accumulate`
-worker, plus the CUDA copy streams):
-
-  master[i], compute[i]  written by unit i's optimizer step (the adamw worker; the training
-           thread for a resident unit, on the device's stream). `ready[i]` is cleared before
-           that step is queued and set when it has run, so every reader waits on it first:
-           the pipeline before it loads unit i (H2D, or the CPU compute), `synchronize()`
-           before saving or reading masters.
-  grad[i]  written by unit i's gradient contributions (the first by the D2H stream or the
-           training thread, later ones by the accumulate worker) and scaled in place by the
-           clipped step (adamw worker). Readers (norms, `named_grads`, the step) come after
-           `pipeline.finish()` (every contribution landed) and, outside the step itself, after
-           the optimizer's `synchronize()` (no step still clipping it). The next step's first
-           contribution cannot overtake the previous step: unit i's backward runs after its
-           forward, which waited on `ready[i]`.
-  grad_count[i]  the training thread only (counted when a contribution is emitted, not when
-           it lands), so decisions about "first contribution" never race a worker.
-  ready[i] a `Signal`: a failed step sets it with its failure, so a waiter raises, never hangs.
+Who writes each buffer and which event orders its readers: the table in engine/__init__.py.
 """
 
 from __future__ import annotations

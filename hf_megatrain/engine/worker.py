@@ -58,7 +58,8 @@ class Worker:
         # OpenMP's thread count is per thread, and torch sets a thread's count lazily, at its
         # first parallel op, from the count *last set anywhere in the process*. DataLoader's
         # pin-memory thread sets 1, so a worker that had not yet run a parallel op when that
-        # happened would run the host AdamW on one core (measured: 0.3 instead of ~2 G params/s).
+        # happened would run the host AdamW on one core (BENCHMARKS.md, "Measurements the code's
+        # defaults rest on").
         # The worker takes its creator's count and runs its lazy init at once (see _serve).
         self._jobs: queue.Queue = queue.Queue()
         self._failed: list[HostJobError] = []  # the first failure, shared with the thread
@@ -139,12 +140,10 @@ class SpanPool:
     all cores by OpenMP, it pays a fork-join per op and every op streams its whole tile from DRAM
     again (the clip, the update and the bf16 refresh: ~42 bytes per parameter instead of ~30).
     Spans handed to threads run the three ops back to back on data still in cache, with no
-    barrier between them. Measured on the H200 host with torch's fused AdamW: 3.2 G params/s for
-    4M-element tiles over a 16-thread pool, 2.1 for one 8M tile at a time from a worker thread
-    (benchmarks/results/2026-12-03_h200_adam_bench.txt). That pool let every thread open its own
-    16-thread OpenMP team; here each thread runs on one core instead. In training it helped only
-    when the step ran during the backward (no clipping); after the backward (clipping) it was slower
-    than OpenMP (BENCHMARKS run 8), so HostAdamW uses it only when asked (host_threads=n).
+    barrier between them. Each thread runs on one core. In training it helped only when the step
+    ran during the backward (no clipping) and was slower than OpenMP after the backward (clipping),
+    so HostAdamW uses it only when asked (host_threads=n); the measurements are in BENCHMARKS.md,
+    "Measurements the code's defaults rest on".
 
     OpenMP's thread count is per thread: each pool thread sets 1 for itself. torch also records
     the last count set as the default for threads not yet started, so the creator restores its

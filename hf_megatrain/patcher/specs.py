@@ -3,7 +3,8 @@
 One spec per HF model type. The engine never hard-codes a model family: it asks the spec
 for module paths, for the attention kind of each layer (which mask it takes) and for the
 extra loss some families add (Mixtral's router load-balancing loss). Supporting a new
-decoder family that follows the Llama layout is one `register(ArchSpec(...))` call.
+decoder family that follows the Llama layout is one `register(ArchSpec(...))` call, which
+returns its undo.
 """
 
 from __future__ import annotations
@@ -112,8 +113,25 @@ class ArchSpec:
 _REGISTRY: dict[str, ArchSpec] = {}
 
 
-def register(spec: ArchSpec) -> None:
+def register(spec: ArchSpec, *, replace: bool = False) -> Callable[[], None]:
+    """Make `spec` the one for its model type; returns the undo (which restores what was there).
+
+    A type that already has a spec is refused unless `replace=True`: two specs for one family
+    would otherwise depend silently on import order."""
+    previous = _REGISTRY.get(spec.model_type)
+    if previous is not None and not replace:
+        raise MegaTrainError(f"model type {spec.model_type!r} already has a spec; pass replace=True to replace it "
+                             "(register returns the undo).")
     _REGISTRY[spec.model_type] = spec
+
+    def undo() -> None:
+        if _REGISTRY.get(spec.model_type) is spec:
+            if previous is None:
+                del _REGISTRY[spec.model_type]
+            else:
+                _REGISTRY[spec.model_type] = previous
+
+    return undo
 
 
 def supported_model_types() -> list[str]:

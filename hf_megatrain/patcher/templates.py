@@ -22,11 +22,12 @@ from torch import nn
 from torch.func import functional_call
 
 
-def meta_copy(module: nn.Module, share=()) -> nn.Module:
+def meta_copy(module: nn.Module, substitute: dict | None = None) -> nn.Module:
     """A copy of `module` whose parameters and buffers live on meta: same classes, same
-    attributes and wrappers (e.g. PEFT's LoRA layers), no storage. Objects in `share` (the
-    config) are shared, not copied, so later changes to them reach the template."""
-    memo = {id(o): o for o in share}
+    attributes and wrappers (e.g. PEFT's LoRA layers), no storage. `substitute` maps objects
+    the module refers to (the model's config) to what the copy refers to instead (the engine's
+    own config, shared by every template), keyed by the original object's id."""
+    memo = dict(substitute or {})
     for t in itertools.chain(module.parameters(), module.buffers()):
         meta = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta

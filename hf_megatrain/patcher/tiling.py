@@ -8,7 +8,7 @@ needed, so at most one tile's intermediates exist at a time. Weight gradients ar
 tiles (fp32-rounding-level differences from the untiled sum).
 
 The MLP's own forward is replaced on the (meta) template instance only, so parameter names,
-classes and HF's math stay as they are.
+classes and HF's math stay as they are; `untile_mlp` removes the replacement again.
 """
 
 from __future__ import annotations
@@ -48,3 +48,11 @@ def tile_mlp(mlp: torch.nn.Module, tokens_per_tile: int) -> None:
         return torch.cat(outs, dim=1)
 
     mlp.forward = types.MethodType(forward, mlp)
+
+
+def untile_mlp(mlp: torch.nn.Module) -> None:
+    """Undo tile_mlp: the MLP runs its class's own forward again (nothing if it was not tiled)."""
+    if getattr(mlp, "_megatrain_tiled", None) is None:
+        return
+    del mlp.forward  # the instance attribute tile_mlp set; the class's method shows through again
+    del mlp._megatrain_tiled

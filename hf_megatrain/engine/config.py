@@ -1,0 +1,108 @@
+"""EngineConfig: every knob of the engine, typed and checked once.
+
+The trainer builds one from its arguments (`arguments.engine_config`), the planner
+(`memory.estimate`) reads the same object to say what the engine will allocate, and the engine
+takes it as it is: nothing below this point reads an arguments object or invents a default.
+A config is frozen; a changed plan is a new config (`dataclasses.replace`).
+
+`None` means "auto" for the two placements (resident layers, offloaded layer inputs): the
+planner (`memory.resolve_placement`) turns them into numbers before an engine is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..errors import MegaTrainError
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def as_dtype(value) -> torch.dtype:
+    """torch.bfloat16 / torch.float32, from a dtype or one of its names."""
+    if isinstance(value, torch.dtype) and value in DTYPES.values():
+        return value
+    if isinstance(value, str) and value in DTYPES:
+        return DTYPES[value]
+    raise MegaTrainError(f"compute dtype {value!r} is not supported; choose bfloat16 or float32.")
+
+
+def parse_count(value, name: str) -> int | None:
+    """'auto' (or None) -> None; a non-negative whole number (int or its digits) -> that int."""
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or (isinstance(value, str)
+                                                                      and not value.strip().isdigit()):
+        raise MegaTrainError(f"{name}={value!r}; use 'auto', 0 or a number of layers.")
+    count = int(value)
+    if count < 0:
+        raise MegaTrainError(f"{name}={value!r}; use 'auto', 0 or a number of layers.")
+    return count
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine is built with.
+
+    device: where the math runs ("cpu" or "cuda[:n]").
+    compute_dtype: dtype of the streamed weights and activations (bf16, or fp32).
+    loss_chunk_tokens: rows of logits per loss chunk; None: from the vocabulary (layout.loss_chunk).
+    mlp_tile_tokens: run each layer's MLP on sequence tiles of this many tokens; None: untiled.
+    resident_layers: keep the embedding, the head and the first N decoder layers entirely on
+        the compute device (weights, fp32 master, gradient, Adam moments; stepped there).
+        None: auto, for the planner to fill in.
+    offload_activations: keep the saved inputs of the first N decoder layers in pinned host
+        memory between forward and backward (long context). None: auto.
+    prefetch_depth: GPU weight slots of the ring that streams decoder layers (>= 2).
+    grad_slots: GPU slots of fp32 layer gradients on their way to the host (>= 1).
+    staging_slabs: pinned slabs for gradient contributions after a step's first (>= 1).
+    activation_lookahead: offloaded layer inputs brought back this many layers ahead (>= 1).
+    host_threads: the host AdamW's span threads; 0 steps tiles with OpenMP inside each op.
+    background_host_jobs: gradient accumulation and the host AdamW on worker threads,
+        overlapped with compute. None: on a GPU yes, on the CPU no (there it exists so that
+        tests walk the same asynchronous ordering and failure paths; the numbers are equal).
+    """
+
+    device: torch.device | str = "cpu"
+    compute_dtype: torch.dtype | str = torch.bfloat16
+    loss_chunk_tokens: int | None = None
+    mlp_tile_tokens: int | None = None
+    resident_layers: int | None = 0
+    offload_activations: int | None = 0
+    prefetch_depth: int = 2
+    grad_slots: int = 2
+    staging_slabs: int = 2
+    activation_lookahead: int = 2
+    host_threads: int = 0
+    background_host_jobs: bool | None = None
+
+    def __post_init__(self):
+        device = torch.device(self.device)
+        set_ = object.__setattr__  # frozen: normalised once, here
+        set_(self, "device", device)
+        set_(self, "compute_dtype", as_dtype(self.compute_dtype))
+        set_(self, "resident_layers", parse_count(self.resident_layers, "resident_layers"))
+        set_(self, "offload_activations", parse_count(self.offload_activations, "offload_activations"))
+        if self.background_host_jobs is None:
+            set_(self, "background_host_jobs", device.type == "cuda")
+        for name, low in (("prefetch_depth", 2), ("grad_slots", 1), ("staging_slabs", 1),
+                          ("activation_lookahead", 1), ("host_threads", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                why = " (double buffering needs two GPU slots)" if name == "prefetch_depth" else ""
+                raise MegaTrainError(f"{name}={value!r}; it must be a whole number >= {low}{why}.")
+        for name in ("loss_chunk_tokens", "mlp_tile_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise MegaTrainError(f"{name}={value!r}; give a positive number of tokens, or leave it unset.")
+
+    @property
+    def planned(self) -> bool:
+        """Both placements are numbers (nothing left for the planner to decide)."""
+        return self.resident_layers is not None and self.offload_activations is not None
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))

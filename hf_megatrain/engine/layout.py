@@ -1,0 +1,77 @@
+"""The engine's layout as facts: what the engine allocates, said once for the engine and the planner.
+
+The engine builds itself from these functions and the planner (`memory.estimate`) counts with
+them, so an estimate cannot drift from what a run allocates:
+
+- `config_units(config)`: the units (embedding, decoder layers, head) with their exact parameter
+  counts, laid out by the same `build_units` the engine runs, on a meta copy of the model (no
+  memory; ~0.1 s for a 120B config). Per-family facts (biases, q/k norms, experts, tied heads)
+  come from the family's own modeling code, never from a formula here.
+- `mark_resident`: which units a number of resident layers keeps on the GPU.
+- `ring_numel` / `grad_slot_numel` / `fixed_buffer_numel`: the CUDA pipeline's buffers.
+- `loss_chunk`: rows of logits per loss chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Peak bytes of fp32 logits (+ their grad and softmax: 3 copies) per loss chunk, by device type.
+LOSS_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}
+LOSS_CHUNK_COPIES = 3
+
+
+def loss_chunk(vocab: int, device_type: str, asked: int | None = None) -> int:
+    """Rows of [rows, vocab] fp32 logits the chunked loss computes at once."""
+    if asked:
+        return asked
+    return max(1, LOSS_CHUNK_BYTES.get(device_type, 1 << 30) // (vocab * 4 * LOSS_CHUNK_COPIES))
+
+
+def mark_resident(units, layers: int) -> int:
+    """Mark the embedding, the head and the first `layers` decoder layers resident (none if 0).
+
+    The first layers are the ones the next forward needs first: while the GPU runs them the
+    host optimizer can work on the streamed ones behind them. Returns the number kept."""
+    decoder = [u for u in units if u.kind == "layer"]
+    layers = max(0, min(int(layers or 0), len(decoder)))
+    for u in units:
+        u.resident = bool(layers) and (u.kind != "layer" or u.layer < layers)
+    return layers
+
+
+def streamed_layers(units) -> list:
+    return [u for u in units if u.kind == "layer" and not u.resident]
+
+
+def ring_numel(units) -> int:
+    """Elements of one GPU weight slot: the largest streamed decoder layer (0: nothing streams)."""
+    return max((u.numel for u in streamed_layers(units)), default=0)
+
+
+def grad_slot_numel(units) -> int:
+    """Elements of one fp32 gradient slot (and of one staging slab): the largest streamed layer's
+    trainable prefix (0: nothing streams)."""
+    return max((u.n_train for u in streamed_layers(units)), default=0)
+
+
+def fixed_buffer_numel(units) -> int:
+    """Elements of the GPU buffers a streamed embedding and head get for the whole step."""
+    return sum(u.numel for u in units if u.kind != "layer" and not u.resident)
+
+
+def config_units(config, decay_names=None):
+    """The units the engine would build for `config`, from a meta copy of its causal LM."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from ..patcher.specs import spec_for
+    from .store import build_units
+
+    spec = spec_for(config)
+    with torch.device("meta"):
+        # a copy: building a model settles attributes on its config (the attention choice)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
+    names = decay_names if decay_names is not None else [n for n, _ in model.named_parameters()]
+    return build_units(model, spec, names)

@@ -1,0 +1,269 @@
+"""The written contracts: one source of truth for the layout, one checked config, declared seams,
+guarded coupling to Trainer, and patches that undo."""
+
+import ast
+import dataclasses
+import inspect
+import os
+import re
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+import hf_megatrain
+from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
+from hf_megatrain.engine.config import EngineConfig, parse_count
+from hf_megatrain.engine.cuda_pipeline import CudaPipeline
+from hf_megatrain.engine.layout import loss_chunk
+from hf_megatrain.engine.pipeline import HostPipeline, Pipeline
+from hf_megatrain.memory import estimate, model_shapes, resolve_placement
+from hf_megatrain.patcher import specs
+from hf_megatrain.patcher.tiling import tile_mlp, untile_mlp
+from hf_megatrain.trainer import TRAINER_OVERRIDES, _RECOMPUTE_FLAG, hook_problems
+from tiny import KINDS, make_batch, make_model
+
+PACKAGE = os.path.dirname(hf_megatrain.__file__)
+
+
+def _layout(units):
+    return [(u.kind, u.layer, u.numel, u.n_train, u.n_decay, u.resident, u.tied_local) for u in units]
+
+
+# -- one source of truth -------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_planner_counts_the_units_the_engine_builds(kind):
+    model = make_model(kind)
+    shapes = model_shapes(model.config)
+    engine = StreamingEngine(model, compute_dtype=torch.float32, resident_layers=2)
+    assert shapes.params == engine.num_parameters == sum(p.numel() for p in model.parameters())
+    plan = estimate(model.config, 2, 16, compute_dtype="float32", resident_layers=2, shapes=shapes)
+    assert _layout(shapes.units) == _layout(engine.units)  # estimate marked the same two layers resident
+    on_gpu = sum(u.numel for u in engine.units if u.resident)
+    assert plan.gpu["resident units (weights, master, grad, Adam)"] == (4 + 16) * on_gpu
+    assert plan.host["fp32 master weights"] == 4 * (engine.num_parameters - on_gpu)
+
+
+def test_the_planner_uses_the_engines_loss_chunk():
+    model = make_model("llama")
+    engine = StreamingEngine(model, compute_dtype=torch.float32)
+    assert engine.loss_chunk_tokens == loss_chunk(model.config.vocab_size, "cpu")
+    vocab = model.config.vocab_size
+    tokens = 4 * 100_000
+    plan = estimate(model.config, 4, 100_000)
+    assert plan.gpu["[loss] fp32 logits chunk x3"] == min(loss_chunk(vocab, "cuda"), tokens) * vocab * 4 * 3
+    asked = estimate(model.config, 4, 100_000, loss_chunk_tokens=7)
+    assert asked.gpu["[loss] fp32 logits chunk x3"] == 7 * vocab * 4 * 3
+    assert StreamingEngine(make_model("llama"), compute_dtype=torch.float32, loss_chunk_tokens=7).loss_chunk_tokens == 7
+
+
+def test_the_planner_reads_the_ring_knobs_of_the_engine_config():
+    cfg = make_model("llama").config
+    base = estimate(cfg, 1, 64, EngineConfig(device="cuda"))
+    more = estimate(cfg, 1, 64, EngineConfig(device="cuda", prefetch_depth=3, grad_slots=4, staging_slabs=3))
+    layer = max(u.numel for u in model_shapes(cfg).units if u.kind == "layer")
+    assert more.gpu["weight ring (prefetch slots)"] == 3 * 2 * layer == 1.5 * base.gpu["weight ring (prefetch slots)"]
+    assert more.gpu["gradient ring (fp32)"] == 4 * 4 * layer
+    assert more.host["pinned staging slabs"] == 3 * 4 * layer
+
+
+@pytest.mark.gpu
+def test_the_planner_counts_the_cuda_buffers_the_engine_allocates():
+    model = make_model("llama", num_hidden_layers=4)
+    config = EngineConfig(device="cuda", resident_layers=0, prefetch_depth=3, grad_slots=3, staging_slabs=1)
+    plan = estimate(model.config, 1, 64, config)
+    engine = StreamingEngine(model, config)
+    pipe = engine.pipeline
+
+    def nbytes(buffers):
+        return sum(t.numel() * t.element_size() for t in buffers)
+
+    assert plan.gpu["weight ring (prefetch slots)"] == nbytes(b.data for b in pipe.ring)
+    assert plan.gpu["gradient ring (fp32)"] == nbytes(b.data for b in pipe.grad_ring)
+    assert plan.host["pinned staging slabs"] == nbytes(pipe.slabs)
+    assert plan.gpu["embedding + head buffers"] == nbytes(b.data for b in pipe.fixed.values())
+
+
+def test_one_ignore_index_and_one_pair_of_checkpoint_names():
+    """The -100 ignore index and the safetensors file names appear once in the package's code, as
+    constants every other module imports (prose in docstrings may still name them)."""
+    found = {-100: [], "model.safetensors": [], "model.safetensors.index.json": []}
+    for root, _, files in os.walk(PACKAGE):
+        for name in (n for n in files if n.endswith(".py")):
+            path = os.path.join(root, name)
+            for node in ast.walk(ast.parse(open(path).read())):
+                value = node.value if isinstance(node, ast.Constant) else None
+                if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) \
+                        and isinstance(node.operand, ast.Constant):
+                    value = -node.operand.value
+                if isinstance(value, (int, str)) and not isinstance(value, bool) and value in found:
+                    found[value].append(os.path.relpath(path, PACKAGE))
+    here = os.path.join("checkpoint", "safetensors_io.py")
+    assert found == {-100: [os.path.join("engine", "loss.py")], "model.safetensors": [here],
+                     "model.safetensors.index.json": [here]}
+
+
+# -- the configuration -----------------------------------------------------------------------------------
+def test_engine_config_is_checked_once_and_frozen():
+    config = EngineConfig(device="cpu", compute_dtype="bf16", resident_layers="3", offload_activations="auto")
+    assert config.compute_dtype is torch.bfloat16 and config.resident_layers == 3
+    assert config.offload_activations is None and not config.planned
+    assert config.background_host_jobs is False  # the CPU default, decided once
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.resident_layers = 4
+    for bad in (dict(prefetch_depth=1), dict(grad_slots=0), dict(resident_layers="x"), dict(compute_dtype="fp16"),
+                dict(loss_chunk_tokens=0), dict(offload_activations=-1)):
+        with pytest.raises(MegaTrainError):
+            EngineConfig(**bad)
+    assert parse_count("auto", "n") is None and parse_count(5, "n") == 5 and parse_count("0", "n") == 0
+    with pytest.raises(MegaTrainError, match="resident_layers and offload_activations must be numbers"):
+        StreamingEngine(make_model("llama"), config)
+    with pytest.raises(TypeError, match="not both"):
+        StreamingEngine(make_model("llama"), EngineConfig(), compute_dtype=torch.float32)
+
+
+def test_auto_placement_is_decided_in_one_place():
+    cfg = make_model("llama").config
+    auto = EngineConfig(device="cuda", resident_layers=None, offload_activations=None)
+    placed = resolve_placement(cfg, 1, 64, auto, gpu_free=1e15)
+    assert placed.planned and placed.engine.resident_layers == cfg.num_hidden_layers
+    assert placed.engine.offload_activations == 0 and placed.engine.planned
+    spread = resolve_placement(cfg, 1, 64, auto, gpu_free=1e15, world_size=2)  # data parallel streams all
+    assert spread.engine.resident_layers == 0 and not spread.planned
+    cpu = resolve_placement(cfg, 1, 64, dataclasses.replace(auto, device="cpu"))
+    assert (cpu.engine.resident_layers, cpu.engine.offload_activations, cpu.planned) == (0, 0, False)
+
+
+def test_the_trainer_never_changes_the_users_arguments(tmp_path):
+    args = MegaTrainArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=1, report_to="none",
+                              per_device_train_batch_size=2, max_seq_length=16, **{_RECOMPUTE_FLAG: True})
+    before = args.to_dict()
+    trainer = MegaTrainTrainer(make_model("llama"), args, train_dataset=[make_batch(batch=1, seq=16)] * 2)
+    assert args.to_dict() == before
+    assert getattr(args, _RECOMPUTE_FLAG)  # the trainer cleared it on its own copy only
+    assert trainer.args is not args and not getattr(trainer.args, _RECOMPUTE_FLAG)
+
+
+def test_plain_training_arguments_become_megatrain_arguments(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    trainer = MegaTrainTrainer(make_model("llama"), args)
+    assert isinstance(trainer.args, MegaTrainArguments) and type(args) is TrainingArguments
+    assert trainer.args.max_seq_length == MegaTrainArguments.max_seq_length  # the field's own default
+
+    @dataclasses.dataclass
+    class OtherLibraryArguments(TrainingArguments):
+        extra: int = 0
+
+    with pytest.raises(MegaTrainError, match="OtherLibraryArguments.*Pass MegaTrainArguments"):
+        MegaTrainTrainer(make_model("llama"), OtherLibraryArguments(output_dir=str(tmp_path), use_cpu=True))
+
+
+# -- declared seams --------------------------------------------------------------------------------------
+def _attributes_used(path, owner):
+    tree = ast.parse(open(path).read())
+    return {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+            and node.value.attr == owner and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"}
+
+
+def test_both_pipelines_implement_the_protocol_and_the_schedule_uses_nothing_else():
+    members = {n for n in vars(Pipeline) if not n.startswith("_")} | set(Pipeline.__annotations__)
+    for cls in (HostPipeline, CudaPipeline):
+        assert Pipeline in cls.__mro__  # declared, not duck-typed
+        for name in members - set(Pipeline.__annotations__):
+            assert getattr(cls, name) is not getattr(Pipeline, name), (cls.__name__, name)  # its own
+    schedule = os.path.join(PACKAGE, "engine", "schedule.py")
+    used = _attributes_used(schedule, "pipeline")
+    text = open(schedule).read()
+    used |= set(re.findall(r"\bpipe\.(\w+)", text))
+    assert used <= members, used - members
+
+
+def test_layers_import_downward_only():
+    """engine/ never imports checkpoint/ (loading is a factory there), and the engine never holds the
+    optimizer; the trainer reaches the engine through its own methods, never two levels down."""
+    for name in os.listdir(os.path.join(PACKAGE, "engine")):
+        if name.endswith(".py"):
+            text = open(os.path.join(PACKAGE, "engine", name)).read()
+            assert "checkpoint" not in re.findall(r"^\s*from \.\.(\w+)", text, re.M), name
+            assert ".optimizer" not in re.sub(r"from \.optimizer|engine\.optimizer import", "", text) or \
+                name == "optimizer.py", name
+    trainer = open(os.path.join(PACKAGE, "trainer.py")).read()
+    assert not re.findall(r"\.engine\.(?!store\b)\w+\.\w", trainer), re.findall(r"\.engine\.\w+\.\w+", trainer)
+    assert not re.findall(r"\.engine\._", trainer)
+
+
+def test_the_optimizer_listens_only_while_armed():
+    engine = StreamingEngine(make_model("llama"), compute_dtype=torch.float32, background_host_jobs=True).train()
+    opt = HostAdamW(engine, lr=1e-2)
+    assert not hasattr(engine, "optimizer") and engine.pipeline.on_final_grad is None
+    assert opt.step_during_backward()
+    assert engine.pipeline.on_final_grad is not None
+    engine.forward_backward(make_batch())
+    opt.step()
+    assert engine.pipeline.on_final_grad is None  # the step finished the job and stopped listening
+    engine.synchronize()
+    assert opt.step_count == 1
+
+
+# -- guarded coupling to Trainer ---------------------------------------------------------------------------
+def test_every_trainer_method_we_override_exists_with_the_signature_we_take():
+    assert hook_problems() == []
+    own = {n for n, v in vars(MegaTrainTrainer).items() if callable(v) and not n.startswith("__")}
+    # every method of ours is either a declared override or a name Trainer does not have
+    assert {n for n in own if hasattr(Trainer, n)} == set(TRAINER_OVERRIDES)
+
+    class Resigned(Trainer):  # a release in which Trainer passes training_step one more argument
+        def training_step(self, model, inputs, num_items_in_batch=None, sync=True):
+            return None
+
+    assert hook_problems(Resigned) == [
+        "Trainer.training_step takes 'sync', which ours does not take where Trainer passes it"]
+    gone = type("Release", (), {n: getattr(Trainer, n) for n in TRAINER_OVERRIDES if n != "_wrap_model"})
+    assert hook_problems(gone) == ["Trainer._wrap_model is gone"]
+
+
+def test_the_mirrored_checkpoint_body_matches_the_installed_trainer():
+    src = inspect.getsource(Trainer._save_checkpoint)
+    calls = {f"self.{m}" for m in re.findall(r"self\.(\w+)\(", src)}
+    calls |= set(re.findall(r"(?<![.\w])([a-z_]\w*)\(", src)) - {"_save_checkpoint", "isinstance", "len", "str"}
+    assert calls == MegaTrainTrainer.STOCK_CHECKPOINT_CALLS
+
+
+# -- patches with undo -----------------------------------------------------------------------------------------
+def test_tiling_off_restores_the_mlp():
+    model = make_model("llama")
+    engine = StreamingEngine(model, compute_dtype=torch.float32, mlp_tile_tokens=8)
+    mlps = [t.module.mlp for k, t in engine._templates.items() if k.startswith("layer")]
+    assert all("forward" in vars(m) for m in mlps)
+    engine.set_mlp_tiling(None)
+    assert all("forward" not in vars(m) and not hasattr(m, "_megatrain_tiled") for m in mlps)
+    assert engine.mlp_tile_tokens is None
+    untile_mlp(mlps[0])  # undoing twice is harmless
+    tile_mlp(mlps[0], 4)
+    untile_mlp(mlps[0])
+    assert type(mlps[0]).forward is mlps[0].forward.__func__
+
+
+def test_the_engine_patches_its_own_config_never_the_users():
+    model = make_model("llama")
+    engine = StreamingEngine(model, compute_dtype=torch.float32)
+    assert engine.config is not model.config
+    layer = next(t.module for k, t in engine._templates.items() if k.startswith("layer"))
+    assert layer.self_attn.config is engine.config  # every template shares the engine's copy
+    assert model.model.layers[0].self_attn.config is model.config
+
+
+def test_a_second_register_of_a_type_is_an_error_unless_asked():
+    llama = specs.spec_for(make_model("llama").config)
+    with pytest.raises(MegaTrainError, match="already has a spec"):
+        specs.register(specs.ArchSpec("llama", llama.layer_kind))
+    other = specs.ArchSpec("llama", llama.layer_kind, mlp="mlp")
+    undo = specs.register(other, replace=True)
+    assert specs._REGISTRY["llama"] is other
+    undo()
+    assert specs._REGISTRY["llama"] is llama
+    undo_new = specs.register(specs.ArchSpec("made_up_family", llama.layer_kind))
+    assert "made_up_family" in specs.supported_model_types()
+    undo_new()
+    assert "made_up_family" not in specs.supported_model_types()
