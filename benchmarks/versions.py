@@ -1,14 +1,18 @@
 """What a benchmark record states about the software and the card it ran on.
 
-Every benchmark script puts `versions()` into its JSON record (key "versions") and prints
-`versions_line(versions())` as its first line (prefixed "VERSIONS ") and in its table header:
+Every benchmark script puts `versions()` into its JSON record (key "versions"), where it writes
+one, and prints `versions_line(versions())` as its first line (prefixed "VERSIONS ") and in its
+table header:
 
     python <X.Y.Z> | torch <version> (CUDA <runtime>) | transformers <version> | accelerate <version> |
     peft <version> | <GPU name>, driver <version> | hf_megatrain <commit> (<where the commit came from>)
 
-The hf_megatrain commit comes from git where the checkout is a git work tree of its own. The
-device machine gets a copy of the work tree without .git; there the commit is read from a file
-named COMMIT in the checkout's folder (one line, e.g. written beside a `git archive` copy:
+(on the device machine, 2026-12-04: python 3.12.3 | torch 2.11.0+cu130 (CUDA 13.0) | transformers
+5.17.0 | accelerate 1.15.0 | peft 0.21.0 | NVIDIA H200, driver 580.159.04 | hf_megatrain ...)
+
+The hf_megatrain commit comes from git where the checkout is a git work tree of its own. A copy
+of the work tree may come without .git (the device machine's may); there the commit is read from
+a file named COMMIT in the checkout's folder (one line, e.g. written beside a `git archive` copy:
 `echo 3ecacb0 > .old/COMMIT`), or, for this checkout, from the environment variable
 HF_MEGATRAIN_COMMIT set in the device command (`HF_MEGATRAIN_COMMIT=f76ab9b bash
 benchmarks/suite.sh A`). Where none of them says, the record says "commit": null: unknown.
