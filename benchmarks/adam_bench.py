@@ -4,14 +4,23 @@
 
 Prints G params/s for: one call over the whole tensor, 1M-element tiles, tiles spread over a
 pool of Python threads, in the main thread and in a worker thread (where HostAdamW runs).
+The first line printed states the versions it ran on (benchmarks/versions.py).
 """
 
 import argparse
+import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))  # this checkout's hf_megatrain (--registered; its commit is recorded)
+
+from versions import versions, versions_line  # noqa: E402
 
 
 def step(p, g, m, v, s, a, b):
@@ -47,10 +56,9 @@ def main():
     ap.add_argument("--registered", action="store_true",
                     help="master, grad and compute copy in cudaHostRegister'ed arenas, as the engine keeps them")
     a = ap.parse_args()
+    print("VERSIONS " + versions_line(versions()), flush=True)
     n = a.numel
     if a.registered:
-        import sys, os
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         from hf_megatrain.engine.pinned import arena_tensors
 
         keep = []

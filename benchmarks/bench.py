@@ -23,6 +23,10 @@ never visible to the other systems: transformers changes behaviour when it can i
 
 Writes $OUT/bench_<shape>.json (every number) and prints a table last. A system that fails gets
 a row with its error (the exception, or the last error line of $OUT/<system>_<shape>.log).
+The record states the versions it ran on (benchmarks/versions.py: Python, torch, CUDA,
+transformers, accelerate, peft, GPU and driver, hf_megatrain commit), printed first and in the
+table's header; each row names the checkout whose code ran it ("code": a `megatrain:R@DIR` row
+ran DIR's hf_megatrain and bench worker).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
+
+from versions import code_version, describe_code, versions, versions_line  # noqa: E402
 
 
 # -- the matmul peak -------------------------------------------------------------------------
@@ -483,6 +489,7 @@ def run_system(system: str, opts) -> list:
     resident = resident or opts.resident
     script = os.path.join(source, "benchmarks", "bench.py") if source else __file__
     tag = f"@{os.path.basename(os.path.normpath(source))}" if source else ""
+    code = code_version(source or os.path.dirname(HERE))  # which checkout's code this system's rows ran
     stem = tag.replace("@", "-").replace("-.", "-")  # file names in letters, digits, '-', '_', '.'
 
     base = [sys.executable, script, "--system", system, "--shape", opts.shape, "--seq", str(opts.seq),
@@ -501,8 +508,9 @@ def run_system(system: str, opts) -> list:
         env.update(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     if system == "deepspeed":
         if not os.path.isdir(os.path.join(opts.ds_site, "deepspeed")):
-            return [dict(system=system, shape=opts.shape, error=f"no deepspeed package in --ds_site {opts.ds_site} "
-                                                                "(device_run.sh installs .dswhl/*.whl there)")]
+            return [dict(system=system + tag, shape=opts.shape, code=code,
+                         error=f"no deepspeed package in --ds_site {opts.ds_site} "
+                               "(device_run.sh installs .dswhl/*.whl there)")]
         # Only this process sees deepspeed; its bin/ has the ninja that the CPUAdam JIT build runs.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [opts.ds_site, env.get("PYTHONPATH")]))
         env["PATH"] = os.pathsep.join(filter(None, [os.path.join(opts.ds_site, "bin"), env.get("PATH")]))
@@ -525,8 +533,10 @@ def run_system(system: str, opts) -> list:
         got, rc, text = run_worker(cmd, env, log_path, f"tokens {tokens} clip {clips} (host MemAvailable {free} GiB)")
         for r in got:
             r["system"] += tag
+            r["code"] = code
         if rc != 0 and not any("error" in r for r in got):
-            err = dict(system=system, shape=opts.shape, error=f"{log_error(text, rc)} (see {log_path})")
+            err = dict(system=system + tag, shape=opts.shape, code=code,
+                       error=f"{log_error(text, rc)} (see {log_path})")
             if len(tokens) == len(clips) == 1:
                 err.update(tokens_per_step=tokens[0], clip=clips[0])
             got.append(err)
@@ -577,17 +587,16 @@ def main() -> None:
         return
 
     os.makedirs(opts.out, exist_ok=True)
+    stack = versions()
+    print("VERSIONS " + versions_line(stack), flush=True)
     skip = opts.skip_peak or opts.dry_run
     peak = {"burst_tflops": None, "sustained_tflops": None} if skip else matmul_peak()
     print("PEAK " + json.dumps(peak), flush=True)
     rows = []
-    record = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "peak": peak, "rows": rows}
-    try:
-        import torch
-
-        record["card"] = torch.cuda.get_device_name()
-    except Exception:
-        pass
+    record = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "versions": stack, "peak": peak,
+              "rows": rows}
+    if stack["gpu"]:
+        record["card"] = stack["gpu"]
     sustained = peak["sustained_tflops"]
     for system in opts.systems.split(","):
         rows += run_system(system, opts)
@@ -603,6 +612,8 @@ def print_table(record) -> None:
     rows = record["rows"]
     print(f"\n{record.get('card', '?')}  {record['date']}  peak bf16 burst/sustained "
           f"{record['peak']['burst_tflops']}/{record['peak']['sustained_tflops']} TFLOP/s")
+    if "versions" in record:
+        print(versions_line(record["versions"]))
     stock = {(r["tokens_per_step"], r["clip"]): r["tokens_per_s"] for r in rows
              if r.get("system") == "stock" and "tokens_per_s" in r}
     head = f"{'system':18} {'shape':13} {'L':>3} {'tok/step':>8} {'clip':>4} {'tok/s':>9} {'TFLOPS':>7} " \
@@ -623,6 +634,10 @@ def print_table(record) -> None:
         print(f"{name:18} {r['shape']:13} {r['layers']:>3} {r['tokens_per_step']:>8} {r['clip']:>4} "
               f"{r['tokens_per_s']:>9.0f} {r['model_tflops']:>7.1f} {mfu:>5} {ratio:>7} "
               f"{r['gpu_peak_gib']:>7.1f} {r['host_peak_gib']:>8.1f}  {bds}")
+    # rows that ran another checkout's code (megatrain:R@DIR): which code that was
+    for tag, code in {r["system"].partition("@")[2]: r["code"] for r in rows
+                      if "@" in r.get("system", "") and "code" in r}.items():
+        print(f"@{tag}: {code['path']}, hf_megatrain {describe_code(code)}")
 
 
 if __name__ == "__main__":

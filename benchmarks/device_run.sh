@@ -18,6 +18,8 @@ if ls .dswhl/*.whl >/dev/null 2>&1; then
 fi
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader | tee "$OUT/gpu.txt"
+# the versions of this call (bench.py's JSON states them too); see benchmarks/versions.py for the commit
+timeout 120 python3 benchmarks/versions.py --json "$OUT/versions.json" || echo "VERSIONS not recorded (exit $?)"
 free -g | head -2
 if [ "${RUN_TESTS:-1}" = 1 ]; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25

@@ -7,6 +7,8 @@ On one engine (StreamingEngine + HostAdamW, all layers streamed), times:
   opt alone    HostAdamW.step() + synchronize() with the GPU idle, for several thread counts
   full step    forward/backward, clipping and the step, overlapped as in training
 and, from a Timeline, the host optimizer's seconds per layer in each case. Prints a table last.
+The record ($OUT/probe<tag>.json) states the versions it ran on (benchmarks/versions.py),
+printed first and in the table's header.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from bench import build_model  # noqa: E402
+from versions import versions, versions_line  # noqa: E402
 
 from hf_megatrain import prepare  # noqa: E402
 from hf_megatrain.engine.timeline import Timeline  # noqa: E402
@@ -45,6 +48,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
+    stack = versions()
+    print("VERSIONS " + versions_line(stack), flush=True)
     print("torch threads", torch.get_num_threads(), "affinity", len(os.sched_getaffinity(0)),
           "OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY"), flush=True)
     model = build_model(a.shape, a.layers, "cpu", a.seq)
@@ -110,13 +115,16 @@ def main():
         timed(f"full step t={k}", full_step)
     params = engine.num_parameters
     print(f"\n{a.shape} layers={n_layers} params={params / 1e9:.2f}B tokens/step={a.tokens} clip={a.clip} {a.tag}")
+    print(versions_line(stack))
     print(f"{'case':18} {'seconds':>8} {'opt s/step':>10} {'G param/s':>9}  busy")
     for r in rows:
         g = params / r["opt_s_per_step"] / 1e9 if r["opt_s_per_step"] else 0
         busy = " ".join(f"{k[:-5]}={v:.2f}" for k, v in r["busy"].items())
         print(f"{r['name']:18} {r['s']:>8.3f} {r['opt_s_per_step']:>10.4f} {g:>9.2f}  {busy}")
+    record = {"date": time.strftime("%Y-%m-%d"), "card": stack["gpu"], "command": " ".join(sys.argv),
+              "versions": stack, "rows": rows}
     with open(os.path.join(a.out, f"probe{a.tag}.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ each in a fresh process (so peak RSS is its own): (a) hf_megatrain loads it into
 with save_pretrained. GB/s counts the checkpoint's bytes on disk.
 
     python benchmarks/io_bench.py --shape llama-3.2-3b --dir /tmp/io --out $OUT
+
+The record ($OUT/io_<shape>.json) states the versions it ran on (benchmarks/versions.py),
+printed first and in the table's header.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
+
+from versions import versions, versions_line  # noqa: E402
 
 
 def _rss_gib() -> float:
@@ -122,6 +127,8 @@ def main() -> None:
         print("RESULT " + json.dumps(r), flush=True)
         return
     os.makedirs(a.out, exist_ok=True)
+    stack = versions()
+    print("VERSIONS " + versions_line(stack), flush=True)
     if not os.path.isdir(src):
         t0 = time.perf_counter()
         make_source(a.shape, src)
@@ -134,11 +141,13 @@ def main() -> None:
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
         rows[who] = json.loads(line[-1][7:]) if line else {"error": r.stderr[-2000:]}
         print(f"{who}: {json.dumps(rows[who])[:400]}", flush=True)
-        record = {"date": time.strftime("%Y-%m-%d"), "shape": a.shape, "command": " ".join(sys.argv), "rows": rows}
+        record = {"date": time.strftime("%Y-%m-%d"), "card": stack["gpu"], "shape": a.shape,
+                  "command": " ".join(sys.argv), "versions": stack, "rows": rows}
         with open(os.path.join(a.out, f"io_{a.shape}.json"), "w") as f:  # after each: a cut-short run keeps it
             json.dump(record, f, indent=1)
     gb_src = max(r.get("bytes", 0) for r in rows.values()) / 1e9
     print(f"\ncheckpoint I/O, {a.shape}, source {gb_src:.2f} GB bf16 safetensors")
+    print(versions_line(stack))
     print(f"{'system':10} {'load s':>7} {'load GB/s':>9} {'save s':>7} {'save GB/s':>9} {'RSS load GiB':>12} {'peak GiB':>8}")
     for who, r in rows.items():
         if "error" in r:

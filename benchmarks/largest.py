@@ -14,6 +14,8 @@
    (6 * P * tokens), GPU and host peaks, and from the pipeline trace the median seconds per
    decoder layer of forward, backward (with its recompute) and host AdamW: the inputs of the
    projection in BENCHMARKS.md.
+The record ($OUT/largest_<shape>_<layers>.json) states the versions it ran on
+(benchmarks/versions.py), printed as the first line.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from bench import TokenRows, _collate, make_clock, matmul_peak, random_checkpoint  # noqa: E402
+from versions import versions, versions_line  # noqa: E402
 
 def plans(cfg, batch: int, seq: int) -> dict:
     import torch
@@ -73,11 +76,14 @@ def main() -> None:
     from hf_megatrain.engine.timeline import Timeline
 
     os.makedirs(opts.out, exist_ok=True)
+    stack = versions()
+    print("VERSIONS " + versions_line(stack), flush=True)
     folder = random_checkpoint(opts.dir, opts.shape, opts.layers)
     cfg = AutoConfig.from_pretrained(folder)
     bs = opts.tokens // opts.seq
     record = {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
-              "shape": opts.shape, "layers": cfg.num_hidden_layers, "plans": plans(cfg, bs, opts.seq)}
+              "versions": stack, "shape": opts.shape, "layers": cfg.num_hidden_layers,
+              "plans": plans(cfg, bs, opts.seq)}
     print("PLANS " + json.dumps(record["plans"]), flush=True)
     record["peak"] = matmul_peak()  # bf16 matmul TFLOP/s, burst and sustained (after ~8 s of load)
     print("PEAK " + json.dumps(record["peak"]), flush=True)

@@ -16,6 +16,8 @@ With --doc_tokens D the row packs documents of D tokens (position ids restarting
 across them, the first token of each document not a target, as hf_megatrain's packing lays them
 out), and T^2 becomes the sum of the documents' squared lengths.
 MFU is against the bf16 matmul peak measured in the same run after ~8 s of load.
+The record ($OUT/long_<shape>.json) states the versions it ran on (benchmarks/versions.py),
+printed first and in the table's header.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from bench import TokenRows, _collate, build_model, matmul_peak, random_checkpoint  # noqa: E402
+from versions import versions, versions_line  # noqa: E402
 
 
 def step_flops(config, params: int, seq: int, doc: int | None = None) -> float:
@@ -172,6 +175,8 @@ def main() -> None:
         attempt(opts)
         return
     os.makedirs(opts.out, exist_ok=True)
+    stack = versions()
+    print("VERSIONS " + versions_line(stack), flush=True)
     peak = matmul_peak()
     print("PEAK " + json.dumps(peak), flush=True)
     rows = []
@@ -191,13 +196,12 @@ def main() -> None:
     for r in rows:
         if "tflops" in r:
             r["mfu"] = round(r["tflops"] / peak["sustained_tflops"], 3)
-    import torch
-
-    record = {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
-              "peak": peak, "rows": rows}
+    record = {"date": time.strftime("%Y-%m-%d"), "card": stack["gpu"], "command": " ".join(sys.argv),
+              "versions": stack, "peak": peak, "rows": rows}
     with open(os.path.join(opts.out, f"long_{opts.shape}.json"), "w") as f:
         json.dump(record, f, indent=1)
     print(f"\n{record['card']}  {record['date']}  peak bf16 sustained {peak['sustained_tflops']} TFLOP/s")
+    print(versions_line(stack))
     print(f"{'system':10} {'shape':13} {'L':>3} {'seq':>8} {'step s':>7} {'TFLOPS':>7} {'MFU':>5} "
           f"{'GPU GiB':>7} {'host GiB':>8}  placement / error")
     for r in rows:

@@ -5,7 +5,8 @@
 For each of: store pinned (cudaHostRegister, as on a GPU) or pageable; clipping on or off; the
 main thread or the optimizer's worker thread; the host step's threads and span sizes (2**N
 elements): G params/s of one full step. Compare with benchmarks/adam_bench.py (the bare kernel)
-to see what the engine adds.
+to see what the engine adds. The first line printed states the versions it ran on
+(benchmarks/versions.py).
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from contextlib import nullcontext
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
 
 import hf_megatrain.engine.optimizer as optimizer_module  # noqa: E402
 from hf_megatrain.engine.optimizer import HostAdamW  # noqa: E402
 from hf_megatrain.engine.store import HostStore, build_units  # noqa: E402
 from hf_megatrain.patcher.specs import spec_for  # noqa: E402
 from hf_megatrain.shapes import make_config  # noqa: E402
+from versions import versions, versions_line  # noqa: E402
 
 
 class _Engine:
@@ -67,6 +71,7 @@ def main():
                     help="host_threads (0, the engine's default: no pool, OpenMP inside each op on 8M tiles)")
     ap.add_argument("--spans", type=int, nargs="+", default=[None], help="log2 of the span size (default: the engine's)")
     a = ap.parse_args()
+    print("VERSIONS " + versions_line(versions()), flush=True)
     print("torch threads", torch.get_num_threads(), "default span", optimizer_module.SPAN)
     default_span = optimizer_module.SPAN
     for pin in ([False, True] if torch.cuda.is_available() else [False]):

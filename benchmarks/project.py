@@ -23,6 +23,11 @@ norm is known, i.e. after the whole backward):
 
 t_o scales with the host's memory bandwidth (--host_adam_scale: 2.0 for a host with twice
 this box's DRAM bandwidth). Host RAM and GPU memory come from hf_megatrain's estimator.
+
+It measures nothing itself: the output ($RECORD_projection.json) carries the measuring record's
+date, card, command and versions ("source"; "versions": null for a record made before
+largest.py recorded them) beside the versions of this run ("projected_with": the estimator and
+planner are this checkout's hf_megatrain), and the header prints both.
 """
 
 from __future__ import annotations
@@ -87,13 +92,20 @@ def main() -> None:
     p.add_argument("--host_adam_scale", type=float, default=1.0,
                    help="the target host's DRAM bandwidth over this box's (AdamW is memory-bound)")
     a = p.parse_args()
+    sys.path.insert(0, HERE)
+    from versions import versions, versions_line
+
     with open(a.record) as f:
         record = json.load(f)
+    source = {k: record.get(k) for k in ("date", "card", "command", "versions")}
+    here = versions()
     rows = [project(record, shape, g, h, a.host_adam_scale, t)
             for shape in a.shapes for g in a.gpu_gib for h in a.host_gib for t in a.tokens]
     print(f"from {record['shape']} x {record['layers']} layers on {record.get('card', '?')}: per layer "
           f"fwd {record['layer_forward_s']} s, bwd {record['layer_backward_s']} s, host AdamW "
           f"{record['host_adamw_unit_s']} s at {record['tokens_per_step']} tokens/step")
+    print("measured on: " + (versions_line(source["versions"]) if source["versions"] else "versions not recorded"))
+    print("projected with: " + versions_line(here))
     print(f"{'shape':14} {'GPU':>4} {'host':>5} {'tok/step':>8} {'res':>4} {'host GiB':>8} {'GPU GiB':>7} "
           f"{'step s':>7} {'tok/s':>7} {'TFLOPS':>6}  bound")
     for r in rows:
@@ -103,7 +115,7 @@ def main() -> None:
               f"{r['tokens_per_s']:>7} {r['model_tflops']:>6}  {r['bound']}{mark}")
     out = os.path.splitext(a.record)[0] + "_projection.json"
     with open(out, "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump({"source": source, "projected_with": here, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,14 @@
 # G: issue 16 (reliability): the GPU tests with the failure-injection and ownership tests, then the
 #    3B shape at 16K tokens/step, stock vs default vs all-streamed, this code beside the code before
 #    the change (a copy of commit 3ecacb0 in .old: `git archive 3ecacb0 hf_megatrain benchmarks`,
-#    carried); `G tests` or `G bench` runs one half
+#    extracted, and `echo 3ecacb0 > .old/COMMIT` so the record names that commit; carried);
+#    `G tests` or `G bench` runs one half
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
+# Every call first writes $OUT/versions.json and prints one VERSIONS line (benchmarks/versions.py:
+# Python, torch, CUDA, transformers, accelerate, peft, GPU and driver, hf_megatrain commit); each
+# benchmark's own JSON states them too. The device gets the work tree without .git: name the commit
+# in the command, `HF_MEGATRAIN_COMMIT=<short hash> bash benchmarks/suite.sh A`, or it is recorded
+# as unknown.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -28,6 +34,7 @@ if ls .dswhl/*.whl >/dev/null 2>&1; then  # deepspeed: visible to bench.py's dee
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/dssite .dswhl/*.whl
   export DS_SITE=/tmp/dssite
 fi
+timeout 120 python3 benchmarks/versions.py --json "$OUT/versions.json" || echo "VERSIONS not recorded (exit $?)"
 names=()
 part() {  # part SECONDS NAME command...: run, keep its log, never stop the suite
   local limit=$1 name=$2; shift 2
