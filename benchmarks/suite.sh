@@ -10,10 +10,10 @@
 # E: the 3B shape at 512K tokens, full depth (about 8 minutes of attention)
 # F: long rows of packed documents: the GPU test of document-wise attention + the 3B shape at 512K
 #    tokens packed from 32K-token documents, full depth
-# G: issue 16 (reliability): the GPU tests with the failure-injection and ownership tests, then the
-#    3B shape at 16K tokens/step, stock vs default vs all-streamed, this code beside the code before
-#    the change (a copy of commit 3ecacb0 in .old: `git archive 3ecacb0 hf_megatrain benchmarks`,
-#    extracted, and `echo 3ecacb0 > .old/COMMIT` so the record names that commit; carried);
+# G: a change checked before and after: every gpu-marked test, then the 3B shape at 16K tokens/step,
+#    stock vs default vs all-streamed, this code beside the code before the change (a copy of that
+#    commit in .old: `git archive C hf_megatrain benchmarks` extracted there, and `echo C >
+#    .old/COMMIT` so the record names it; carried). Issue 16 used C=3ecacb0, issue 17 C=f76ab9b.
 #    `G tests` or `G bench` runs one half
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
 # Every call first writes $OUT/versions.json and prints one VERSIONS line (benchmarks/versions.py:
@@ -69,8 +69,7 @@ F)
     --out "$OUT" ;;
 G)
   if [ "${2:-all}" != bench ]; then
-    part 300 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_failures.py \
-      tests/test_checkpoints.py
+    part 300 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests
   fi
   if [ "${2:-all}" != tests ]; then
     part 480 bench_3b_16k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip ${CLIPS:-1.0} \

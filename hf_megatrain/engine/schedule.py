@@ -143,7 +143,6 @@ class StreamingEngine(nn.Module):
             load_weights(self.store)
             self.store.bind(model)
         self._templates = self._build_templates(model)
-        self.mlp_tile_tokens = None
         self.set_mlp_tiling(config.mlp_tile_tokens)
         cfg = self.config
         self.stochastic = any(
@@ -159,6 +158,10 @@ class StreamingEngine(nn.Module):
     @property
     def background_host_jobs(self) -> bool:
         return self.engine_config.background_host_jobs
+
+    @property
+    def mlp_tile_tokens(self) -> int | None:
+        return self.engine_config.mlp_tile_tokens
 
     # -- construction -----------------------------------------------------------------------
     def _build_templates(self, model) -> dict[str, Template]:
@@ -181,7 +184,7 @@ class StreamingEngine(nn.Module):
     def set_mlp_tiling(self, tokens: int | None) -> None:
         """Run every layer's MLP on sequence tiles of at most `tokens` tokens; None (or 0) restores
         the MLPs' own forward. Only the engine's templates are patched, never the user's model."""
-        self.mlp_tile_tokens = tokens or None
+        self.engine_config = replace(self.engine_config, mlp_tile_tokens=tokens or None)
         for key, tmpl in self._templates.items():
             if key.startswith("layer"):
                 mlp = tmpl.module.get_submodule(self.spec.mlp)
