@@ -10,9 +10,10 @@ table header:
 (on the device machine, 2026-12-04: python 3.12.3 | torch 2.11.0+cu130 (CUDA 13.0) | transformers
 5.17.0 | accelerate 1.15.0 | peft 0.21.0 | NVIDIA H200, driver 580.159.04 | hf_megatrain ...)
 
-The hf_megatrain commit comes from git where the checkout is a git work tree of its own. A copy
-of the work tree may come without .git (the device machine's may); there the commit is read from
-a file named COMMIT in the checkout's folder (one line, e.g. written beside a `git archive` copy:
+The hf_megatrain commit of this checkout is HF_MEGATRAIN_COMMIT when the command sets it (do so on
+the device: its copy of the work tree may carry a .git at another commit). Otherwise it comes from
+git where the checkout is a git work tree of its own, else from a file named COMMIT in the
+checkout's folder (one line, e.g. written beside a `git archive` copy:
 `echo 3ecacb0 > .old/COMMIT`), or, for this checkout, from the environment variable
 HF_MEGATRAIN_COMMIT set in the device command (`HF_MEGATRAIN_COMMIT=f76ab9b bash
 benchmarks/suite.sh A`). Where none of them says, the record says "commit": null: unknown.
@@ -60,6 +61,12 @@ def code_version(folder: str) -> dict:
     when tracked files differ from the commit (git only; None where unknown)."""
     out = {"path": folder, "commit": None, "dirty": None, "from": None}
     real = os.path.realpath(folder)
+    # Said in the command first: the device machine's copy of the work tree carries a .git that need
+    # not be at this commit (once it named the commit before a whole session's changes).
+    env = os.environ.get("HF_MEGATRAIN_COMMIT", "").strip()
+    if env and real == os.path.realpath(ROOT):
+        out.update(commit=env, **{"from": "HF_MEGATRAIN_COMMIT"})
+        return out
     top = _run(["git", "-C", real, "rev-parse", "--show-toplevel"])
     # Only the folder's own repository: a copy kept inside another checkout (.old in the repo root)
     # would otherwise report the enclosing checkout's HEAD.
@@ -77,9 +84,6 @@ def code_version(folder: str) -> dict:
             return out
     except OSError:
         pass
-    env = os.environ.get("HF_MEGATRAIN_COMMIT", "").strip()
-    if env and real == os.path.realpath(ROOT):
-        out.update(commit=env, **{"from": "HF_MEGATRAIN_COMMIT"})
     return out
 
 
