@@ -14,9 +14,8 @@ The hf_megatrain commit of this checkout is HF_MEGATRAIN_COMMIT when the command
 the device: its copy of the work tree may carry a .git at another commit). Otherwise it comes from
 git where the checkout is a git work tree of its own, else from a file named COMMIT in the
 checkout's folder (one line, e.g. written beside a `git archive` copy:
-`echo 3ecacb0 > .old/COMMIT`), or, for this checkout, from the environment variable
-HF_MEGATRAIN_COMMIT set in the device command (`HF_MEGATRAIN_COMMIT=f76ab9b bash
-benchmarks/suite.sh A`). Where none of them says, the record says "commit": null: unknown.
+`echo 3ecacb0 > .old/COMMIT`). Where none of them says, the record says "commit": null: unknown.
+Example: `HF_MEGATRAIN_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/suite.sh A`.
 
     python benchmarks/versions.py [--json FILE]     # the line; with --json also the record, to FILE
 """
