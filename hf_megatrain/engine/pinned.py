@@ -1,15 +1,15 @@
 """Exact-size page-locked host memory.
 
-Everything that crosses PCIe must be pinned (pageable copies run at ~6.6 GB/s instead of
-~55 GB/s). torch's pinned allocator rounds every request up to a power of two, which would
+Everything that crosses PCIe must be pinned: a pageable copy is staged by the driver through a
+bounce buffer and runs several times slower. torch's pinned allocator rounds every request up to a power of two, which would
 waste up to half of a 100 GB host store, so we allocate ordinary memory of exactly the size
 needed and page-lock it with cudaHostRegister. One arena per buffer kind, carved into the
 per-unit flat tensors.
 
 Arenas are private anonymous mappings marked MADV_DONTFORK (Linux): a forked process
 (DataLoader workers) does not get them. Without it, fork() copies every page-locked page into
-each child at once and shares the rest copy-on-write, so with two workers a 3B run's ~58 GiB
-store needed another ~50 GiB and the OOM killer took the trainer. Children never touch the store.
+each child at once and shares the rest copy-on-write, so every worker costs another store of
+host RAM and the OOM killer takes the trainer (BENCHMARKS.md, run 5). Children never touch the store.
 """
 
 from __future__ import annotations

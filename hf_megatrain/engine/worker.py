@@ -12,7 +12,7 @@ sees a `HostJobError` naming the job and the unit at its next `submit`, `drain` 
 The thread holds only the queue and the failure, never the Worker, a finished job or a
 traceback (the error keeps its traceback as text): when the owner (an optimizer, a pipeline)
 is dropped, its host store is freed and the thread is told to end. A thread that kept its last
-job alive once kept a whole 27 GB host store alive after its trainer was gone.
+job alive would keep a whole host store alive after its trainer is gone.
 """
 
 from __future__ import annotations
