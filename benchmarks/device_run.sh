@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader | tee
 timeout 120 python3 benchmarks/versions.py --json "$OUT/versions.json" || echo "VERSIONS not recorded (exit $?)"
 free -g | head -2
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/gpu/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [ "$#" -gt 0 ]; then
   python3 benchmarks/bench.py --out "$OUT" "$@" 2>&1 | tail -30

@@ -44,7 +44,7 @@ part() {  # part SECONDS NAME command...: run, keep its log, never stop the suit
 }
 case "${1:-A}" in
 A)
-  part 150 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+  part 150 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py
   part 120 optimizer python3 benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4 --threads 0 15 \
     --spans 19 21
   part 340 bench_3b python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 65536 --clip 1.0 0.0 \
@@ -64,12 +64,13 @@ D)
 E)
   part 580 long_3b python3 benchmarks/long_context.py --shape llama-3.2-3b --seq 524288 --out "$OUT" ;;
 F)
-  part 120 gpu_documents python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k by_document
+  part 120 gpu_documents python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py -k by_document
   part 420 packed_3b python3 benchmarks/long_context.py --shape llama-3.2-3b --seq 524288 --doc_tokens 32768 \
     --out "$OUT" ;;
 G)
   if [ "${2:-all}" != bench ]; then
-    part 300 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests
+    part 300 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
+      tests/integration/test_failures.py tests/integration/test_checkpoints.py tests/unit/test_contracts.py
   fi
   if [ "${2:-all}" != tests ]; then
     part 480 bench_3b_16k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip ${CLIPS:-1.0} \

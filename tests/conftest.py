@@ -1,11 +1,9 @@
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from warning_guard import deprecations_from_our_calls  # noqa: E402  (found through the path just added)
+from tests.support.warning_guard import deprecations_from_our_calls
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

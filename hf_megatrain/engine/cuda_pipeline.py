@@ -99,7 +99,7 @@ class CudaPipeline(Pipeline):
         self.timeline = None  # a Timeline records busy spans when attached (timeline.py)
         self.on_final_grad = None  # set through StreamingEngine.listen
         # Test hook: random GPU sleeps on the copy streams and host sleeps in the accumulator,
-        # to shake out missing event dependencies (tests/test_gpu.py).
+        # to shake out missing event dependencies (tests/gpu/test_gpu.py).
         self.chaos: random.Random | None = None
 
     # -- the plan -------------------------------------------------------------------------------

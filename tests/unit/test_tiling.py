@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_megatrain import StreamingEngine
-from tiny import make_batch, make_model, make_packed_batch
+from tests.support.tiny import make_batch, make_model, make_packed_batch
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mixtral"])

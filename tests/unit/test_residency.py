@@ -2,7 +2,7 @@
 
 On the CPU the "device" is the host itself, so these tests exercise every code path of resident
 units (their own buffers, stepping in the main thread, gradients accumulated in place, saving)
-and demand bit-identical results to all-streamed; tests/test_gpu.py repeats it on a GPU.
+and demand bit-identical results to all-streamed; tests/gpu/test_gpu.py repeats it on a GPU.
 """
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 
 from hf_megatrain import HostAdamW, StreamingEngine
 from hf_megatrain.checkpoint.hf_format import save_hf_model
-from tiny import make_batch, make_model
+from tests.support.tiny import make_batch, make_model
 
 
 def train(kind, resident, steps=4, ga=2, device="cpu"):

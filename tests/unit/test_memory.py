@@ -10,7 +10,8 @@ import torch
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
 from hf_megatrain.cli import main
 from hf_megatrain.memory import GiB, admit, estimate, model_shapes
-from tiny import KINDS, make_model
+from tests.support import ROOT
+from tests.support.tiny import KINDS, make_model
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -235,7 +236,7 @@ def test_projection_arithmetic():
     behind the forward only as far as the formula says, host and GPU from the estimator."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "project.py")
+    path = os.path.join(ROOT, "benchmarks", "project.py")
     spec = importlib.util.spec_from_file_location("project", path)
     project = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(project)

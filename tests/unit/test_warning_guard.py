@@ -7,8 +7,8 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 from hf_megatrain.engine.schedule import StreamingEngine
 from hf_megatrain.patcher import specs
-from tiny import make_batch, make_model
-from warning_guard import deprecations_from_our_calls
+from tests.support.tiny import make_batch, make_model
+from tests.support.warning_guard import deprecations_from_our_calls
 
 
 def deprecated_past_key_values():

@@ -14,9 +14,8 @@ from hf_megatrain.checkpoint.hf_format import save_hf_model
 from hf_megatrain.checkpoint.loading import load_model_and_tokenizer
 from hf_megatrain.checkpoint.stream_load import engine_from_checkpoint
 from hf_megatrain.demo import build_tokenizer
-from tiny import make_batch, make_model
-
-HERE = os.path.dirname(__file__)
+from tests.support import ROOT
+from tests.support.tiny import make_batch, make_model
 
 
 def trained_engine(kind):
@@ -83,9 +82,8 @@ def test_streamed_load_with_resident_layers_equals_from_model(device, disk_dtype
 
 
 def _run(out, *opts, check=True):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
-    r = subprocess.run([sys.executable, os.path.join(HERE, "train_subprocess.py"), str(out), *opts],
-                       capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "tests.support.train_subprocess", str(out), *opts],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
     if check:
         assert r.returncode == 0, r.stderr[-3000:]
     return r

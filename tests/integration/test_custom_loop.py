@@ -6,7 +6,7 @@ import torch
 from transformers import Trainer
 
 import hf_megatrain
-from tiny import make_batch, make_model
+from tests.support.tiny import make_batch, make_model
 
 
 def test_prepare_loop_matches_stock_adamw():

@@ -6,7 +6,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, T5Config, T5ForConditionalGeneration
 
 from hf_megatrain import MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
-from tiny import make_batch, make_model
+from tests.support.tiny import make_batch, make_model
 
 
 def test_unsupported_architectures_name_the_supported_ones():

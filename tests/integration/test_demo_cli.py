@@ -32,7 +32,7 @@ def test_train_without_data_is_a_clear_error(tmp_path, capsys):
 
 
 def test_push_command_publishes_a_saved_folder(tmp_path, capsys):
-    from tiny import make_model
+    from tests.support.tiny import make_model
 
     make_model("llama").save_pretrained(tmp_path / "m")
     assert main(["push", str(tmp_path / "m"), "--repo", "org/m", "--hub_dir", str(tmp_path / "hub")]) == 0

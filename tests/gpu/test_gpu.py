@@ -1,6 +1,6 @@
 """CUDA path: gradient parity, Trainer loss curve, memory stability, odd shapes, stream stress.
 
-Run on a GPU machine: `python -m pytest -q -m gpu tests/test_gpu.py`. Skipped without CUDA.
+Run on a GPU machine: `python -m pytest -q -m gpu tests/gpu`. Skipped without CUDA.
 Tolerances: fp32 compute (TF32 off) must match stock to 1e-5 relative; bf16 compute is
 compared with an fp32 reference by relative L2 error per parameter (< 3e-2) and loss (< 1e-2).
 """
@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, default_data_collator
 
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainTrainer, StreamingEngine
-from tiny import make_batch, make_model, make_packed_batch
+from tests.support.tiny import make_batch, make_model, make_packed_batch
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

@@ -1,6 +1,9 @@
 """MegaTrainTrainer in one process of a data-parallel run (launched like torchrun does).
 
-    RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. python dp_trainer.py OUT BATCH [--save N] [--resume DIR]
+    RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. python -m tests.support.dp_trainer OUT BATCH
+        [--save N] [--resume DIR]
+
+from the repository root (or with it on PYTHONPATH).
 
 Trains a tiny Llama on a fixed sequence of rows (sequential sampler, so N ranks x BATCH rows see
 the same global batches as 1 rank x N*BATCH rows) and writes OUT/result.json on rank 0.
@@ -10,13 +13,11 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+import datasets
+from transformers import default_data_collator
 
-import datasets  # noqa: E402
-from transformers import default_data_collator  # noqa: E402
-
-from hf_megatrain import MegaTrainArguments, MegaTrainTrainer  # noqa: E402
-from tiny import make_batch, make_model  # noqa: E402
+from hf_megatrain import MegaTrainArguments, MegaTrainTrainer
+from tests.support.tiny import make_batch, make_model
 
 
 def main():

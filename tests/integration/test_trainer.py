@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
 from hf_megatrain import MegaTrainArguments, MegaTrainTrainer
-from tiny import make_batch, make_model
+from tests.support.tiny import make_batch, make_model
 
 
 def rows(n, seed):

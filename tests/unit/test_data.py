@@ -12,9 +12,9 @@ import torch
 from hf_megatrain import MegaTrainError, StreamingEngine
 from hf_megatrain.data import CausalCollator, count_real_tokens, detect_format, load_raw_dataset, tokenize_dataset
 from hf_megatrain.demo import build_tokenizer
-from tiny import make_model
+from tests.support import ROOT
+from tests.support.tiny import make_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The character tokenizer knows a-z, <s>, </s> and ">": user/system turns end in ">", assistant
 # turns in "</s>", and the generation prompt is empty.
 TEMPLATE = (

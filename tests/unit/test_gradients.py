@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_megatrain import StreamingEngine
-from tiny import KINDS, make_batch, make_model
+from tests.support.tiny import KINDS, make_batch, make_model
 
 
 def reference_grads(model, batch, nib):

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import dp_worker
-from tiny import make_model
+from tests.support import ROOT, dp_worker
+from tests.support.tiny import make_model
 
 
 # (model, dtype on disk, compute dtype): fp32 on disk with bf16 compute is read in parts (the
@@ -81,9 +81,6 @@ def test_estimate_counts_what_each_rank_allocates(spawned):
         assert counted <= allocated <= counted + 4096 * got[0][name]["allocated"]["slots"], (name, counted, allocated)
 
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
 def launch(world, out, batch, *opts, port):
     """Start `world` processes the way torchrun does (environment variables) and wait for them."""
     import subprocess
@@ -92,10 +89,9 @@ def launch(world, out, batch, *opts, port):
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "dp_trainer.py"), str(out), str(batch),
-                                       *opts], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.support.dp_trainer", str(out), str(batch), *opts],
+                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for p in procs:
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
@@ -188,7 +184,7 @@ def start_cli(launcher, ranks, source, sources, out, cpu=True):
             "--seed", "0"] + (["--use_cpu"] if cpu else [])
     os.makedirs(f"{out}-tmp")  # the launchers' own files (torchelastic logs) stay in the test's folder
     env = dict(os.environ, HF_HUB_CACHE=sources["hub_cache"], HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               HF_DATASETS_CACHE=f"{out}-datasets", TMPDIR=f"{out}-tmp", PYTHONPATH=os.path.dirname(HERE))
+               HF_DATASETS_CACHE=f"{out}-datasets", TMPDIR=f"{out}-tmp", PYTHONPATH=ROOT)
     log = open(f"{out}.log", "w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True), log
 

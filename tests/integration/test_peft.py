@@ -9,7 +9,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainTrainer, StreamingEngine
-from tiny import make_batch, make_model
+from tests.support.tiny import make_batch, make_model
 
 PREFIX = "base_model.model."
 

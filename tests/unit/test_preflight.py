@@ -22,9 +22,9 @@ from hf_megatrain.demo import build_tokenizer
 from hf_megatrain.engine.store import HostStore
 from hf_megatrain import preflight
 from hf_megatrain.preflight import SMALL_FILES, checkpoint_bytes, check_writable
-from tiny import make_batch, make_model
+from tests.support import ROOT
+from tests.support.tiny import make_batch, make_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The demo's character tokenizer (a-z, <s>, </s>, ">"): user turns end in ">", assistant turns in "</s>".
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}"

@@ -21,7 +21,7 @@ from hf_megatrain.memory import estimate, model_shapes, resolve_placement
 from hf_megatrain.patcher import specs
 from hf_megatrain.patcher.tiling import tile_mlp, untile_mlp
 from hf_megatrain.trainer import TRAINER_OVERRIDES, _RECOMPUTE_FLAG, hook_problems
-from tiny import KINDS, make_batch, make_model
+from tests.support.tiny import KINDS, make_batch, make_model
 
 PACKAGE = os.path.dirname(hf_megatrain.__file__)
 

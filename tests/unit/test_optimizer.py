@@ -7,7 +7,7 @@ import torch
 from transformers import Trainer, get_cosine_schedule_with_warmup
 
 from hf_megatrain import HostAdamW, StreamingEngine
-from tiny import make_batch, make_model
+from tests.support.tiny import make_batch, make_model
 
 
 @pytest.mark.parametrize("span,threads", [(None, 0), (256, 3), (None, 2)])

@@ -1,14 +1,9 @@
-"""One rank of the data-parallel tests (tests/test_distributed.py); run through torch.multiprocessing."""
-
-import os
-import sys
+"""One rank of the data-parallel tests (tests/integration/test_distributed.py); run through torch.multiprocessing."""
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from tiny import make_batch, make_model  # noqa: E402
+from tests.support.tiny import make_batch, make_model
 
 
 def global_batches(steps, rows):

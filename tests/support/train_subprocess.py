@@ -1,10 +1,11 @@
-"""A training run in its own process, for the crash tests (tests/test_checkpoints.py).
+"""A training run in its own process, for the crash tests (tests/integration/test_checkpoints.py).
 
-    python train_subprocess.py OUT_DIR [--kill-at-step N] [--kill-in-save N] [--resume]
+    python -m tests.support.train_subprocess OUT_DIR [--kill-at-step N] [--kill-in-save N] [--resume]
 
-Writes OUT_DIR/log_history.json when it finishes. --kill-at-step sends SIGKILL to itself at the
-start of step N (mid-training); --kill-in-save kills it while checkpoint N is being written,
-after the model files and before the optimizer state.
+from the repository root (or with it on PYTHONPATH). Writes OUT_DIR/result.json (the log history
+and the final fp32 masters) when it finishes. --kill-at-step sends SIGKILL to itself at the start of step N (mid-training);
+--kill-in-save kills it while checkpoint N is being written, after the model files and before the
+optimizer state.
 """
 
 import json
@@ -12,14 +13,12 @@ import os
 import signal
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+import datasets
+from transformers import TrainerCallback, default_data_collator
 
-import datasets  # noqa: E402
-from transformers import TrainerCallback, default_data_collator  # noqa: E402
-
-from hf_megatrain import MegaTrainArguments, MegaTrainTrainer  # noqa: E402
-from hf_megatrain.checkpoint import optimizer_state  # noqa: E402
-from tiny import make_batch, make_model  # noqa: E402
+from hf_megatrain import MegaTrainArguments, MegaTrainTrainer
+from hf_megatrain.checkpoint import optimizer_state
+from tests.support.tiny import make_batch, make_model
 
 
 class KillAt(TrainerCallback):

@@ -23,7 +23,8 @@ from hf_megatrain import HostAdamW, HostJobError, MegaTrainArguments, MegaTrainT
 from hf_megatrain.engine.pinned import pinned_bytes
 from hf_megatrain.engine.store import HostStore
 from hf_megatrain.engine.worker import Signal, Worker
-from tiny import make_batch, make_model
+from tests.support import ROOT
+from tests.support.tiny import make_batch, make_model
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 TIMEOUT = 60  # seconds; a hang is what these tests exist to catch
@@ -272,8 +273,7 @@ def test_failed_step_through_the_cli(tmp_path):
         "HostAdamW._adamw = adamw\n"
         "sys.exit(cli.main(sys.argv[1:]))\n"
     )
-    here = os.path.dirname(__file__)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", script, "train", "--model", str(folder), "--data", str(data),
                         "--output_dir", str(tmp_path / "out"), "--use_cpu", "--background_host_jobs", "true",
                         "--max_seq_length", "32", "--max_steps", "3", "--report_to", "none",
