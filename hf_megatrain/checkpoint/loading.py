@@ -65,9 +65,14 @@ def meta_skeleton(config, attn_implementation: str | None = None) -> PreTrainedM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, **kwargs)
     for name, module in list(model.named_modules()):
-        if any(b.device.type == "meta" for b in module.buffers(recurse=False)):
-            if not hasattr(module, "inv_freq"):
+        meta = [k for k, b in module._buffers.items() if b is not None and b.device.type == "meta"]
+        if meta and not hasattr(module, "inv_freq"):
+            # HF v5 keeps a constant buffer's value beside it as `scalar_<name>` (Gemma's embed_scale)
+            if not all(hasattr(module, f"scalar_{k}") for k in meta):
                 raise MegaTrainError(f"{name} has buffers that cannot be rebuilt on the host")
+            for k in meta:
+                module._buffers[k] = torch.tensor(getattr(module, f"scalar_{k}"))
+        elif meta:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, type(module)(config=model.config))

@@ -40,22 +40,30 @@ _DENSE_MASK_LIMIT = 2 << 30  # bytes of a boolean [batch, 1, T, T] mask we let H
 
 
 class _Embed(nn.Module):
-    def __init__(self, embed: nn.Module):
+    """The embedding, and what the family's model forward does to its output (a multiplier)."""
+
+    def __init__(self, embed: nn.Module, multiplier: float | None = None):
         super().__init__()
         self.embed = embed
+        self.multiplier = multiplier
 
     def forward(self, input_ids):
-        return self.embed(input_ids)
+        x = self.embed(input_ids)
+        return x if self.multiplier is None else x * self.multiplier
 
 
 class _Head(nn.Module):
-    def __init__(self, norm: nn.Module, lm_head: nn.Module):
+    """Final norm + lm_head, and what the family's causal LM does to the logits (spec.logits)."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, logits=None, config=None):
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
+        self.logits, self.config = logits, config
 
     def forward(self, hidden):
-        return self.lm_head(self.norm(hidden))
+        out = self.lm_head(self.norm(hidden))
+        return out if self.logits is None else self.logits(self.config, out)
 
 
 class GradListener(Protocol):
@@ -168,18 +176,34 @@ class StreamingEngine(nn.Module):
         """One template per distinct unit structure: a meta copy of the model's own module."""
         cfg = {id(model.config): self.config}  # templates read the engine's config copy, never the user's
         layers = model.get_submodule(self.spec.layers)
+        spec = self.spec
+        multiplier = getattr(self.config, spec.embed_multiplier) if spec.embed_multiplier else None
+        embed, norm, head = (model.get_submodule(p) for p in (spec.embed, spec.norm, spec.lm_head))
         templates = {
-            "embed": Template(_Embed(meta_copy(model.get_submodule(self.spec.embed), cfg))),
-            "head": Template(_Head(meta_copy(model.get_submodule(self.spec.norm), cfg),
-                                   meta_copy(model.get_submodule(self.spec.lm_head), cfg))),
+            "embed": Template(_Embed(meta_copy(embed, cfg), multiplier), self._template_buffers({"embed": embed})),
+            "head": Template(_Head(meta_copy(norm, cfg), meta_copy(head, cfg), spec.logits, self.config),
+                             self._template_buffers({"norm": norm, "lm_head": head})),
         }
         for unit in self.units:
             if unit.kind == "layer" and unit.template_key not in templates:
-                tmpl = Template(meta_copy(layers[unit.layer], cfg))
-                if self.spec.has_router_loss:
-                    tmpl.capture(self.spec.router)
+                source = layers[unit.layer]
+                tmpl = Template(meta_copy(source, cfg), self._template_buffers({"": source}))
+                if spec.has_router_loss and _has_submodule(source, spec.router):  # dense layers of an MoE have none
+                    tmpl.capture(spec.router)
                 templates[unit.template_key] = tmpl
         return templates
+
+    def _template_buffers(self, sources: dict) -> dict:
+        """The real buffers of the modules a template copies (a template lives on meta), on the compute
+        device, by their names in the template: e.g. Gemma's embedding scale."""
+        out = {}
+        for prefix, module in sources.items():
+            for name, buf in module.named_buffers():
+                if buf.device.type == "meta":
+                    raise MegaTrainError(f"{type(module).__name__}.{name} is a buffer without a value (a meta "
+                                         "skeleton); hf_megatrain cannot rebuild it.")
+                out[f"{prefix}.{name}" if prefix else name] = buf.to(self.device)
+        return out
 
     def set_mlp_tiling(self, tokens: int | None) -> None:
         """Run every layer's MLP on sequence tiles of at most `tokens` tokens; None (or 0) restores
@@ -405,7 +429,7 @@ class StreamingEngine(nn.Module):
             with pipe.span("compute"):
                 x = self._templates["embed"].call({"embed.weight": e_w.view(embed.slots[0].shape)}, ids)
                 ctx = _BatchContext(self, x, mask, pos, docs)
-            acts, routers = self.activations if keep else None, []
+            acts, routers = self.activations if keep else None, {}  # layer -> its router logits
             if keep:
                 acts.reset()
             for unit in self.units[1:-1]:
@@ -414,8 +438,8 @@ class StreamingEngine(nn.Module):
                     acts.put(unit.layer, x)
                 with pipe.span("compute"), ctx.rng_for(unit, save=True), ctx.router_capture(unit) as cap:
                     x = self._layer_call(unit, w, x, ctx)
-                if cap is not None:
-                    routers.append(_router_logits(cap, ids.shape[0]))
+                if cap:  # an MoE layer's router ran (a dense layer of an MoE model has none)
+                    routers[unit.layer] = _router_logits(cap, ids.shape[0])
                 pipe.release(unit.index)
         return x, ctx, acts, routers, e_w
 
@@ -460,12 +484,13 @@ class StreamingEngine(nn.Module):
         tied_grad = grad_w[n_own].reshape(-1) if head.tied_local and grad_w[n_own] is not None else None
         pipe.release(head.index)
 
-        router_seeds = [None] * (len(self.units) - 2)
+        router_seeds = {}
         if routers:
             aux, router_seeds = self._router_loss(routers, mask, seed)
             loss = loss + aux
 
-        for unit, r_seed in reversed(list(zip(self.units[1:-1], router_seeds))):
+        for unit in reversed(self.units[1:-1]):
+            r_seed = router_seeds.get(unit.layer)
             x_in = acts.get(unit.layer)  # also starts bringing back the next offloaded inputs
             w = pipe.weights(unit.index)
             gbuf = pipe.grad_buffer(unit.index) if unit.n_train else None
@@ -521,13 +546,20 @@ class StreamingEngine(nn.Module):
         logit leaves and each layer's share of its gradient is fed in during that layer's
         recompute: exact, with no graph spanning layers.
         """
+        leaves = {layer: r.detach().requires_grad_() for layer, r in routers.items()}
+        with torch.enable_grad():
+            aux = self._aux_loss(leaves, mask)
+            seeds = torch.autograd.grad(aux, list(leaves.values()), grad_outputs=seed, materialize_grads=True,
+                                        allow_unused=True)
+        return aux.detach(), dict(zip(leaves, seeds))
+
+    def _aux_loss(self, routers: dict, mask) -> torch.Tensor:
+        """coef * the family's own load-balancing loss over every MoE layer's router logits, as the
+        causal LM adds it to the loss (number of experts from the config attribute the spec names)."""
         cfg = self.config
         fn = self.spec.aux_loss(self.model_class)
-        leaves = [r.detach().requires_grad_() for r in routers]
-        with torch.enable_grad():
-            aux = cfg.router_aux_loss_coef * fn(tuple(leaves), cfg.num_local_experts, cfg.num_experts_per_tok, mask)
-            seeds = torch.autograd.grad(aux, leaves, grad_outputs=seed, materialize_grads=True, allow_unused=True)
-        return aux.detach(), list(seeds)
+        aux = fn(tuple(routers.values()), getattr(cfg, self.spec.experts), cfg.num_experts_per_tok, mask)
+        return cfg.router_aux_loss_coef * aux
 
     # -- evaluation -------------------------------------------------------------------------
     def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, return_logits=True, **kw):
@@ -545,10 +577,7 @@ class StreamingEngine(nn.Module):
             denom = loss_denominator(labels, kw.get("num_items_in_batch"))
             loss, _, _ = chunked_head_loss(run_head, weights, x, labels, denom, None, self.loss_chunk_tokens, rows)
             if routers:
-                fn = self.spec.aux_loss(self.model_class)
-                cfg = self.config
-                aux = fn(tuple(routers), cfg.num_local_experts, cfg.num_experts_per_tok, mask)
-                loss = loss + cfg.router_aux_loss_coef * aux
+                loss = loss + self._aux_loss(routers, mask)
         if return_logits:
             logits = full_logits(run_head, weights, x, self.loss_chunk_tokens)
         pipe.release(head.index)
@@ -605,6 +634,14 @@ class _BatchContext:
         if not self.router:
             return nullcontext(None)
         return self.engine._templates[unit.template_key].capturing()
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
 
 
 def _router_logits(captured: list, batch: int) -> torch.Tensor:

@@ -100,6 +100,7 @@ def build_units(model: nn.Module, spec: ArchSpec, decay_names) -> list[Unit]:
         groups.setdefault((kind, layer), []).append((name, local, p.shape, pos, p.requires_grad))
 
     units = []
+    shapes_seen: dict[tuple, int] = {}  # a layer's parameter layout -> its ordinal among distinct layouts
     order = [("embed", None)] + [("layer", i) for i in range(config.num_hidden_layers)] + [("head", None)]
     for idx, key in enumerate(order):
         entries = groups.get(key, [])
@@ -114,7 +115,10 @@ def build_units(model: nn.Module, spec: ArchSpec, decay_names) -> list[Unit]:
                     n_train=sum(s.numel for s in slots if s.trainable))
         if kind == "layer":
             unit.attn_kind = kinds[layer]
-            unit.template_key = f"layer:{unit.attn_kind}"
+            # One template per attention kind and parameter layout: an MoE model's dense layers
+            # (Qwen-MoE's mlp_only_layers) are other modules than its sparse ones.
+            layout = shapes_seen.setdefault(tuple((s.local, tuple(s.shape)) for s in slots), len(shapes_seen))
+            unit.template_key = f"layer:{unit.attn_kind}" + (f":{layout}" if layout else "")
         else:
             unit.template_key = kind
         units.append(unit)

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from ..errors import MegaTrainError
@@ -77,11 +78,18 @@ class ArchSpec:
     rotary: str = "model.rotary_emb"
     mlp: str = "mlp"  # inside a decoder layer: the per-token block that sequence tiling splits
     # Module attribute of the router inside a layer whose output[0] is the router logits,
-    # and the name of the aux-loss function in the modeling module (MoE families only).
+    # the name of the aux-loss function in the modeling module, and the config attribute that
+    # holds the number of experts it is given (MoE families only).
     router: str | None = None
     aux_loss_fn: str | None = None
+    experts: str = "num_local_experts"
     # Where a tensor of an on-disk checkpoint goes: (model parameter name, index into it).
     from_disk: Callable = _same_name
+    # What the family's model forward does outside its layers, done exactly as it does it:
+    # the config attribute the embeddings are multiplied by (Granite's embedding_multiplier),
+    # and (config, logits) -> logits after lm_head (soft-capping, scaling).
+    embed_multiplier: str | None = None
+    logits: Callable | None = None
 
     @property
     def has_router_loss(self) -> bool:
@@ -108,6 +116,53 @@ class ArchSpec:
     def aux_loss(self, model_class):
         """The family's own load-balancing loss function (so numerics are HF's)."""
         return getattr(sys.modules[model_class.__module__], self.aux_loss_fn)
+
+
+def _fused_experts_disk(inter: str, gate: str, up: str, down: str, renames: tuple = ()):
+    """Checkpoints that store experts one by one (`experts.E.<gate|up|down>.weight`), where HF v5
+    fuses them: gate_up_proj[E] = cat(gate, up) along rows, down_proj[E] = down (transformers'
+    conversion_mapping). `inter`: the config attribute with one expert's intermediate size;
+    `renames`: (old, new) substrings applied first (module renames between disk and model)."""
+    pattern = re.compile(rf"(.*)\.experts\.(\d+)\.({gate}|{up}|{down})\.weight$")
+
+    def from_disk(name: str, config) -> tuple[str, tuple]:
+        for old, new in renames:
+            name = name.replace(old, new)
+        m = pattern.match(name)
+        if m is None:
+            return name, ()
+        prefix, e, w = m.group(1), int(m.group(2)), m.group(3)
+        if w == down:
+            return f"{prefix}.experts.down_proj", (e,)
+        size = getattr(config, inter)
+        rows = slice(0, size) if w == gate else slice(size, 2 * size)
+        return f"{prefix}.experts.gate_up_proj", (e, rows)
+
+    return from_disk
+
+
+def _renamed_disk(*renames):
+    def from_disk(name: str, config) -> tuple[str, tuple]:
+        for old, new in renames:
+            name = name.replace(old, new)
+        return name, ()
+
+    return from_disk
+
+
+def _softcap_logits(config, logits):
+    cap = config.final_logit_softcapping
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap  # Gemma2ForCausalLM: logits / cap, tanh, * cap
+
+
+def _divided_logits(config, logits):
+    return logits / config.logits_scaling  # GraniteForCausalLM
+
+
+def _scaled_logits(config, logits):
+    return logits * config.logit_scale  # CohereForCausalLM
 
 
 _REGISTRY: dict[str, ArchSpec] = {}
@@ -165,3 +220,24 @@ register(
         from_disk=_mixtral_disk,
     )
 )
+# Dense families whose causal LM is the Llama layout end to end (tests/unit/test_families.py proves each).
+for _type in ("phi3", "olmo2", "glm4", "smollm3", "starcoder2", "helium", "exaone4", "stablelm", "ministral"):
+    register(ArchSpec(_type, _per_layer_types))
+register(ArchSpec("gemma", _always_full))  # its embedding scales itself (a buffer of the module)
+register(ArchSpec("gemma2", _per_layer_types, logits=_softcap_logits))
+register(ArchSpec("granite", _always_full, embed_multiplier="embedding_multiplier", logits=_divided_logits))
+register(ArchSpec("cohere", _always_full, logits=_scaled_logits))
+# Mixture-of-experts families: HF's load-balancing loss, experts fused in memory as HF v5 does.
+_LBL = "load_balancing_loss_func"
+for _type, _inter in (("qwen2_moe", "moe_intermediate_size"), ("qwen3_moe", "moe_intermediate_size"),
+                      ("olmoe", "intermediate_size")):
+    register(ArchSpec(_type, _per_layer_types, router="mlp.gate", aux_loss_fn=_LBL, experts="num_experts",
+                      from_disk=_fused_experts_disk(_inter, "gate_proj", "up_proj", "down_proj")))
+register(ArchSpec("phimoe", _uniform_window, router="mlp.router", aux_loss_fn=_LBL,
+                  from_disk=_fused_experts_disk("intermediate_size", "w1", "w3", "w2",
+                                                ((".block_sparse_moe.", ".mlp."), (".mlp.gate.weight", ".mlp.router.weight")))))
+register(ArchSpec("granitemoe", _always_full, mlp="block_sparse_moe", router="block_sparse_moe.router",
+                  aux_loss_fn=_LBL, embed_multiplier="embedding_multiplier", logits=_divided_logits,
+                  from_disk=_renamed_disk(("block_sparse_moe.input_linear.weight", "block_sparse_moe.experts.gate_up_proj"),
+                                          ("block_sparse_moe.output_linear.weight", "block_sparse_moe.experts.down_proj"),
+                                          ("block_sparse_moe.router.layer.weight", "block_sparse_moe.router.weight"))))

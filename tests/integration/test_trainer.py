@@ -52,7 +52,7 @@ def assert_logs_equal(a_hist, b_hist):
                 assert abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(a[k])), (k, a[k], b[k])
 
 
-@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "mixtral", "gemma2", "qwen3_moe"])  # and a dense and an MoE family of tiny.FAMILIES
 def test_trainer_matches_stock(kind, tmp_path):
     stock, mega, ref = run_pair(kind, tmp_path)
     assert sum("eval_loss" in h for h in mega.state.log_history) == 3

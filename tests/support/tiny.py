@@ -51,6 +51,29 @@ def make_config(kind: str):
     raise KeyError(kind)
 
 
+# The families beyond the six above, each as transformers' own tests make them tiny: hidden 64, 3 layers,
+# MoE intermediate 64. Values that are 1.0 by default are set otherwise, so that a multiplier the engine
+# forgot would show (Granite's embedding/residual/attention multipliers and logits scaling, Cohere's
+# logit scale, Gemma 2's soft-capping), and Qwen2-MoE has a dense layer among its sparse ones.
+MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.05)
+FAMILIES = {
+    "phi3": dict(), "olmo2": dict(), "glm4": dict(), "smollm3": dict(), "starcoder2": dict(), "stablelm": dict(),
+    "helium": dict(head_dim=16), "exaone4": dict(),
+    "ministral": dict(head_dim=16, sliding_window=5, layer_types=["full_attention", "sliding_attention", "full_attention"]),
+    "gemma": dict(head_dim=16), "gemma2": dict(head_dim=16, final_logit_softcapping=2.0),
+    "granite": dict(embedding_multiplier=3.0, logits_scaling=2.5, residual_multiplier=0.7, attention_multiplier=0.2),
+    "cohere": dict(logit_scale=0.5),
+    "qwen2_moe": dict(MOE, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4,
+                      mlp_only_layers=[1]),
+    "qwen3_moe": dict(MOE, moe_intermediate_size=64, num_experts=4, head_dim=16),
+    "olmoe": dict(MOE, num_experts=4, intermediate_size=64),
+    "phimoe": dict(MOE, num_local_experts=4, intermediate_size=64),
+    # output_router_logits=False: stock GraniteMoeForCausalLM fails with it on in transformers 5.17
+    # ("'int' object has no attribute 'to'" where it adds the aux loss), so there is nothing to compare to.
+    "granitemoe": dict(MOE, num_local_experts=4, intermediate_size=64, embedding_multiplier=3.0, logits_scaling=2.5,
+                       output_router_logits=False),
+}
+
 CLASSES = {
     "llama": LlamaForCausalLM,
     "llama_tied": LlamaForCausalLM,
@@ -63,11 +86,19 @@ KINDS = list(CLASSES)
 
 
 def make_model(kind: str, seed: int = 0, attn: str = "sdpa", **overrides):
+    """A tiny random model of `kind`: one of KINDS, or a model type of FAMILIES."""
     torch.manual_seed(seed)
-    cfg = make_config(kind)
+    if kind in FAMILIES:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.for_model(kind, **{**COMMON, **FAMILIES[kind]})
+        cls = AutoModelForCausalLM.from_config
+    else:
+        cfg = make_config(kind)
+        cls = CLASSES[kind]._from_config
     for k, v in overrides.items():
         setattr(cfg, k, v)
-    model = CLASSES[kind]._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    model = cls(cfg, attn_implementation=attn, dtype=torch.float32)
     model.train()
     return model
 
