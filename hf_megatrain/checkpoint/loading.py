@@ -66,7 +66,8 @@ def meta_skeleton(config, attn_implementation: str | None = None) -> PreTrainedM
         model = AutoModelForCausalLM.from_config(config, **kwargs)
     for name, module in list(model.named_modules()):
         meta = [k for k, b in module._buffers.items() if b is not None and b.device.type == "meta"]
-        if meta and not hasattr(module, "inv_freq"):
+        rotary = hasattr(module, "inv_freq") or type(module).__name__.endswith("RotaryEmbedding")
+        if meta and not rotary:
             # HF v5 keeps a constant buffer's value beside it as `scalar_<name>` (Gemma's embed_scale)
             if not all(hasattr(module, f"scalar_{k}") for k in meta):
                 raise MegaTrainError(f"{name} has buffers that cannot be rebuilt on the host")

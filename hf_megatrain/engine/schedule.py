@@ -14,6 +14,7 @@ this file only says in which order units are needed.
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -157,6 +158,7 @@ class StreamingEngine(nn.Module):
             float(getattr(cfg, k, 0.0) or 0.0) > 0 for k in ("attention_dropout", "router_jitter_noise", "hidden_dropout")
         ) or any(isinstance(m, nn.Dropout) and m.p > 0 for t in self._templates.values() for m in t.module.modules())
         self.rotary = self._build_rotary(model)
+        self.rotary_per_kind = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.loss_chunk_tokens = loss_chunk(cfg.vocab_size, self.device.type, config.loss_chunk_tokens)
         self.pipeline: Pipeline = self._make_pipeline(config)
         self.activations = Activations(self.device, config.offload_activations, config.activation_lookahead)
@@ -597,14 +599,18 @@ class _BatchContext:
         else:
             self.masks = engine.spec.build_masks(cfg, embeds, mask, pos)
         self.pos = pos
-        self.pos_emb = engine.rotary(embeds, position_ids=pos)
+        if engine.rotary_per_kind:  # Gemma 3: one rotary base per attention kind, as its model forward does
+            self.pos_emb = {kind: engine.rotary(embeds, pos, kind) for kind in set(engine.spec.kinds(cfg))}
+        else:
+            self.pos_emb = engine.rotary(embeds, position_ids=pos)
         self.router = engine.spec.has_router_loss and bool(getattr(cfg, "output_router_logits", False))
         # Dropout / router jitter draw random numbers: the recompute must draw the same ones.
         self.stochastic = engine.training and engine.stochastic
         self.rng: dict[int, tuple] = {}
 
     def layer_kwargs(self, unit) -> dict:
-        kw = dict(attention_mask=self.masks[unit.attn_kind], position_ids=self.pos, position_embeddings=self.pos_emb)
+        pos_emb = self.pos_emb[unit.attn_kind] if isinstance(self.pos_emb, dict) else self.pos_emb
+        kw = dict(attention_mask=self.masks[unit.attn_kind], position_ids=self.pos, position_embeddings=pos_emb)
         if self.docs:
             kw["megatrain_documents"] = self.docs
         return kw

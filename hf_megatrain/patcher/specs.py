@@ -225,6 +225,7 @@ for _type in ("phi3", "olmo2", "glm4", "smollm3", "starcoder2", "helium", "exaon
     register(ArchSpec(_type, _per_layer_types))
 register(ArchSpec("gemma", _always_full))  # its embedding scales itself (a buffer of the module)
 register(ArchSpec("gemma2", _per_layer_types, logits=_softcap_logits))
+register(ArchSpec("gemma3_text", _per_layer_types, logits=_softcap_logits))  # a rotary base per attention kind
 register(ArchSpec("granite", _always_full, embed_multiplier="embedding_multiplier", logits=_divided_logits))
 register(ArchSpec("cohere", _always_full, logits=_scaled_logits))
 # Mixture-of-experts families: HF's load-balancing loss, experts fused in memory as HF v5 does.
@@ -236,6 +237,8 @@ for _type, _inter in (("qwen2_moe", "moe_intermediate_size"), ("qwen3_moe", "moe
 register(ArchSpec("phimoe", _uniform_window, router="mlp.router", aux_loss_fn=_LBL,
                   from_disk=_fused_experts_disk("intermediate_size", "w1", "w3", "w2",
                                                 ((".block_sparse_moe.", ".mlp."), (".mlp.gate.weight", ".mlp.router.weight")))))
+# gpt-oss: attention sinks need attn_implementation="eager" (HF refuses sdpa for it); experts fused on disk too
+register(ArchSpec("gpt_oss", _per_layer_types, router="mlp.router", aux_loss_fn=_LBL))
 register(ArchSpec("granitemoe", _always_full, mlp="block_sparse_moe", router="block_sparse_moe.router",
                   aux_loss_fn=_LBL, embed_multiplier="embedding_multiplier", logits=_divided_logits,
                   from_disk=_renamed_disk(("block_sparse_moe.input_linear.weight", "block_sparse_moe.experts.gate_up_proj"),

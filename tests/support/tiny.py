@@ -55,12 +55,16 @@ def make_config(kind: str):
 # MoE intermediate 64. Values that are 1.0 by default are set otherwise, so that a multiplier the engine
 # forgot would show (Granite's embedding/residual/attention multipliers and logits scaling, Cohere's
 # logit scale, Gemma 2's soft-capping), and Qwen2-MoE has a dense layer among its sparse ones.
+# EAGER_ONLY: families whose stock model refuses sdpa (gpt-oss's attention sinks).
+EAGER_ONLY = {"gpt_oss"}
 MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.05)
 FAMILIES = {
     "phi3": dict(), "olmo2": dict(), "glm4": dict(), "smollm3": dict(), "starcoder2": dict(), "stablelm": dict(),
     "helium": dict(head_dim=16), "exaone4": dict(),
     "ministral": dict(head_dim=16, sliding_window=5, layer_types=["full_attention", "sliding_attention", "full_attention"]),
     "gemma": dict(head_dim=16), "gemma2": dict(head_dim=16, final_logit_softcapping=2.0),
+    "gemma3_text": dict(head_dim=16, sliding_window=4, final_logit_softcapping=2.0,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "granite": dict(embedding_multiplier=3.0, logits_scaling=2.5, residual_multiplier=0.7, attention_multiplier=0.2),
     "cohere": dict(logit_scale=0.5),
     "qwen2_moe": dict(MOE, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4,
@@ -68,6 +72,8 @@ FAMILIES = {
     "qwen3_moe": dict(MOE, moe_intermediate_size=64, num_experts=4, head_dim=16),
     "olmoe": dict(MOE, num_experts=4, intermediate_size=64),
     "phimoe": dict(MOE, num_local_experts=4, intermediate_size=64),
+    "gpt_oss": dict(MOE, num_local_experts=4, intermediate_size=64, head_dim=16, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     # output_router_logits=False: stock GraniteMoeForCausalLM fails with it on in transformers 5.17
     # ("'int' object has no attribute 'to'" where it adds the aux loss), so there is nothing to compare to.
     "granitemoe": dict(MOE, num_local_experts=4, intermediate_size=64, embedding_multiplier=3.0, logits_scaling=2.5,
