@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, default_data_collator
 
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainTrainer, StreamingEngine
-from tests.support.tiny import make_batch, make_model, make_packed_batch
+from tests.support.tiny import EAGER_ONLY, FAMILIES, make_batch, make_model, make_packed_batch
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -57,6 +57,22 @@ def test_fp32_gradients_match_stock_on_gpu(kind):
 
 def test_bf16_gradients_close_to_fp32_reference():
     model = make_model("llama")
+    batch = make_batch(batch=4, seq=64, pad_rows=1)
+    ref_loss, ref = stock_grads(model, batch)
+    engine = StreamingEngine(model, device=DEV, compute_dtype=torch.bfloat16).train()
+    loss = engine.forward_backward(batch)
+    assert abs(float(loss) - ref_loss) < 1e-2
+    for name, g in engine.named_grads():
+        assert rel_err(g, ref[name]) < 3e-2, name
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_families_on_gpu(family):
+    """Each family beyond the first six: fp32 equal to stock on the GPU, and bf16 compute close to the
+    fp32 reference (the criterion above)."""
+    attn = "eager" if family in EAGER_ONLY else "sdpa"
+    assert_fp32_matches_stock(make_model(family, attn=attn), make_batch(batch=3, seq=24))
+    model = make_model(family, attn=attn)
     batch = make_batch(batch=4, seq=64, pad_rows=1)
     ref_loss, ref = stock_grads(model, batch)
     engine = StreamingEngine(model, device=DEV, compute_dtype=torch.bfloat16).train()
