@@ -68,13 +68,26 @@ def test_bf16_gradients_close_to_fp32_reference():
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_families_on_gpu(family):
-    """Each family beyond the first six: fp32 equal to stock on the GPU, and bf16 compute close to the
-    fp32 reference (the criterion above)."""
+    """Each family beyond the first six, on the GPU. fp32: equal to stock (the loss to 1e-5 relative:
+    gpt-oss's experts add with index_add_, whose CUDA order is not fixed). bf16: the engine's bf16
+    compute against stock with bf16 parameters, loss within 1e-2 and every gradient within 3e-2 relative
+    L2 (an fp32 reference would measure bf16 itself: an MoE's top-k routing flips between precisions).
+    Rows without padding in bf16: a padded query whose sliding window holds only padding attends to
+    nothing, which SDPA's bf16 kernels turn into NaN in stock and engine alike."""
     attn = "eager" if family in EAGER_ONLY else "sdpa"
-    assert_fp32_matches_stock(make_model(family, attn=attn), make_batch(batch=3, seq=24))
     model = make_model(family, attn=attn)
-    batch = make_batch(batch=4, seq=64, pad_rows=1)
-    ref_loss, ref = stock_grads(model, batch)
+    batch = make_batch(batch=3, seq=24)
+    nib = batch["labels"][..., 1:].ne(-100).sum()
+    ref_loss, ref = stock_grads(model, batch, nib)
+    engine = StreamingEngine(model, device=DEV, compute_dtype=torch.float32).train()
+    loss = engine.forward_backward(batch, num_items_in_batch=nib)
+    assert abs(float(loss) - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
+    for name, g in engine.named_grads():
+        torch.testing.assert_close(g, ref[name], atol=1e-6, rtol=1e-5, msg=name)
+
+    model = make_model(family, attn=attn)
+    batch = make_batch(batch=4, seq=64, pad_rows=0)
+    ref_loss, ref = stock_grads(copy.deepcopy(model).to(torch.bfloat16), batch)
     engine = StreamingEngine(model, device=DEV, compute_dtype=torch.bfloat16).train()
     loss = engine.forward_backward(batch)
     assert abs(float(loss) - ref_loss) < 1e-2
