@@ -69,9 +69,10 @@ def test_bf16_gradients_close_to_fp32_reference():
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_families_on_gpu(family):
     """Each family beyond the first six, on the GPU. fp32: equal to stock (the loss to 1e-5 relative:
-    gpt-oss's experts add with index_add_, whose CUDA order is not fixed). bf16: the engine's bf16
-    compute against stock with bf16 parameters, loss within 1e-2 and every gradient within 3e-2 relative
-    L2 (an fp32 reference would measure bf16 itself: an MoE's top-k routing flips between precisions).
+    gpt-oss's experts add with index_add_, whose CUDA order is not fixed). bf16 parity: measured against
+    the fp32 reference, the engine's bf16 compute is as close as stock with bf16 parameters is (its error
+    at most twice stock's plus 1e-2, loss and every gradient). A fixed bound would measure bf16 itself:
+    on these tiny models an MoE's router gradient moves 3-6% between precisions, in stock too.
     Rows without padding in bf16: a padded query whose sliding window holds only padding attends to
     nothing, which SDPA's bf16 kernels turn into NaN in stock and engine alike."""
     attn = "eager" if family in EAGER_ONLY else "sdpa"
@@ -87,12 +88,13 @@ def test_families_on_gpu(family):
 
     model = make_model(family, attn=attn)
     batch = make_batch(batch=4, seq=64, pad_rows=0)
-    ref_loss, ref = stock_grads(copy.deepcopy(model).to(torch.bfloat16), batch)
+    ref_loss, ref = stock_grads(model, batch)
+    stock_loss, stock = stock_grads(copy.deepcopy(model).to(torch.bfloat16), batch)
     engine = StreamingEngine(model, device=DEV, compute_dtype=torch.bfloat16).train()
     loss = engine.forward_backward(batch)
-    assert abs(float(loss) - ref_loss) < 1e-2
+    assert abs(float(loss) - ref_loss) <= 2 * abs(stock_loss - ref_loss) + 1e-2
     for name, g in engine.named_grads():
-        assert rel_err(g, ref[name]) < 3e-2, name
+        assert rel_err(g, ref[name]) <= 2 * rel_err(stock[name], ref[name]) + 1e-2, name
 
 
 def test_odd_shapes_match_stock():
