@@ -156,7 +156,11 @@ class StreamingEngine(nn.Module):
         cfg = self.config
         self.stochastic = any(
             float(getattr(cfg, k, 0.0) or 0.0) > 0 for k in ("attention_dropout", "router_jitter_noise", "hidden_dropout")
-        ) or any(isinstance(m, nn.Dropout) and m.p > 0 for t in self._templates.values() for m in t.module.modules())
+        ) or any(isinstance(m, nn.Dropout) and m.p > 0 for t in self._templates.values() for m in t.module.modules()) \
+            or any(float(getattr(cfg, k, 0.0) or 0.0) > 0 for k in ("residual_dropout", "input_jitter_noise"))
+        if float(getattr(cfg, "embedding_dropout", 0.0) or 0.0) > 0:  # StarCoder2 drops out the embeddings
+            raise MegaTrainError(f"embedding_dropout={cfg.embedding_dropout} is applied outside the decoder layers, "
+                                 "which the engine does not do yet; set config.embedding_dropout = 0.")
         self.rotary = self._build_rotary(model)
         self.rotary_per_kind = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.loss_chunk_tokens = loss_chunk(cfg.vocab_size, self.device.type, config.loss_chunk_tokens)
@@ -191,7 +195,7 @@ class StreamingEngine(nn.Module):
                 source = layers[unit.layer]
                 tmpl = Template(meta_copy(source, cfg), self._template_buffers({"": source}))
                 if spec.has_router_loss and _has_submodule(source, spec.router):  # dense layers of an MoE have none
-                    tmpl.capture(spec.router)
+                    tmpl.capture(spec.router, spec.router_index)
                 templates[unit.template_key] = tmpl
         return templates
 
@@ -369,11 +373,12 @@ class StreamingEngine(nn.Module):
         window = getattr(self.config, "sliding_window", None)
         longest = max((b - a for row in docs or [] for a, b in row), default=0)
         sliding = SLIDING in self.spec.kinds(self.config) and window is not None and longest > window
-        if impl == "sdpa" and docs is not None and not sliding:
+        if impl == "sdpa" and docs is not None and not sliding and self.spec.attention_kwargs:
             return docs
         why = ("left or inner padding" if docs is None else
                f"documents of up to {longest} tokens under a {window}-token sliding window" if sliding else
-               "attn_implementation='eager'")
+               "attn_implementation='eager'" if impl == "eager" else
+               f"{self.spec.model_type}'s decoder layers, which do not pass extra arguments to attention")
         raise MegaTrainError(
             f"rows of {seq} tokens with {'packed documents' if packed else 'padding'} need a dense "
             f"{rows}x{seq}x{seq} attention mask under attn_implementation={impl!r} "

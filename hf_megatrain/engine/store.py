@@ -89,6 +89,17 @@ def _unit_of(name: str, spec: ArchSpec) -> tuple[str, int | None, str]:
     raise ValueError(f"parameter {name!r} is not in the embedding, a decoder layer or the head")
 
 
+def _settings(layer: nn.Module) -> tuple:
+    """A decoder layer's plain settings (numbers, flags, names of its modules), which its template
+    copies from the first layer it is made for; `layer_idx` (the KV cache's slot) is not math."""
+    out = []
+    for name, module in layer.named_modules():
+        plain = sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and k != "layer_idx"
+                       and isinstance(v, (bool, int, float, str, type(None))))
+        out.append((name, type(module).__name__, tuple(plain)))
+    return tuple(out)
+
+
 def build_units(model: nn.Module, spec: ArchSpec, decay_names) -> list[Unit]:
     """Units in forward order: embed, layers 0..L-1, head."""
     decay_names = set(decay_names)
@@ -99,6 +110,7 @@ def build_units(model: nn.Module, spec: ArchSpec, decay_names) -> list[Unit]:
         kind, layer, local = _unit_of(name, spec)
         groups.setdefault((kind, layer), []).append((name, local, p.shape, pos, p.requires_grad))
 
+    layers = model.get_submodule(spec.layers)
     units = []
     shapes_seen: dict[tuple, int] = {}  # a layer's parameter layout -> its ordinal among distinct layouts
     order = [("embed", None)] + [("layer", i) for i in range(config.num_hidden_layers)] + [("head", None)]
@@ -115,9 +127,11 @@ def build_units(model: nn.Module, spec: ArchSpec, decay_names) -> list[Unit]:
                     n_train=sum(s.numel for s in slots if s.trainable))
         if kind == "layer":
             unit.attn_kind = kinds[layer]
-            # One template per attention kind and parameter layout: an MoE model's dense layers
-            # (Qwen-MoE's mlp_only_layers) are other modules than its sparse ones.
-            layout = shapes_seen.setdefault(tuple((s.local, tuple(s.shape)) for s in slots), len(shapes_seen))
+            # One template per attention kind, parameter layout and settings: an MoE model's dense
+            # layers (Qwen-MoE's mlp_only_layers) are other modules than its sparse ones, and
+            # SmolLM3's attention skips RoPE on some layers by a plain attribute (use_rope).
+            structure = (tuple((s.local, tuple(s.shape)) for s in slots), _settings(layers[layer]))
+            layout = shapes_seen.setdefault(structure, len(shapes_seen))
             unit.template_key = f"layer:{unit.attn_kind}" + (f":{layout}" if layout else "")
         else:
             unit.template_key = kind

@@ -81,8 +81,12 @@ class ArchSpec:
     # the name of the aux-loss function in the modeling module, and the config attribute that
     # holds the number of experts it is given (MoE families only).
     router: str | None = None
+    router_index: int = 0  # where in the router's outputs its logits are (GraniteMoe: 2)
     aux_loss_fn: str | None = None
     experts: str = "num_local_experts"
+    # Whether the decoder layers pass extra keyword arguments on to attention (StableLM's do not):
+    # document-by-document attention needs them.
+    attention_kwargs: bool = True
     # Where a tensor of an on-disk checkpoint goes: (model parameter name, index into it).
     from_disk: Callable = _same_name
     # What the family's model forward does outside its layers, done exactly as it does it:
@@ -221,8 +225,11 @@ register(
     )
 )
 # Dense families whose causal LM is the Llama layout end to end (tests/unit/test_families.py proves each).
-for _type in ("phi3", "olmo2", "glm4", "smollm3", "starcoder2", "helium", "exaone4", "stablelm", "ministral"):
+for _type in ("olmo2", "glm4", "smollm3", "helium", "exaone4", "ministral"):
     register(ArchSpec(_type, _per_layer_types))
+for _type in ("phi3", "starcoder2"):  # a sliding mask wherever config.sliding_window is set
+    register(ArchSpec(_type, _uniform_window))
+register(ArchSpec("stablelm", _always_full, attention_kwargs=False))
 register(ArchSpec("gemma", _always_full))  # its embedding scales itself (a buffer of the module)
 register(ArchSpec("gemma2", _per_layer_types, logits=_softcap_logits))
 register(ArchSpec("gemma3_text", _per_layer_types, logits=_softcap_logits))  # a rotary base per attention kind
@@ -230,9 +237,10 @@ register(ArchSpec("granite", _always_full, embed_multiplier="embedding_multiplie
 register(ArchSpec("cohere", _always_full, logits=_scaled_logits))
 # Mixture-of-experts families: HF's load-balancing loss, experts fused in memory as HF v5 does.
 _LBL = "load_balancing_loss_func"
-for _type, _inter in (("qwen2_moe", "moe_intermediate_size"), ("qwen3_moe", "moe_intermediate_size"),
-                      ("olmoe", "intermediate_size")):
-    register(ArchSpec(_type, _per_layer_types, router="mlp.gate", aux_loss_fn=_LBL, experts="num_experts",
+for _type, _kind, _inter in (("qwen2_moe", _per_layer_types, "moe_intermediate_size"),
+                             ("qwen3_moe", _uniform_window, "moe_intermediate_size"),
+                             ("olmoe", _per_layer_types, "intermediate_size")):
+    register(ArchSpec(_type, _kind, router="mlp.gate", aux_loss_fn=_LBL, experts="num_experts",
                       from_disk=_fused_experts_disk(_inter, "gate_proj", "up_proj", "down_proj")))
 register(ArchSpec("phimoe", _uniform_window, router="mlp.router", aux_loss_fn=_LBL,
                   from_disk=_fused_experts_disk("intermediate_size", "w1", "w3", "w2",
@@ -240,7 +248,7 @@ register(ArchSpec("phimoe", _uniform_window, router="mlp.router", aux_loss_fn=_L
 # gpt-oss: attention sinks need attn_implementation="eager" (HF refuses sdpa for it); experts fused on disk too
 register(ArchSpec("gpt_oss", _per_layer_types, router="mlp.router", aux_loss_fn=_LBL))
 register(ArchSpec("granitemoe", _always_full, mlp="block_sparse_moe", router="block_sparse_moe.router",
-                  aux_loss_fn=_LBL, embed_multiplier="embedding_multiplier", logits=_divided_logits,
+                  router_index=2, aux_loss_fn=_LBL, embed_multiplier="embedding_multiplier", logits=_divided_logits,
                   from_disk=_renamed_disk(("block_sparse_moe.input_linear.weight", "block_sparse_moe.experts.gate_up_proj"),
                                           ("block_sparse_moe.output_linear.weight", "block_sparse_moe.experts.down_proj"),
                                           ("block_sparse_moe.router.layer.weight", "block_sparse_moe.router.weight"))))

@@ -54,13 +54,13 @@ class Template:
         self.module.train(mode)
 
     # -- router capture (MoE) -------------------------------------------------------------
-    def capture(self, submodule_path: str) -> None:
-        """Record output[0] of a submodule (the router logits) on every call."""
+    def capture(self, submodule_path: str, index: int = 0) -> None:
+        """Record output[index] of a submodule (the router logits) on every call."""
         sub = self.module.get_submodule(submodule_path)
 
         def hook(_mod, _inp, out):
             if self._captures is not None:
-                self._captures.append(out[0] if isinstance(out, tuple) else out)
+                self._captures.append(out[index] if isinstance(out, tuple) else out)
 
         sub.register_forward_hook(hook)
 
