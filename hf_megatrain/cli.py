@@ -182,7 +182,13 @@ def _config_of(model: str):
 
     from .checkpoint.stream_load import resolve_folder
 
-    return AutoConfig.from_pretrained(resolve_folder(model))
+    try:
+        folder = resolve_folder(model)
+    except MegaTrainError as e:
+        if "/" in model:
+            raise
+        raise MegaTrainError(f"{e} Or name a known shape: {', '.join(SHAPES)}.") from None
+    return AutoConfig.from_pretrained(folder)
 
 
 def _push(argv: list[str]) -> int:

@@ -1,6 +1,6 @@
 """Configs of public model shapes, for the estimator, the benchmarks and the notebooks (no weights)."""
 
-from transformers import LlamaConfig, Qwen2Config
+from transformers import Gemma2Config, GptOssConfig, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3MoeConfig
 
 SHAPES = {
     "llama-3.2-1b": dict(cls=LlamaConfig, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -28,6 +28,20 @@ SHAPES = {
     "dense-120b": dict(cls=LlamaConfig, hidden_size=10240, intermediate_size=32768, num_hidden_layers=96,
                        num_attention_heads=80, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
                        rope_theta=500000.0),
+    "gemma-2-9b": dict(cls=Gemma2Config, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=256000,
+                       sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
+    # mixtures of experts (parameter counts are totals; the active share is what a token computes with)
+    "qwen3-30b-a3b": dict(cls=Qwen3MoeConfig, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False,
+                          rope_theta=1000000.0),
+    "mixtral-8x22b": dict(cls=MixtralConfig, hidden_size=6144, intermediate_size=16384, num_hidden_layers=56,
+                          num_attention_heads=48, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                          vocab_size=32768, rope_theta=1000000.0),
+    "gpt-oss-20b": dict(cls=GptOssConfig, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                        num_experts_per_tok=4, vocab_size=201088, sliding_window=128),
 }
 
 

@@ -204,11 +204,27 @@ def spec_for(config) -> ArchSpec:
     if spec is None:
         raise MegaTrainError(
             f"hf_megatrain does not support model type {model_type!r} "
-            f"(architectures: {getattr(config, 'architectures', None)}). "
-            f"Supported decoder-only families: {', '.join(supported_model_types())}. "
-            "Encoder-decoder models (T5, BART) and older layouts (GPT-2) are out of scope."
+            f"(architectures: {getattr(config, 'architectures', None)}): {_why_not(config)}. "
+            f"Supported decoder-only families: {', '.join(supported_model_types())}."
         )
     return spec
+
+
+_ATTENTION_KINDS = {FULL, SLIDING, "chunked_attention"}
+
+
+def _why_not(config) -> str:
+    """The reason, in a few words, that a config is not one of the decoder stacks the engine trains."""
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model, not a decoder-only stack"
+    if getattr(config, "text_config", None) is not None or getattr(config, "vision_config", None) is not None:
+        return "a wrapper around a text model (vision-language or multimodal); train its text model's type instead"
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if kinds - _ATTENTION_KINDS:
+        return f"state-space or hybrid layers ({', '.join(sorted(kinds - _ATTENTION_KINDS))}), not attention layers only"
+    if not hasattr(config, "intermediate_size"):
+        return "no intermediate_size: not the plain decoder stack the engine streams layer by layer"
+    return "a decoder stack the registry does not know yet"
 
 
 register(ArchSpec("llama", _always_full))

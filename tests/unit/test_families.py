@@ -70,6 +70,25 @@ def test_folder_streams_in_and_saved_files_load_back(family, tmp_path):
                                    src.eval()(input_ids=batch["input_ids"]).logits)
 
 
+@pytest.mark.parametrize("model_type, reason", [
+    ("t5", "an encoder-decoder model"), ("jamba", "state-space or hybrid layers"),
+    ("llava", "a wrapper around a text model"), ("gpt2", "no intermediate_size"),
+])
+def test_what_is_not_a_decoder_stack_is_refused_with_its_reason(model_type, reason, tmp_path, capsys):
+    """The trainer and `hf-megatrain estimate` refuse it with the same line: the reason and the families."""
+    from transformers import AutoConfig
+
+    from hf_megatrain import MegaTrainArguments, MegaTrainTrainer
+    from hf_megatrain.cli import main
+
+    AutoConfig.for_model(model_type).save_pretrained(tmp_path / "m")
+    with pytest.raises(MegaTrainError) as refused:
+        MegaTrainTrainer(str(tmp_path / "m"), MegaTrainArguments(output_dir=str(tmp_path / "o"), use_cpu=True))
+    assert reason in str(refused.value) and "Supported decoder-only families: " in str(refused.value)
+    assert main(["estimate", str(tmp_path / "m")]) == 2
+    assert capsys.readouterr().err.strip() == f"hf-megatrain estimate: error: {refused.value}"
+
+
 def test_an_architecture_outside_the_registry_is_refused_by_name():
     from transformers import GPT2Config
 
