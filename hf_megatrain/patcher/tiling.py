@@ -35,7 +35,7 @@ def tile_mlp(mlp: torch.nn.Module, tokens_per_tile: int) -> None:
             return original(self, hidden_states, *args, **kwargs)
         tiles = [t.contiguous() for t in hidden_states.split(rows, dim=1)]  # MoE blocks .view() their input
         if not torch.is_grad_enabled():
-            return torch.cat([original(self, t, *args, **kwargs) for t in tiles], dim=1)
+            return _joined([original(self, t, *args, **kwargs) for t in tiles], batch)
         # The parameters bound right now (views of the streamed buffer, as grad leaves) are
         # captured so that the checkpoint's recompute, which runs after functional_call has
         # unbound them, uses the same tensors.
@@ -45,9 +45,27 @@ def tile_mlp(mlp: torch.nn.Module, tokens_per_tile: int) -> None:
             return functional_call(self, bound, (t, *args), kwargs, tie_weights=False)
 
         outs = [checkpoint(run, t, use_reentrant=False) for t in tiles]
-        return torch.cat(outs, dim=1)
+        return _joined(outs, batch)
 
     mlp.forward = types.MethodType(forward, mlp)
+
+
+def _joined(outs: list, batch: int):
+    """The tiles' outputs as the untiled MLP returns them: [batch, tile, hidden] joined along the
+    sequence; an MLP that also returns per-token values flattened to [batch * tile, ...] (gpt-oss's
+    router scores) gets those joined in (row, position) order too."""
+    if not isinstance(outs[0], tuple):
+        return torch.cat(outs, dim=1)
+    joined = [torch.cat([o[0] for o in outs], dim=1)]
+    for k in range(1, len(outs[0])):
+        parts = [o[k] for o in outs]
+        if all(p.shape[0] == batch * o[0].shape[1] for p, o in zip(parts, outs)):
+            rest = parts[0].shape[1:]
+            parts = [p.view(batch, -1, *rest) for p in parts]
+            joined.append(torch.cat(parts, dim=1).reshape(-1, *rest))
+        else:
+            joined.append(torch.cat(parts, dim=0))
+    return tuple(joined)
 
 
 def untile_mlp(mlp: torch.nn.Module) -> None:
