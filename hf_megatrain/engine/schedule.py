@@ -35,6 +35,7 @@ from .config import EngineConfig
 from .layout import loss_chunk, mark_resident
 from .loss import IGNORE_INDEX, chunked_head_loss, counted_rows, full_logits, loss_denominator
 from .pipeline import HostPipeline, Pipeline
+from .selfcheck import verify
 from .store import HostStore, build_units
 
 _DENSE_MASK_LIMIT = 2 << 30  # bytes of a boolean [batch, 1, T, T] mask we let HF build
@@ -134,6 +135,8 @@ class StreamingEngine(nn.Module):
             model = model.get_base_model()
         self.spec = spec_for(model.config)
         _check_model(model, self.spec, skeleton=load_weights is not None)
+        if self.spec.generic:  # outside the registry: trained only once a small copy equals stock
+            verify(self.spec, model.config)
         self.device = config.device
         self.model_class = type(model)
         self.compute_dtype = config.compute_dtype

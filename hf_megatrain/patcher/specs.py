@@ -9,6 +9,7 @@ returns its undo.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 import sys
@@ -94,6 +95,8 @@ class ArchSpec:
     # and (config, logits) -> logits after lm_head (soft-capping, scaling).
     embed_multiplier: str | None = None
     logits: Callable | None = None
+    # Made for a type outside the registry from its standard layout; verified before training.
+    generic: bool = False
 
     @property
     def has_router_loss(self) -> bool:
@@ -200,7 +203,7 @@ def supported_model_types() -> list[str]:
 def spec_for(config) -> ArchSpec:
     """The spec for a config, or a clear error naming what is supported."""
     model_type = getattr(config, "model_type", None)
-    spec = _REGISTRY.get(model_type)
+    spec = _REGISTRY.get(model_type) or _generic(config)
     if spec is None:
         raise MegaTrainError(
             f"hf_megatrain does not support model type {model_type!r} "
@@ -211,6 +214,38 @@ def spec_for(config) -> ArchSpec:
 
 
 _ATTENTION_KINDS = {FULL, SLIDING, "chunked_attention"}
+_GENERIC: dict[str, ArchSpec] = {}
+
+
+def _generic(config) -> ArchSpec | None:
+    """A spec for a type outside the registry whose causal LM has the standard layout: the embedding,
+    a ModuleList of decoder layers taking (hidden_states, attention_mask, position_ids,
+    position_embeddings), a final norm, lm_head, a rotary module. The engine verifies it before
+    training (engine/selfcheck.py); None when the layout is not that or the config says it is not
+    a plain decoder stack."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in _GENERIC:
+        return _GENERIC[model_type]
+    if _why_not(config) != _UNKNOWN:
+        return None
+    try:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        spec = ArchSpec(model_type, _per_layer_types if getattr(config, "layer_types", None) else _uniform_window,
+                        generic=True)
+        layers = model.get_submodule(spec.layers)
+        for path in (spec.embed, spec.norm, spec.lm_head, spec.rotary):
+            model.get_submodule(path)
+        params = inspect.signature(type(layers[0]).forward).parameters
+    except Exception:
+        return None
+    wanted = {"hidden_states", "attention_mask", "position_ids", "position_embeddings"}
+    if not isinstance(layers, torch.nn.ModuleList) or not wanted <= set(params):
+        return None
+    _GENERIC[model_type] = spec
+    return spec
 
 
 def _why_not(config) -> str:
@@ -224,7 +259,10 @@ def _why_not(config) -> str:
         return f"state-space or hybrid layers ({', '.join(sorted(kinds - _ATTENTION_KINDS))}), not attention layers only"
     if not hasattr(config, "intermediate_size"):
         return "no intermediate_size: not the plain decoder stack the engine streams layer by layer"
-    return "a decoder stack the registry does not know yet"
+    return _UNKNOWN
+
+
+_UNKNOWN = "a decoder stack the registry does not know, without the standard layout the engine can try"
 
 
 register(ArchSpec("llama", _always_full))

@@ -112,3 +112,49 @@ def test_an_architecture_outside_the_registry_is_refused_by_name():
 
     with pytest.raises(MegaTrainError, match="gpt2.*Supported decoder-only families: .*gemma2.*qwen3_moe"):
         model_shapes(GPT2Config(n_layer=2, n_embd=64, n_head=4))
+
+
+def test_a_standard_architecture_outside_the_registry_is_verified_then_trained(caplog):
+    """OLMo 3 is not in the registry but has the standard layout: the engine tries it through a generic
+    spec, checks itself on a 2-layer copy first (logged), then trains it exactly."""
+    import logging
+
+    from transformers import AutoConfig
+
+    from hf_megatrain.engine import selfcheck
+    from hf_megatrain.patcher.specs import spec_for
+    from tests.support.tiny import COMMON
+
+    assert "olmo3" not in supported_model_types()
+    cfg = AutoConfig.for_model("olmo3", **COMMON)
+    assert spec_for(cfg).generic
+    selfcheck._VERIFIED.discard("olmo3")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).train()
+    batch = make_batch(batch=3, seq=12)
+    ref = copy.deepcopy(model)
+    out = ref(**batch)
+    out.loss.backward()
+    with caplog.at_level(logging.INFO, logger="hf_megatrain.engine.selfcheck"):
+        engine = StreamingEngine(model, compute_dtype=torch.float32).train()
+    assert "the engine equals stock on a 2-layer copy" in caplog.text
+    loss = engine.forward_backward(batch)
+    assert abs(float(loss) - float(out.loss)) < 1e-5
+    grads = dict(engine.named_grads())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_the_self_check_refuses_what_the_generic_spec_gets_wrong(monkeypatch):
+    """Granite without its spec: the standard layout fits, but its embedding multiplier and logits scaling
+    live outside the layers, so the 2-layer copy differs from stock and the engine refuses, naming the
+    first thing that differs."""
+    from hf_megatrain.engine import selfcheck
+    from hf_megatrain.patcher import specs
+
+    monkeypatch.delitem(specs._REGISTRY, "granite")
+    monkeypatch.setattr(specs, "_GENERIC", {})
+    monkeypatch.setattr(selfcheck, "_VERIFIED", set())
+    with pytest.raises(MegaTrainError, match="'granite' is outside the registry.*2-layer random copy the loss "
+                                             "differs from stock autograd"):
+        StreamingEngine(make_model("granite"), compute_dtype=torch.float32)
