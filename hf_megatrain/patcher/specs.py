@@ -49,23 +49,6 @@ def _same_name(name: str, config) -> tuple[str, tuple]:
     return name, ()
 
 
-_EXPERT = re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
-
-
-def _mixtral_disk(name: str, config) -> tuple[str, tuple]:
-    """Mixtral checkpoints store experts one by one (w1 gate, w3 up, w2 down); HF v5 fuses them:
-    gate_up_proj[e] = cat(w1, w3) along rows, down_proj[e] = w2 (transformers' conversion_mapping)."""
-    m = _EXPERT.match(name)
-    if m is None:
-        return name.replace(".block_sparse_moe.", ".mlp."), ()
-    prefix, e, w = m.group(1), int(m.group(2)), m.group(3)
-    inter = config.intermediate_size
-    if w == "w2":
-        return f"{prefix}.mlp.experts.down_proj", (e,)
-    rows = slice(0, inter) if w == "w1" else slice(inter, 2 * inter)
-    return f"{prefix}.mlp.experts.gate_up_proj", (e, rows)
-
-
 @dataclass(frozen=True)
 class ArchSpec:
     """What the engine needs to know about one model family."""
@@ -149,6 +132,7 @@ def _fused_experts_disk(inter: str, gate: str, up: str, down: str, renames: tupl
 
 
 def _renamed_disk(*renames):
+    """Checkpoint names that differ from the model's by whole substrings (GraniteMoE's fused experts)."""
     def from_disk(name: str, config) -> tuple[str, tuple]:
         for old, new in renames:
             name = name.replace(old, new)
@@ -275,7 +259,8 @@ register(
         _uniform_window,
         router="mlp.gate",
         aux_loss_fn="load_balancing_loss_func",
-        from_disk=_mixtral_disk,
+        # experts one by one on disk (w1 gate, w3 up, w2 down) under block_sparse_moe
+        from_disk=_fused_experts_disk("intermediate_size", "w1", "w3", "w2", ((".block_sparse_moe.", ".mlp."),)),
     )
 )
 # Dense families whose causal LM is the Llama layout end to end (tests/unit/test_families.py proves each).
