@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainTrainer, StreamingEngine
 from hf_megatrain.patcher.specs import spec_for
-from tests.support.tiny import EAGER_ONLY, FAMILIES, make_batch, make_model, make_packed_batch
+from tests.support.tiny import FAMILIES, make_batch, make_model, make_packed_batch
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -78,8 +78,7 @@ _BF16_OPEN = {"olmoe"}
 def test_families_fp32_on_gpu(family):
     """Each family beyond the first six, fp32 on the GPU: equal to stock (the loss to 1e-5 relative:
     gpt-oss's experts add with index_add_, whose CUDA order is not fixed)."""
-    attn = "eager" if family in EAGER_ONLY else "sdpa"
-    model = make_model(family, attn=attn)
+    model = make_model(family)  # sdpa, or eager where stock refuses sdpa
     batch = make_batch(batch=3, seq=24)
     nib = batch["labels"][..., 1:].ne(-100).sum()
     torch.manual_seed(1234)  # PhiMoE routes by sampling in training: both draw the same numbers
@@ -102,8 +101,7 @@ def test_families_bf16_on_gpu(family):
     flipped token moves an expert's gradient more than bf16 does. Rows without padding: a padded query
     whose sliding window holds only padding attends to nothing, which SDPA's bf16 kernels turn into NaN
     in stock and engine alike."""
-    attn = "eager" if family in EAGER_ONLY else "sdpa"
-    model = make_model(family, attn=attn)
+    model = make_model(family)  # sdpa, or eager where stock refuses sdpa
     router = spec_for(model.config).router
     with torch.no_grad():
         for name, p in model.named_parameters():

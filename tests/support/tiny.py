@@ -94,8 +94,10 @@ CLASSES = {
 KINDS = list(CLASSES)
 
 
-def make_model(kind: str, seed: int = 0, attn: str = "sdpa", **overrides):
-    """A tiny random model of `kind`: one of KINDS, or a model type of FAMILIES."""
+def make_model(kind: str, seed: int = 0, attn: str | None = None, **overrides):
+    """A tiny random model of `kind`: one of KINDS, or a model type of FAMILIES. attn: the attention
+    implementation; None: sdpa, or eager for a family whose stock class refuses sdpa in the installed
+    transformers (Gemma 2 from 5.25 on, gpt-oss). An explicit attn that stock refuses raises its ValueError."""
     torch.manual_seed(seed)
     if kind in FAMILIES:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -107,9 +109,25 @@ def make_model(kind: str, seed: int = 0, attn: str = "sdpa", **overrides):
         cls = CLASSES[kind]._from_config
     for k, v in overrides.items():
         setattr(cfg, k, v)
+    if attn is None:
+        attn = "eager" if kind in EAGER_ONLY else "sdpa"
+        try:
+            model = cls(cfg, attn_implementation=attn, dtype=torch.float32)
+        except ValueError as e:
+            if not refuses_sdpa(e):
+                raise
+            torch.manual_seed(seed)
+            model = cls(cfg, attn_implementation="eager", dtype=torch.float32)
+        model.train()
+        return model
     model = cls(cfg, attn_implementation=attn, dtype=torch.float32)
     model.train()
     return model
+
+
+def refuses_sdpa(error: Exception) -> bool:
+    """Whether `error` is transformers refusing an attention implementation for a model class."""
+    return "does not support an attention implementation" in str(error)
 
 
 def make_batch(batch: int = 3, seq: int = 12, seed: int = 1, pad_rows: int = 1):
