@@ -3,13 +3,18 @@
 One command, one machine, one run: every system trains the same random-init shape on the same
 synthetic tokens for a fixed number of optimizer steps, each in its own process (clean GPU
 memory and RSS), and the table compares them with ratios. Model FLOPs are 6 * P * tokens
-(P = all parameters, every token real: no padding). MFU is against the bf16 matmul peak
+(P = all parameters, every token real: no padding); for a mixture of experts P is the active
+parameters, those a token computes with (every expert weight counts top_k / num_experts of its
+size; attention, router, shared experts, embeddings and head count whole), and the rows give both. MFU is against the bf16 matmul peak
 measured in the same run after several seconds of load (the H200 power-caps from ~790 to
 ~660 TFLOP/s); the burst peak is reported beside it.
 
 Systems:
   megatrain  hf_megatrain (weights and optimizer in host RAM, one layer at a time on the GPU)
   stock      transformers.Trainer, everything on the GPU, gradient checkpointing, fused AdamW
+  stock_bf16 the same with bf16 parameters (bf16 weights, gradients and Adam states): not the
+             same training, only a speed anchor where stock's fp32 parameters are slow for a reason
+             other than memory (HF's MoE expert kernels under autocast)
   fsdp2      Trainer + FSDP2 with CPUOffloadPolicy (params, grads, optimizer state and step on
              the CPU), activation checkpointing per decoder layer, fused AdamW on the CPU
   deepspeed  Trainer + DeepSpeed ZeRO-3, offload_param and offload_optimizer to pinned CPU
@@ -115,6 +120,23 @@ def build_model(shape: str, layers: int | None, device: str, seq: int, tiny: boo
     rot = model.model.rotary_emb
     model.model.rotary_emb = type(rot)(config=cfg).to(device)
     return model
+
+
+def active_parameters(config) -> tuple[int, int]:
+    """(all, active) parameters of the config's causal LM, counted on a meta copy. A routed expert's
+    weights (named `.experts.`, HF v5's fused tensors) count top_k / num_experts of their size."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if routed and experts:
+        top_k = config.num_experts_per_tok
+        return total, total - routed + routed * top_k // experts
+    return total, total
 
 
 def write_random_checkpoint(shape: str, layers: int | None, folder: str, max_positions: int = 131072) -> int:
@@ -254,7 +276,7 @@ def trainer_args(opts, model, common: dict):
     kw = dict(common, use_cpu=opts.dry_run)
     if opts.dry_run and opts.system in DISTRIBUTED:
         kw["ddp_backend"] = "gloo"
-    if opts.system == "stock":
+    if opts.system in ("stock", "stock_bf16"):
         return TrainingArguments(**kw, gradient_checkpointing=True, optim="adamw_torch_fused")
     if opts.system == "fsdp2":
         # cpu_offload=True becomes torch's CPUOffloadPolicy (pinned host shards, gradients moved to the
@@ -341,6 +363,7 @@ def worker(opts) -> None:
         raise RuntimeError("--dry_run covers the Trainer systems (stock, fsdp2, deepspeed) only")
     setup = {
         "stock": "all on GPU, gradient checkpointing, adamw_torch_fused",
+        "stock_bf16": "all on GPU in bf16 parameters (speed anchor), gradient checkpointing, adamw_torch_fused",
         "fsdp2": "FSDP2 CPUOffloadPolicy, activation checkpointing per layer, adamw_torch_fused on CPU",
         "deepspeed": "ZeRO-3, offload param+optimizer to pinned CPU, DeepSpeedCPUAdam, gradient checkpointing",
     }.get(opts.system)
@@ -359,8 +382,11 @@ def worker(opts) -> None:
         params = None  # counted by the engine
     else:
         model = build_model(opts.shape, opts.layers, device, opts.seq, tiny=opts.dry_run)
+        if opts.system == "stock_bf16":
+            model = model.to(torch.bfloat16)
         config = model.config
         params = sum(p.numel() for p in model.parameters())
+    total, active = active_parameters(config)
     vocab = config.vocab_size
     for tokens in opts.tokens:
         for clip in opts.clip:
@@ -389,6 +415,7 @@ def worker(opts) -> None:
                                            data_collator=_collate)
                 engine = trainer.engine
                 params = engine.num_parameters
+                active = params - (total - active)  # the engine counts a tied head once, like the model
 
                 def on_warm(engine=engine):
                     nonlocal timeline
@@ -413,7 +440,7 @@ def worker(opts) -> None:
             row = dict(
                 system=opts.system, shape=opts.shape, layers=config.num_hidden_layers, params=params,
                 tokens_per_step=tokens, clip=clip, step_s=round(dt / steps, 4), tokens_per_s=round(tps, 1),
-                model_tflops=round(6 * params * tps / 1e12, 1),
+                active_params=active, model_tflops=round(6 * active * tps / 1e12, 1),
                 gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                 host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
             )
@@ -553,7 +580,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536], help="tokens per optimizer step")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--clip", type=float, nargs="+", default=[1.0])
-    p.add_argument("--systems", default="megatrain,stock", help="comma list of megatrain, stock, fsdp2, deepspeed")
+    p.add_argument("--systems", default="megatrain,stock", help="comma list of megatrain, stock, stock_bf16, fsdp2, deepspeed")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--stock_micro", type=int, default=16,
@@ -614,10 +641,13 @@ def print_table(record) -> None:
           f"{record['peak']['burst_tflops']}/{record['peak']['sustained_tflops']} TFLOP/s")
     if "versions" in record:
         print(versions_line(record["versions"]))
-    stock = {(r["tokens_per_step"], r["clip"]): r["tokens_per_s"] for r in rows
-             if r.get("system") == "stock" and "tokens_per_s" in r}
+    def by_config(system):
+        return {(r["tokens_per_step"], r["clip"]): r["tokens_per_s"] for r in rows
+                if r.get("system") == system and "tokens_per_s" in r}
+
+    stock, anchor = by_config("stock"), by_config("stock_bf16")
     head = f"{'system':18} {'shape':13} {'L':>3} {'tok/step':>8} {'clip':>4} {'tok/s':>9} {'TFLOPS':>7} " \
-           f"{'MFU':>5} {'x stock':>7} {'GPU GiB':>7} {'host GiB':>8}  breakdown"
+           f"{'MFU':>5} {'x stock':>7} {'x bf16':>6} {'GPU GiB':>7} {'host GiB':>8}  breakdown"
     print(head)
     for r in rows:
         if "tokens_per_s" not in r:  # an error, or a --dry_run row
@@ -625,14 +655,15 @@ def print_table(record) -> None:
             print(f"{r['system']:18} {r['shape']:13} {'':>3} {r.get('tokens_per_step', '-'):>8} "
                   f"{r.get('clip', '-'):>4}  {what}")
             continue
-        ref = stock.get((r["tokens_per_step"], r["clip"]))
+        ref, fair = stock.get((r["tokens_per_step"], r["clip"])), anchor.get((r["tokens_per_step"], r["clip"]))
         ratio = f"{r['tokens_per_s'] / ref:.2f}" if ref else "-"
+        ratio_bf16 = f"{r['tokens_per_s'] / fair:.2f}" if fair else "-"
         bd = r.get("breakdown")
         bds = " ".join(f"{k.replace('_busy', '')}={v:.2f}" for k, v in bd.items()) if bd else ""
         name = r["system"] + (f"/r{r['resident_layers']}" if "resident_layers" in r else "")
         mfu = f"{r['mfu']:.2f}" if "mfu" in r else "-"  # no peak measured (--skip_peak)
         print(f"{name:18} {r['shape']:13} {r['layers']:>3} {r['tokens_per_step']:>8} {r['clip']:>4} "
-              f"{r['tokens_per_s']:>9.0f} {r['model_tflops']:>7.1f} {mfu:>5} {ratio:>7} "
+              f"{r['tokens_per_s']:>9.0f} {r['model_tflops']:>7.1f} {mfu:>5} {ratio:>7} {ratio_bf16:>6} "
               f"{r['gpu_peak_gib']:>7.1f} {r['host_peak_gib']:>8.1f}  {bds}")
     # rows that ran another checkout's code (megatrain:R@DIR): which code that was
     for tag, code in {r["system"].partition("@")[2]: r["code"] for r in rows
