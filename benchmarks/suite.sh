@@ -19,7 +19,8 @@
 #    bf16 parameters), and one MoE all streamed at 64K tokens/step (Qwen3-30B-A3B width, 8 layers)
 # I: Qwen3-30B-A3B width at the depth stock Trainer holds (11 layers): stock (fp32 parameters, bf16
 #    autocast), stock with bf16 parameters (the speed anchor) and the default placement, 16K and 64K
-# J: Gemma-2-9B shape, full depth, default placement, 16K tokens/step (MFU against the sustained peak)
+# J: Gemma-2-9B shape, full depth, default placement, 16K tokens/step (MFU against the sustained peak);
+#    the MoE profile again (by aten op); H's all-streamed MoE without clipping (AdamW during the backward)
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
 # Every call first writes $OUT/versions.json and prints one VERSIONS line (benchmarks/versions.py:
 # Python, torch, CUDA, transformers, accelerate, peft, GPU and driver, hf_megatrain commit); each
@@ -92,8 +93,11 @@ I)
   part 580 moe_vs_stock python3 benchmarks/bench.py --shape qwen3-30b-a3b --layers 11 --tokens 16384 65536 \
     --clip 1.0 --systems stock,stock_bf16,megatrain:auto --stock_micro 4 --steps 3 --warmup 1 --out "$OUT" ;;
 J)
-  part 400 gemma2_9b python3 benchmarks/bench.py --shape gemma-2-9b --tokens 16384 --clip 1.0 \
-    --systems megatrain:auto --steps 6 --warmup 2 --from_disk /tmp/ckpt --out "$OUT" ;;
+  part 330 gemma2_9b python3 benchmarks/bench.py --shape gemma-2-9b --tokens 16384 --clip 1.0 \
+    --systems megatrain:auto --steps 6 --warmup 2 --from_disk /tmp/ckpt --out "$OUT/gemma"
+  part 60 moe_profile python3 benchmarks/moe_profile.py --shape qwen3-30b-a3b --layers 4 --rows 4 --out "$OUT"
+  part 170 moe_streamed_noclip python3 benchmarks/bench.py --shape qwen3-30b-a3b --layers 8 --tokens 65536 \
+    --clip 0.0 --systems megatrain:0 --steps 4 --warmup 2 --skip_peak --from_disk /tmp/ckpt --out "$OUT/noclip" ;;
 *) echo "unknown group $1 (A to J)"; exit 2 ;;
 esac
 for f in "${names[@]}"; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done
