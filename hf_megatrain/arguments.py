@@ -8,7 +8,7 @@ from dataclasses import MISSING, dataclass, field, fields
 import torch
 from transformers import TrainingArguments
 
-from .engine.config import DTYPES, EngineConfig, parse_count
+from .engine.config import DTYPES, EngineConfig, parse_count, parse_switch
 from .errors import MegaTrainError
 
 SUPPORTED_OPTIM = ("adamw_torch", "adamw_torch_fused")
@@ -66,6 +66,12 @@ class MegaTrainArguments(TrainingArguments):
         default="auto",
         metadata={"help": "auto | N | 0. Keep the saved inputs of the first N decoder layers in pinned host memory "
                   "between forward and backward (long context). auto: only what does not fit on the GPU."},
+    )
+    lean_resident: str = field(
+        default="auto",
+        metadata={"help": "auto | true | false. Resident decoder layers keep no bf16 copy of their weights: the GPU "
+                  "casts the fp32 master for each use (the same rounding), so a resident parameter costs 16 bytes "
+                  "of GPU memory instead of 18. auto: when that keeps more layers on the GPU."},
     )
     prefetch_depth: int = field(
         default=2, metadata={"help": "GPU weight slots in the ring that streams decoder layers (>= 2)."}
@@ -198,6 +204,7 @@ def engine_config(args, device: torch.device) -> EngineConfig:
         mlp_tile_tokens=mlp_tile(args.max_seq_length, args.mlp_tile_tokens),
         resident_layers=parse_count(args.gpu_resident_layers, "gpu_resident_layers"),
         offload_activations=parse_count(args.offload_activations, "offload_activations"),
+        lean_resident=parse_switch(args.lean_resident, "lean_resident"),
         prefetch_depth=args.prefetch_depth,
         host_threads=args.host_threads,
         background_host_jobs=args.background_host_jobs,

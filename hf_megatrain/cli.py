@@ -107,6 +107,9 @@ def _estimate(argv: list[str]) -> int:
                    help="decoder layers kept on the GPU: N, or auto (needs --gpu_gib); default 0, or auto "
                         "with --gpu_gib")
     p.add_argument("--offload_activations", default=None, help="layer inputs kept in host memory: N or auto")
+    p.add_argument("--lean_resident", default=None,
+                   help="resident layers keep no bf16 copy (cast from the fp32 master per use): true, false or "
+                        "auto; default false, or auto with --gpu_gib")
     p.add_argument("--mlp_tile_tokens", type=int, default=None,
                    help="MLP sequence tile (default: 16384 for rows longer than 32K tokens, as the trainer)")
     p.add_argument("--gpu_gib", type=float, default=None,
@@ -120,7 +123,7 @@ def _estimate(argv: list[str]) -> int:
                    help="how many of those ranks run on one host (default: all); --host_gib is that host's RAM")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     a = p.parse_args(argv)
-    from .engine.config import EngineConfig, parse_count
+    from .engine.config import EngineConfig, parse_count, parse_switch
     from .errors import MegaTrainError
     from .memory import GiB, admit, estimate, longest_fitting_row, mlp_tile, model_shapes, resolve_placement
 
@@ -133,12 +136,17 @@ def _estimate(argv: list[str]) -> int:
     config = _config_of(a.model)
     resident, offload = count(a.gpu_resident_layers, "gpu_resident_layers"), count(a.offload_activations,
                                                                                   "offload_activations")
+    try:
+        lean = parse_switch(a.lean_resident, "lean_resident")
+    except MegaTrainError:
+        raise SystemExit(f"hf-megatrain estimate: --lean_resident takes true, false or auto, not {a.lean_resident!r}")
     if a.gpu_gib is None:  # no machine to place for: what is not given stays off
-        if "auto" in (a.gpu_resident_layers, a.offload_activations):
+        if "auto" in (a.gpu_resident_layers, a.offload_activations, a.lean_resident):
             raise SystemExit("hf-megatrain estimate: 'auto' places layers for a machine: give its --gpu_gib")
-        resident, offload = resident or 0, offload or 0
+        resident, offload, lean = resident or 0, offload or 0, bool(lean)
     engine = EngineConfig(device=a.device, compute_dtype=a.compute_dtype, resident_layers=resident,
-                          offload_activations=offload, mlp_tile_tokens=mlp_tile(a.seq, a.mlp_tile_tokens))
+                          offload_activations=offload, lean_resident=lean,
+                          mlp_tile_tokens=mlp_tile(a.seq, a.mlp_tile_tokens))
     ranks = dict(world_size=a.world_size, local_ranks=a.local_ranks)
     shapes = model_shapes(config)
     placement = resolve_placement(config, a.batch, a.seq, engine, gpu_free=a.gpu_gib * GiB if a.gpu_gib else None,
@@ -164,7 +172,9 @@ def _estimate(argv: list[str]) -> int:
     else:
         print(f"{a.model}: {shapes.params / 1e9:.2f} B parameters, "
               f"{a.batch} x {a.seq} tokens per micro-batch, {a.compute_dtype} compute, "
-              f"{plan.resident_layers} layers resident on the GPU, {plan.offload_activations} layer inputs "
+              f"{plan.resident_layers} layers resident on the GPU"
+              f"{' (lean)' if placement.engine.lean_resident and plan.resident_layers else ''}, "
+              f"{plan.offload_activations} layer inputs "
               f"offloaded\n")
         print(plan.table())
         if verdict is not None:

@@ -6,7 +6,8 @@ the same layout the engine builds (units, flat buffers, ring slots, activations,
 would make it fit, instead of letting the OOM killer end a run halfway through loading.
 
 Per parameter on the host: fp32 master 4 B, bf16 compute copy 2 B (0 in fp32 mode: the master
-streams), fp32 gradient 4 B, Adam moments 8 B: 18 B, i.e. 1.26 TB for a 70B model.
+streams), fp32 gradient 4 B, Adam moments 8 B: 18 B, i.e. 1.26 TB for a 70B model. A resident
+parameter costs the same on the GPU, or 16 B when lean (no compute copy; cast per use).
 
 Data parallel over W ranks (engine/distributed.py): each rank holds the whole compute copy but
 only 1/W of the master, gradient and moments, so the host entries are per rank, and a host
@@ -129,7 +130,8 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
 
     engine: the EngineConfig the run will be built with (EngineConfig fields given as keywords
     replace its values; without one, a GPU run with the engine's defaults is planned). Its
-    placements must be numbers ("auto" is resolve_placement's to settle).
+    placements must be numbers ("auto" is resolve_placement's to settle; an unsettled
+    lean_resident plans without it).
     world_size: data-parallel ranks; local_ranks: how many of them run on this host (default all).
     The entries are one rank's; `host_per_host` is what this host needs for its ranks."""
     eng = planning_config(engine, **engine_fields)
@@ -140,7 +142,7 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     world = max(1, world_size)
     # data parallel streams every layer (residency is not combined with sharding yet)
     units = s.units
-    resident_layers = mark_resident(units, 0 if world > 1 else eng.resident_layers or 0)
+    resident_layers = mark_resident(units, 0 if world > 1 else eng.resident_layers or 0, eng.lean_resident)
     offload = max(0, min(eng.offload_activations or 0, s.layers)) if cuda else 0
     layer_input = tokens * s.hidden * cbytes  # one saved [batch, seq, hidden] layer input
     on_gpu = sum(u.numel for u in units if u.resident)
@@ -179,7 +181,12 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     plan.gpu["weight ring (prefetch slots)"] = eng.prefetch_depth * cbytes * ring_numel(units)
     plan.gpu["embedding + head buffers"] = cbytes * fixed_buffer_numel(units)
     plan.gpu["gradient ring (fp32)"] = eng.grad_slots * 4 * grad_slot_numel(units)
-    plan.gpu["resident units (weights, master, grad, Adam)"] = (cbytes + 16) * on_gpu
+    lean = sum(u.numel for u in units if u.lean)
+    if lean:
+        plan.gpu["resident units (weights, master, grad, Adam)"] = (cbytes + 16) * (on_gpu - lean)
+        plan.gpu["lean resident layers (master, grad, Adam)"] = 16 * lean
+    else:
+        plan.gpu["resident units (weights, master, grad, Adam)"] = (cbytes + 16) * on_gpu
     plan.gpu["saved layer inputs"] = (s.layers - offload) * layer_input
     if offload:  # brought back ahead of need (engine.activations: the lookahead, plus the one in use)
         plan.gpu["offloaded inputs in flight"] = min(offload, eng.activation_lookahead + 1) * layer_input
@@ -288,22 +295,38 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
     Data parallel streams every layer, whatever was asked for. Off a GPU nothing is placed.
     gpu_free: the GPU's free bytes (default: measured now); host_free: the host's available bytes,
     for moving layers onto the GPU when the host side would not fit (None: not considered)."""
-    resident, offload = engine.resident_layers, engine.offload_activations
+    resident, offload, lean = engine.resident_layers, engine.offload_activations, engine.lean_resident
     if world_size > 1 and resident != 0:
         if resident:
             logger.info("data parallel: GPU residency is not combined with sharding yet; streaming all layers")
         resident = 0
     planned = resident is None and engine.device.type == "cuda"
     if engine.device.type != "cuda":
-        resident, offload = resident or 0, offload or 0
-    elif resident is None or offload is None:
+        resident, offload, lean = resident or 0, offload or 0, bool(lean)
+    elif resident is None or offload is None or lean is None:
         gpu_free = gpu_available(engine.device) if gpu_free is None else gpu_free
-        resident, offload = plan_placement(config, batch, seq, gpu_free, resident_layers=resident,
-                                           offload_activations=offload, host_free=host_free, engine=engine,
-                                           world_size=world_size, local_ranks=local_ranks)
-        logger.info("memory plan: %d of %d layers resident on the GPU, %d layer inputs offloaded (%.0f GiB free)",
-                    resident, config.num_hidden_layers, offload, gpu_free / GiB)
-    return Placement(replace(engine, resident_layers=resident, offload_activations=offload), planned)
+
+        def place(lean_resident: bool) -> tuple[int, int]:
+            return plan_placement(config, batch, seq, gpu_free, resident_layers=resident,
+                                  offload_activations=offload, host_free=host_free,
+                                  engine=replace(engine, lean_resident=lean_resident),
+                                  world_size=world_size, local_ranks=local_ranks)
+
+        if lean is None:
+            # Lean residency costs a cast per resident layer per pass (about 12 bytes of GPU memory
+            # traffic per parameter and step: BENCHMARKS.md); streaming a layer instead costs its
+            # host AdamW and PCIe (about 30 bytes of host DRAM traffic per parameter). So it is
+            # taken exactly when it keeps more layers on the GPU.
+            full, slim = place(False), place(True)
+            lean = slim[0] > full[0]
+            resident, offload = slim if lean else full
+        else:
+            resident, offload = place(lean)
+        logger.info("memory plan: %d of %d layers resident on the GPU%s, %d layer inputs offloaded (%.0f GiB free)",
+                    resident, config.num_hidden_layers, " (lean: cast from the fp32 master per use)" if lean else "",
+                    offload, gpu_free / GiB)
+    return Placement(replace(engine, resident_layers=resident, offload_activations=offload,
+                             lean_resident=bool(lean) and bool(resident)), planned)
 
 
 def host_available() -> float:

@@ -139,11 +139,9 @@ def load_into_store(store, spec, config, folder: str, progress: bool = True) -> 
         )
 
 
-def _read_tensor(store, reader, e, u: int, slot, index: tuple, target: str) -> int:
-    """One checkpoint tensor into unit u: all of it into the compute copy, and the part inside this
-    rank's master slice into the master, both as HostStore.from_model would fill them. Returns the
-    number of elements of the slot it filled."""
-    flat = store.compute[u][slot.offset : slot.offset + slot.numel]
+def _landing(flat, slot, index: tuple, e, target: str):
+    """Where checkpoint tensor `e` lands in a slot's flat range: the whole slot, or the part
+    `index` picks (one expert of a fused tensor); checked to match and to be one flat range."""
     dest = flat.view(slot.shape)[index] if index else flat.view(slot.shape)
     if tuple(dest.shape) != tuple(e.shape):
         raise MegaTrainError(
@@ -152,6 +150,18 @@ def _read_tensor(store, reader, e, u: int, slot, index: tuple, target: str) -> i
         )
     if not dest.is_contiguous():  # every spec's index picks leading rows, so this is a new spec's bug
         raise MegaTrainError(f"{target}{list(index)}: a checkpoint tensor must land in one flat range")
+    return dest
+
+
+def _read_tensor(store, reader, e, u: int, slot, index: tuple, target: str) -> int:
+    """One checkpoint tensor into unit u: all of it into the compute copy, and the part inside this
+    rank's master slice into the master, both as HostStore.from_model would fill them. Returns the
+    number of elements of the slot it filled. A lean unit has no compute copy: its master, the one
+    copy, gets the checkpoint's exact values (what the other path gives the master too)."""
+    if store.compute[u] is None:
+        return _read_lean(store, reader, e, u, slot, index, target)
+    flat = store.compute[u][slot.offset : slot.offset + slot.numel]
+    dest = _landing(flat, slot, index, e, target)
     a = slot.offset + dest.storage_offset() - flat.storage_offset()  # [a, b) in the unit's flat layout
     b = a + dest.numel()
     lo, hi = store.bounds[u]
@@ -177,3 +187,11 @@ def _read_tensor(store, reader, e, u: int, slot, index: tuple, target: str) -> i
         if x < y:
             reader.read_into(e, dest[x - a : y - a], first=x - a)
     return b - a
+
+
+def _read_lean(store, reader, e, u: int, slot, index: tuple, target: str) -> int:
+    """_read_tensor for a lean resident unit (every slot trained, no data parallel): the master is
+    the only copy."""
+    dest = _landing(store.master[u][slot.offset : slot.offset + slot.numel], slot, index, e, target)
+    reader.read_into(e, dest.reshape(-1))  # an exact upcast of what is on disk, to the master's device
+    return dest.numel()

@@ -35,7 +35,10 @@ H2D and D2H. "Waits on" is what orders a reader after the writer.
                                                          synchronize()
   ring slot           H2D stream, after waiting on the   compute, after waiting on the slot's
                       slot's `released` event (compute   `ready` event (recorded by the H2D copy)
-                      done with its previous unit)
+                      done with its previous unit); a
+                      lean unit's cast from its master
+                      also waits on the `_masters` event
+                      start() records (after the steps)
   grad ring slot      compute (the backward)             the D2H stream, after the `produced`
                                                          event; handed out again only after that
                                                          D2H (`released`)

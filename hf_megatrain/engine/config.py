@@ -5,8 +5,8 @@ The trainer builds one from its arguments (`arguments.engine_config`), the plann
 takes it as it is: nothing below this point reads an arguments object or invents a default.
 A config is frozen; a changed plan is a new config (`dataclasses.replace`).
 
-`None` means "auto" for the two placements (resident layers, offloaded layer inputs): the
-planner (`memory.resolve_placement`) turns them into numbers before an engine is built.
+`None` means "auto" for the placements (resident layers, offloaded layer inputs, lean residency):
+the planner (`memory.resolve_placement`) settles them before an engine is built.
 """
 
 from __future__ import annotations
@@ -42,6 +42,20 @@ def parse_count(value, name: str) -> int | None:
     return count
 
 
+def parse_switch(value, name: str) -> bool | None:
+    """'auto' (or None) -> None; True/False or their spellings ('true', 'false', '1', '0') -> bool."""
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise MegaTrainError(f"{name}={value!r}; use auto, true or false.")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the engine is built with.
@@ -55,6 +69,11 @@ class EngineConfig:
         None: auto, for the planner to fill in.
     offload_activations: keep the saved inputs of the first N decoder layers in pinned host
         memory between forward and backward (long context). None: auto.
+    lean_resident: resident decoder layers keep no compute-dtype copy of their weights: each use
+        casts the fp32 master into a ring slot on the GPU (the same rounding the copy holds), so a
+        resident parameter costs 16 bytes instead of 18, what stock Trainer's fp32 AdamW costs.
+        None: auto (the planner takes it when it makes more layers resident). Ignored in fp32
+        compute, where the master itself is what the GPU reads.
     prefetch_depth: GPU weight slots of the ring that streams decoder layers (>= 2).
     grad_slots: GPU slots of fp32 layer gradients on their way to the host (>= 1).
     staging_slabs: pinned slabs for gradient contributions after a step's first (>= 1).
@@ -71,6 +90,7 @@ class EngineConfig:
     mlp_tile_tokens: int | None = None
     resident_layers: int | None = 0
     offload_activations: int | None = 0
+    lean_resident: bool | None = False
     prefetch_depth: int = 2
     grad_slots: int = 2
     staging_slabs: int = 2
@@ -85,6 +105,8 @@ class EngineConfig:
         set_(self, "compute_dtype", as_dtype(self.compute_dtype))
         set_(self, "resident_layers", parse_count(self.resident_layers, "resident_layers"))
         set_(self, "offload_activations", parse_count(self.offload_activations, "offload_activations"))
+        lean = parse_switch(self.lean_resident, "lean_resident")
+        set_(self, "lean_resident", False if self.compute_dtype == torch.float32 else lean)
         if self.background_host_jobs is None:
             set_(self, "background_host_jobs", device.type == "cuda")
         for name, low in (("prefetch_depth", 2), ("grad_slots", 1), ("staging_slabs", 1),
@@ -100,8 +122,9 @@ class EngineConfig:
 
     @property
     def planned(self) -> bool:
-        """Both placements are numbers (nothing left for the planner to decide)."""
-        return self.resident_layers is not None and self.offload_activations is not None
+        """Every placement is settled (nothing left for the planner to decide)."""
+        return self.resident_layers is not None and self.offload_activations is not None \
+            and self.lean_resident is not None
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

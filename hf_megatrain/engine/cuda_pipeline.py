@@ -10,6 +10,11 @@ waits for a load that could have started earlier. A layer used twice in a row (t
 end of forward, start of backward) stays in its slot. Embedding and head have buffers of their
 own and stay resident for the whole step (a tied head reads the embedding's buffer).
 
+A lean resident layer (EngineConfig.lean_resident) passes through the ring like a streamed one,
+but its "load" is a cast of its fp32 master, already on the GPU, into the slot, on the H2D
+stream: no PCIe traffic, one elementwise kernel beside the compute. The cast waits for an event
+recorded at `start()`, after every optimizer step queued on the compute stream.
+
 Ordering is by CUDA events only. The host waits in two places, both data dependencies: before
 loading a unit whose optimizer step is still running (its `ready` flag), and in `finish()`,
 when every gradient must be on the host (the global norm for clipping needs all of them).
@@ -79,6 +84,8 @@ class CudaPipeline(Pipeline):
         self.ring = [_Buffer(torch.empty(n, dtype=dt, device=device)) for _ in range(depth if n else 0)]
         self.fixed: dict[int, _Buffer] = {}
         for u in store.units:
+            if u.lean:
+                continue  # through the ring, cast from its master
             if u.resident:  # already on the device: its "buffer" is the resident copy, never loaded
                 self.fixed[u.index] = _Buffer(store.compute[u.index])
             elif u.kind != "layer":
@@ -96,6 +103,7 @@ class CudaPipeline(Pipeline):
         self._gpu_norms: dict[int, torch.Tensor] = {}
         self.plan: list[_Entry] = []
         self.pos = 0
+        self._masters = torch.cuda.Event()  # lean casts wait for it: the masters are stepped
         self.timeline = None  # a Timeline records busy spans when attached (timeline.py)
         self.on_final_grad = None  # set through StreamingEngine.listen
         # Test hook: random GPU sleeps on the copy streams and host sleeps in the accumulator,
@@ -106,12 +114,13 @@ class CudaPipeline(Pipeline):
     def start(self, plan: list[int]) -> None:
         # Ring slots are given least-recently-used first; a unit still in a slot is not reloaded
         # (at the forward/backward turn the last `depth` layers are all still there).
+        self._masters.record(torch.cuda.current_stream(self.device))
         entries, seen_fixed = [], set()
         content = [None] * self.depth
         last_use = [-1] * self.depth
         for k, u in enumerate(plan):
             unit = self.store.units[u]
-            if unit.kind != "layer" or unit.resident:
+            if unit.kind != "layer" or (unit.resident and not unit.lean):
                 entries.append(_Entry(u, self.fixed[u], u not in seen_fixed and not unit.resident, None))
                 seen_fixed.add(u)
                 continue
@@ -137,9 +146,12 @@ class CudaPipeline(Pipeline):
                 break  # in order: a later load never overtakes an earlier one
             if e.load:
                 self.store.ready[e.unit].wait()  # its optimizer step must be finished (raises if it failed)
-                src = self.store.compute[e.unit]
-                with torch.cuda.stream(self.h2d), self.span("h2d", self.h2d):
+                lean = self.store.units[e.unit].lean
+                src = self.store.master[e.unit] if lean else self.store.compute[e.unit]
+                with torch.cuda.stream(self.h2d), self.span("cast" if lean else "h2d", self.h2d):
                     self.h2d.wait_event(e.buffer.released)
+                    if lean:
+                        self.h2d.wait_event(self._masters)
                     self._shake()
                     e.buffer.data[: src.numel()].copy_(src, non_blocking=True)
                     e.buffer.ready.record(self.h2d)

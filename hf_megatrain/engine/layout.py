@@ -28,15 +28,19 @@ def loss_chunk(vocab: int, device_type: str, asked: int | None = None) -> int:
     return max(1, LOSS_CHUNK_BYTES.get(device_type, 1 << 30) // (vocab * 4 * LOSS_CHUNK_COPIES))
 
 
-def mark_resident(units, layers: int) -> int:
+def mark_resident(units, layers: int, lean: bool = False) -> int:
     """Mark the embedding, the head and the first `layers` decoder layers resident (none if 0).
 
     The first layers are the ones the next forward needs first: while the GPU runs them the
-    host optimizer can work on the streamed ones behind them. Returns the number kept."""
+    host optimizer can work on the streamed ones behind them. With `lean`, the resident decoder
+    layers whose parameters are all trained keep no compute copy (EngineConfig.lean_resident);
+    a layer with frozen parts keeps one, since the master does not cover those. Returns the
+    number of resident layers."""
     decoder = [u for u in units if u.kind == "layer"]
     layers = max(0, min(int(layers or 0), len(decoder)))
     for u in units:
         u.resident = bool(layers) and (u.kind != "layer" or u.layer < layers)
+        u.lean = bool(lean) and u.resident and u.kind == "layer" and u.n_train == u.numel
     return layers
 
 
@@ -44,9 +48,16 @@ def streamed_layers(units) -> list:
     return [u for u in units if u.kind == "layer" and not u.resident]
 
 
+def ring_layers(units) -> list:
+    """The decoder layers the GPU reads from a ring slot: the streamed ones and the lean resident
+    ones (cast from their fp32 master into the slot)."""
+    return [u for u in units if u.kind == "layer" and (u.lean or not u.resident)]
+
+
 def ring_numel(units) -> int:
-    """Elements of one GPU weight slot: the largest streamed decoder layer (0: nothing streams)."""
-    return max((u.numel for u in streamed_layers(units)), default=0)
+    """Elements of one GPU weight slot: the largest decoder layer that passes through the ring
+    (0: none does)."""
+    return max((u.numel for u in ring_layers(units)), default=0)
 
 
 def grad_slot_numel(units) -> int:

@@ -252,7 +252,7 @@ class HostAdamW(torch.optim.Optimizer):
         a, b, group = span
         store = self.store
         master, grad = store.master[index], store.grad[index]
-        compute = store.compute[index]  # on the device for a resident unit
+        compute = store.compute[index]  # on the device for a resident unit; None for a lean one
         g = grad[a:b]
         if clip is not None:
             g.mul_(clip)
@@ -260,7 +260,7 @@ class HostAdamW(torch.optim.Optimizer):
             [master[a:b]], [g], [self.exp_avg[index][a:b]], [self.exp_avg_sq[index][a:b]], [], [step_t],
             amsgrad=False, maximize=False, **hyper[group],
         )
-        if compute is not master:
+        if compute is not None and compute is not master:
             lo = store.bounds[index][0]  # the compute copy is the whole unit; the master this rank's slice
             compute[lo + a : lo + b].copy_(master[a:b])
 

@@ -84,7 +84,12 @@ class HostPipeline(Pipeline):
 
     def weights(self, index: int) -> torch.Tensor:
         self.store.ready[index].wait()  # its pending optimizer step writes this very buffer
-        return self.store.compute[index]  # a resident unit's copy is already on the device
+        if self.store.units[index].lean:  # no copy kept: the same rounding, made for this use
+            return self.store.master[index].to(self.store.compute_dtype)
+        # `.data`: a tensor with a version counter of its own. Every unit's copy is a view of one
+        # arena, whose counter they would share, so a unit stepped during the backward (its
+        # gradient final) would look to autograd like a write to the layers still waiting.
+        return self.store.compute[index].data  # a resident unit's copy is already on the device
 
     def release(self, index: int) -> None:
         pass

@@ -126,7 +126,7 @@ class StreamingEngine(nn.Module):
             raise TypeError(f"pass an EngineConfig or its fields, not both (got {sorted(options)})")
         config = config if config is not None else EngineConfig(**options)
         if not config.planned:
-            raise MegaTrainError("resident_layers and offload_activations must be numbers here; 'auto' is "
+            raise MegaTrainError("resident_layers, offload_activations and lean_resident must be settled here; 'auto' is "
                                  "resolved by hf_megatrain.memory.resolve_placement before the engine is built.")
         # A PEFT model trains through its underlying causal LM: the adapter layers are part of
         # the decoder layers (so of the templates), and only they are trainable.
@@ -144,8 +144,9 @@ class StreamingEngine(nn.Module):
         if decay_names is None:
             decay_names = [n for n, _ in model.named_parameters()]
         self.units = build_units(model, self.spec, decay_names)
-        self.resident_layers = mark_resident(self.units, config.resident_layers)
-        self.engine_config = replace(config, resident_layers=self.resident_layers)
+        self.resident_layers = mark_resident(self.units, config.resident_layers, config.lean_resident)
+        self.engine_config = replace(config, resident_layers=self.resident_layers,
+                                     lean_resident=any(u.lean for u in self.units))
         pin = self.device.type == "cuda"
         if load_weights is None:
             self.store = HostStore.from_model(model, self.units, self.compute_dtype, pin=pin, device=self.device,

@@ -60,6 +60,9 @@ class Unit:
     # Resident: the unit's weights, fp32 master, gradient and Adam moments live on the compute
     # device and it is stepped there; it never crosses PCIe during training.
     resident: bool = False
+    # Lean (resident layers only): no compute copy; the GPU casts the master into a ring slot
+    # for each use (EngineConfig.lean_resident). store.compute[index] is None.
+    lean: bool = False
     # Only for the head of a tied model: its lm_head weight is the embedding unit's weight.
     tied_local: str | None = None
     template_key: str = field(default="")
@@ -172,13 +175,17 @@ class HostStore:
             self.compute = self._alloc([0 if u.resident else u.numel for u in units], compute_dtype)
         self.grad = self._alloc(trained, torch.float32)
         # Resident units: master, gradient and compute copy on the device (the compute copy is the
-        # master itself in fp32 compute mode).
+        # master itself in fp32 compute mode; a lean unit has none).
         for u in units:
             if u.resident:
                 self.master[u.index] = torch.empty(u.n_train, dtype=torch.float32, device=self.device)
                 self.grad[u.index] = torch.empty(u.n_train, dtype=torch.float32, device=self.device)
-                self.compute[u.index] = self.master[u.index] if self.aliased else \
-                    torch.empty(u.numel, dtype=compute_dtype, device=self.device)
+                if self.aliased:
+                    self.compute[u.index] = self.master[u.index]
+                elif u.lean:
+                    self.compute[u.index] = None
+                else:
+                    self.compute[u.index] = torch.empty(u.numel, dtype=compute_dtype, device=self.device)
         # How many gradient contributions each unit's accumulator holds since zero_grad().
         self.grad_count = [0] * len(units)
         # Set while a unit's master and compute copy are current; cleared while an optimizer
@@ -220,7 +227,8 @@ class HostStore:
         return store
 
     def bind(self, model: nn.Module, index: int | None = None) -> None:
-        """Make the model's parameters views of the compute copies (all units, or one).
+        """Make the model's parameters views of the compute copies (all units, or one); a lean
+        unit's, of its fp32 master (the one copy it has).
 
         The Parameter objects are replaced (this also works for a meta skeleton), in every
         module that holds them, so tied weights stay one object.
@@ -228,7 +236,8 @@ class HostStore:
         units = self.units if index is None else [self.units[index]]
         views = {}
         for unit in units:
-            for s, v in zip(unit.slots, self.views(unit.index, self.compute[unit.index])):
+            flat = self.master[unit.index] if unit.lean else self.compute[unit.index]
+            for s, v in zip(unit.slots, self.views(unit.index, flat)):
                 views[s.name] = v
         named = dict(model.named_parameters())
         replace = {id(named[n]): nn.Parameter(v, requires_grad=named[n].requires_grad) for n, v in views.items()}
@@ -262,7 +271,7 @@ class HostStore:
         """Bring the copy the GPU reads up to date with the master (after a step)."""
         unit = self.units[index]
         if unit.resident:
-            if self.compute[index] is not self.master[index]:
+            if not unit.lean and self.compute[index] is not self.master[index]:
                 self.compute[index][: unit.n_train].copy_(self.master[index])
         elif not self.aliased:
             lo, hi = self.bounds[index]

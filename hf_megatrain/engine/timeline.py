@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-LANES = ("h2d", "compute", "d2h", "optimizer", "accumulate")
+LANES = ("h2d", "cast", "compute", "d2h", "optimizer", "accumulate")  # cast: lean resident layers (cuda_pipeline)
 
 
 def _union_length(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:

@@ -258,6 +258,39 @@ def test_residency_matches_streaming_on_gpu():
             torch.testing.assert_close(got[name], base[name], atol=1e-6, rtol=1e-5, msg=f"{resident} {name}")
 
 
+@pytest.mark.parametrize("clip", [1e-2, 0.0])
+def test_lean_residency_is_bit_identical_on_gpu(clip):
+    """Lean resident layers (their fp32 master cast into a ring slot on the H2D stream for each use,
+    with random GPU sleeps on the copy streams) equal resident layers with a bf16 copy, bit for
+    bit, with gradient accumulation, with clipping and with steps taken during the backward."""
+
+    def run(resident, lean):
+        model = make_model("mixtral", num_hidden_layers=4, seed=8)
+        engine = StreamingEngine(model, device=DEV, compute_dtype=torch.bfloat16, resident_layers=resident,
+                                 lean_resident=lean).train()
+        engine.pipeline.chaos = random.Random(3)
+        opt = HostAdamW(engine, lr=1e-3, weight_decay=0.1)
+        losses = []
+        for step in range(4):
+            for micro in range(2):
+                if not clip and micro == 1:
+                    assert opt.step_during_backward()
+                losses.append(float(engine.forward_backward(make_batch(seed=10 * step + micro), scale=0.5)))
+            if clip:
+                losses.append(float(opt.clip_grad_norm_(clip)))
+            opt.step()
+            engine.zero_grad()
+        assert engine.engine_config.lean_resident == lean
+        return losses, dict(engine.named_master_params())
+
+    for resident in (2, 4):
+        ref_losses, ref = run(resident, False)
+        losses, got = run(resident, True)
+        assert losses == ref_losses, resident
+        for name in ref:
+            assert torch.equal(got[name], ref[name]), (resident, name)
+
+
 def test_activation_offload_is_exact_on_gpu():
     """Layer inputs offloaded to pinned host memory and brought back on their own streams (with
     random GPU sleeps on the compute stream to shake the ordering): bit-identical gradients."""

@@ -27,7 +27,7 @@ PACKAGE = os.path.dirname(hf_megatrain.__file__)
 
 
 def _layout(units):
-    return [(u.kind, u.layer, u.numel, u.n_train, u.n_decay, u.resident, u.tied_local) for u in units]
+    return [(u.kind, u.layer, u.numel, u.n_train, u.n_decay, u.resident, u.lean, u.tied_local) for u in units]
 
 
 # -- one source of truth -------------------------------------------------------------------------------
@@ -42,6 +42,15 @@ def test_the_planner_counts_the_units_the_engine_builds(kind):
     on_gpu = sum(u.numel for u in engine.units if u.resident)
     assert plan.gpu["resident units (weights, master, grad, Adam)"] == (4 + 16) * on_gpu
     assert plan.host["fp32 master weights"] == 4 * (engine.num_parameters - on_gpu)
+    # lean residency: the same layers resident, without their compute copy, and the ring they pass through
+    lean = StreamingEngine(make_model(kind), compute_dtype=torch.bfloat16, resident_layers=2, lean_resident=True)
+    slim = estimate(model.config, 2, 16, compute_dtype="bfloat16", resident_layers=2, lean_resident=True, shapes=shapes)
+    assert _layout(shapes.units) == _layout(lean.units) and any(u.lean for u in lean.units)
+    in_ring = [u.numel for u in lean.units if u.lean or not u.resident]
+    assert slim.gpu["weight ring (prefetch slots)"] == 2 * 2 * max(in_ring)
+    kept = sum(u.numel for u in lean.units if u.resident and not u.lean)
+    assert slim.gpu["resident units (weights, master, grad, Adam)"] == (2 + 16) * kept
+    assert slim.gpu["lean resident layers (master, grad, Adam)"] == 16 * (on_gpu - kept)
 
 
 def test_the_planner_uses_the_engines_loss_chunk():
@@ -68,9 +77,11 @@ def test_the_planner_reads_the_ring_knobs_of_the_engine_config():
 
 
 @pytest.mark.gpu
-def test_the_planner_counts_the_cuda_buffers_the_engine_allocates():
+@pytest.mark.parametrize("resident, lean", [(0, False), (2, True), (4, True)])
+def test_the_planner_counts_the_cuda_buffers_the_engine_allocates(resident, lean):
     model = make_model("llama", num_hidden_layers=4)
-    config = EngineConfig(device="cuda", resident_layers=0, prefetch_depth=3, grad_slots=3, staging_slabs=1)
+    config = EngineConfig(device="cuda", resident_layers=resident, lean_resident=lean, prefetch_depth=3, grad_slots=3,
+                          staging_slabs=1)
     plan = estimate(model.config, 1, 64, config)
     engine = StreamingEngine(model, config)
     pipe = engine.pipeline
@@ -81,7 +92,16 @@ def test_the_planner_counts_the_cuda_buffers_the_engine_allocates():
     assert plan.gpu["weight ring (prefetch slots)"] == nbytes(b.data for b in pipe.ring)
     assert plan.gpu["gradient ring (fp32)"] == nbytes(b.data for b in pipe.grad_ring)
     assert plan.host["pinned staging slabs"] == nbytes(pipe.slabs)
-    assert plan.gpu["embedding + head buffers"] == nbytes(b.data for b in pipe.fixed.values())
+    streamed_fixed = [pipe.fixed[u.index].data for u in engine.units if not u.resident and u.index in pipe.fixed]
+    assert plan.gpu["embedding + head buffers"] == nbytes(streamed_fixed)
+    store = engine.store
+    resident_bytes = sum(nbytes([store.master[u.index], store.grad[u.index]])
+                         + (nbytes([store.compute[u.index]]) if store.compute[u.index] is not None else 0)
+                         for u in engine.units if u.resident)
+    moments = 8 * sum(u.n_train for u in engine.units if u.resident)  # HostAdamW keeps them beside the master
+    planned = plan.gpu.get("resident units (weights, master, grad, Adam)", 0) \
+        + plan.gpu.get("lean resident layers (master, grad, Adam)", 0)
+    assert planned == resident_bytes + moments
 
 
 def test_one_ignore_index_and_one_pair_of_checkpoint_names():
@@ -116,7 +136,7 @@ def test_engine_config_is_checked_once_and_frozen():
         with pytest.raises(MegaTrainError):
             EngineConfig(**bad)
     assert parse_count("auto", "n") is None and parse_count(5, "n") == 5 and parse_count("0", "n") == 0
-    with pytest.raises(MegaTrainError, match="resident_layers and offload_activations must be numbers"):
+    with pytest.raises(MegaTrainError, match="resident_layers, offload_activations and lean_resident must be settled"):
         StreamingEngine(make_model("llama"), config)
     with pytest.raises(TypeError, match="not both"):
         StreamingEngine(make_model("llama"), EngineConfig(), compute_dtype=torch.float32)
@@ -267,3 +287,24 @@ def test_a_second_register_of_a_type_is_an_error_unless_asked():
     assert "made_up_family" in specs.supported_model_types()
     undo_new()
     assert "made_up_family" not in specs.supported_model_types()
+
+
+def test_the_planner_takes_lean_residency_exactly_when_it_keeps_more_layers():
+    cfg = make_model("llama", num_hidden_layers=4).config
+    auto = EngineConfig(device="cuda", resident_layers=None, offload_activations=None, lean_resident=None)
+    plans = {n: {lean: estimate(cfg, 1, 64, auto, resident_layers=n, offload_activations=0, lean_resident=lean)
+                 .gpu_total for lean in (False, True)} for n in range(5)}
+    # a GPU where 2 layers fit with their copies and 3 only lean (the planner keeps 10% free)
+    assert plans[3][True] < plans[3][False]
+    gpu = plans[3][True] / 0.9 + 1
+    assert plans[3][False] > 0.9 * gpu >= plans[2][False]
+    placed = resolve_placement(cfg, 1, 64, auto, gpu_free=gpu).engine
+    assert (placed.resident_layers, placed.lean_resident) == (3, True)
+    roomy = resolve_placement(cfg, 1, 64, auto, gpu_free=1e15).engine  # all fit with copies: no casts
+    assert (roomy.resident_layers, roomy.lean_resident) == (4, False)
+    asked = resolve_placement(cfg, 1, 64, dataclasses.replace(auto, lean_resident=False), gpu_free=gpu).engine
+    assert (asked.resident_layers, asked.lean_resident) == (2, False)
+    fp32 = dataclasses.replace(auto, compute_dtype=torch.float32)  # the master is what the GPU reads
+    assert fp32.lean_resident is False and not resolve_placement(cfg, 1, 64, fp32, gpu_free=gpu).engine.lean_resident
+    with pytest.raises(MegaTrainError, match="lean_resident='sometimes'; use auto, true or false"):
+        EngineConfig(lean_resident="sometimes")

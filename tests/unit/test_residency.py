@@ -68,3 +68,89 @@ def test_resident_model_saves(tmp_path):
     masters = dict(engine.named_master_params())
     for name, p in loaded.named_parameters():
         assert torch.equal(p.detach(), masters[name]), name
+
+
+def train_bf16(kind, resident, lean, clip=0.2, steps=3, ga=2, early=True):
+    """bf16 compute, where a resident layer has a compute copy to drop (lean) or keeps one.
+    early: without clipping, step each unit during the last backward (as the trainer does)."""
+    model = make_model(kind, seed=4)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.bfloat16, resident_layers=resident,
+                             lean_resident=lean, background_host_jobs=True).train()  # host jobs on threads, as on a GPU
+    opt = HostAdamW(engine, lr=3e-3, weight_decay=0.1)
+    record = []
+    for step in range(steps):
+        for micro in range(ga):
+            if early and not clip and micro == ga - 1:
+                assert opt.step_during_backward()  # no clipping: each unit steps as its gradient lands
+            loss = engine.forward_backward(make_batch(seed=10 * step + micro), scale=1.0 / ga)
+            record.append(float(loss))
+        if clip:
+            record.append(float(opt.clip_grad_norm_(clip)))
+        opt.step()
+        engine.zero_grad()
+    return engine, model, record
+
+
+@pytest.mark.parametrize("kind", ["llama_tied", "mixtral"])
+@pytest.mark.parametrize("clip", [0.2, 0.0])
+def test_lean_residency_is_bit_identical(kind, clip):
+    """Lean resident layers (no bf16 copy: the master is cast for each use) give the numbers of
+    resident layers with a copy, bit for bit: losses, clipping norms, masters, with gradient
+    accumulation, with clipping and with steps taken during the backward."""
+    for resident in (1, 99):
+        ref, _, ref_record = train_bf16(kind, resident, lean=False, clip=clip)
+        if not clip:  # the steps taken during the backward equal the plain step after it
+            plain, _, plain_record = train_bf16(kind, resident, lean=False, clip=clip, early=False)
+            assert plain_record == ref_record
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(plain.named_master_params(),
+                                                                  ref.named_master_params()))
+        engine, model, record = train_bf16(kind, resident, lean=True, clip=clip)
+        assert engine.engine_config.lean_resident
+        lean = [u for u in engine.units if u.lean]
+        assert lean and all(u.kind == "layer" and u.resident for u in lean)
+        assert len(lean) == engine.resident_layers
+        assert record == ref_record
+        masters = dict(ref.named_master_params())
+        for name, t in engine.named_master_params():
+            assert torch.equal(t, masters[name]), (resident, name)
+        params = dict(model.named_parameters())
+        for u in lean:  # no compute copy; the model object views the master, the one copy
+            assert engine.store.compute[u.index] is None
+            for s in u.slots:
+                assert params[s.name].dtype == torch.float32
+                assert torch.equal(params[s.name].detach(), masters[s.name]), s.name
+
+
+def test_lean_resident_loads_and_saves(tmp_path):
+    """A lean engine loads a checkpoint straight into its masters (no compute copy to land in) and
+    saves files that reload with from_pretrained to its masters."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_megatrain.checkpoint.stream_load import engine_from_checkpoint
+
+    model = make_model("llama", seed=6)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "src")  # bf16 on disk, as hub checkpoints are
+
+    def run(lean):
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=torch.float32)
+        engine = engine_from_checkpoint(skeleton, str(tmp_path / "src"), progress=False, compute_dtype=torch.bfloat16,
+                                        resident_layers=2, lean_resident=lean).train()
+        opt = HostAdamW(engine, lr=3e-3)
+        loss = float(engine.forward_backward(make_batch(seed=1)))
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        return engine, skeleton, loss
+
+    ref, _, ref_loss = run(False)
+    engine, skeleton, loss = run(True)
+    assert loss == ref_loss and any(u.lean for u in engine.units)
+    masters = dict(ref.named_master_params())
+    for name, t in engine.named_master_params():
+        assert torch.equal(t, masters[name]), name
+    save_hf_model(engine.store, skeleton, str(tmp_path / "out"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p.detach(), masters[name]), name
