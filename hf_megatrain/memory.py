@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from .engine.config import EngineConfig
 from .engine.layout import (LOSS_CHUNK_COPIES, config_units, fixed_buffer_numel, grad_slot_numel, loss_chunk,
-                            mark_resident, ring_numel)
+                            mark_resident, ring_numel, slab_numel)
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
         plan.notes.append(f"data parallel: {world} ranks, {plan.local_ranks} on this host; each rank holds the "
                           f"whole compute copy and 1/{world} of the fp32 master, gradient and Adam moments.")
     if cuda:
-        plan.host["pinned staging slabs"] = eng.staging_slabs * 4 * grad_slot_numel(units)
+        plan.host["pinned staging slabs"] = eng.staging_slabs * 4 * slab_numel(units)
     if offload:
         plan.host["offloaded layer inputs (pinned)"] = offload * layer_input
     plan.host["runtime (torch, CUDA, Python)"] = HOST_RUNTIME

@@ -38,7 +38,7 @@ from functools import partial
 
 import torch
 
-from .layout import grad_slot_numel, ring_numel
+from .layout import grad_slot_numel, ring_numel, slab_numel
 from .pipeline import Pipeline
 from .store import HostStore
 from .worker import Worker
@@ -91,11 +91,11 @@ class CudaPipeline(Pipeline):
             elif u.kind != "layer":
                 self.fixed[u.index] = _Buffer(torch.empty(u.numel, dtype=dt, device=device))
         # gradients cover the trainable prefix only
-        g = max(grad_slot_numel(store.units), 1)
-        self.grad_ring = [_Buffer(torch.empty(g, dtype=torch.float32, device=device)) for _ in range(grad_slots)]
+        g, n = grad_slot_numel(store.units), slab_numel(store.units)
+        self.grad_ring = [_Buffer(torch.empty(g, dtype=torch.float32, device=device)) for _ in range(grad_slots if g else 0)]
         self._grad_next = 0
-        self.slabs = [torch.empty(g, dtype=torch.float32, pin_memory=True) for _ in range(staging_slabs)]
-        self._slab_free = [True] * staging_slabs
+        self.slabs = [torch.empty(n, dtype=torch.float32, pin_memory=True) for _ in range(staging_slabs if n else 0)]
+        self._slab_free = [True] * len(self.slabs)
         self.accumulator = Worker("megatrain-accumulate")
         self._pending: list[torch.cuda.Event] = []
         # Per-parameter gradient norms of each unit (valid once its gradient has landed).
@@ -148,13 +148,14 @@ class CudaPipeline(Pipeline):
                 self.store.ready[e.unit].wait()  # its optimizer step must be finished (raises if it failed)
                 lean = self.store.units[e.unit].lean
                 src = self.store.master[e.unit] if lean else self.store.compute[e.unit]
-                with torch.cuda.stream(self.h2d), self.span("cast" if lean else "h2d", self.h2d):
+                with torch.cuda.stream(self.h2d):
                     self.h2d.wait_event(e.buffer.released)
                     if lean:
                         self.h2d.wait_event(self._masters)
-                    self._shake()
-                    e.buffer.data[: src.numel()].copy_(src, non_blocking=True)
-                    e.buffer.ready.record(self.h2d)
+                    with self.span("cast" if lean else "h2d", self.h2d):  # busy from here: waits excluded
+                        self._shake()
+                        e.buffer.data[: src.numel()].copy_(src, non_blocking=True)
+                        e.buffer.ready.record(self.h2d)
                 e.buffer.unit = e.unit
             e.issued = True
 

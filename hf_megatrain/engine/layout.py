@@ -8,7 +8,7 @@ them, so an estimate cannot drift from what a run allocates:
   memory; ~0.1 s for a 120B config). Per-family facts (biases, q/k norms, experts, tied heads)
   come from the family's own modeling code, never from a formula here.
 - `mark_resident`: which units a number of resident layers keeps on the GPU.
-- `ring_numel` / `grad_slot_numel` / `fixed_buffer_numel`: the CUDA pipeline's buffers.
+- `ring_numel` / `grad_slot_numel` / `slab_numel` / `fixed_buffer_numel`: the CUDA pipeline's buffers.
 - `loss_chunk`: rows of logits per loss chunk.
 """
 
@@ -61,9 +61,16 @@ def ring_numel(units) -> int:
 
 
 def grad_slot_numel(units) -> int:
-    """Elements of one fp32 gradient slot (and of one staging slab): the largest streamed layer's
-    trainable prefix (0: nothing streams)."""
+    """Elements of one fp32 gradient slot on the GPU: the largest streamed layer's trainable
+    prefix (0: no layer streams; a streamed embedding or head gets a fresh gradient tensor)."""
     return max((u.n_train for u in streamed_layers(units)), default=0)
+
+
+def slab_numel(units) -> int:
+    """Elements of one pinned staging slab: the largest trainable prefix of any unit that is not
+    resident, since every such unit's later gradient contributions (accumulation) cross PCIe
+    through a slab, the embedding and head included (0: everything is resident)."""
+    return max((u.n_train for u in units if not u.resident), default=0)
 
 
 def fixed_buffer_numel(units) -> int:

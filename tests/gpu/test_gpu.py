@@ -238,14 +238,19 @@ def test_stepping_during_backward_is_exact():
 
 
 def test_residency_matches_streaming_on_gpu():
-    """Resident units step with the GPU's fused AdamW, streamed ones with the host's: same math."""
+    """Resident units step with the GPU's fused AdamW, streamed ones with the host's: same math.
+    With gradient accumulation, and an embedding larger than a layer: its later contributions
+    cross PCIe through staging slabs sized for it (layout.slab_numel)."""
 
     def run(resident):
-        model = make_model("llama_tied", num_hidden_layers=4, seed=5)
+        model = make_model("llama_tied", num_hidden_layers=4, seed=5, vocab_size=4096)
         engine = StreamingEngine(model, device=DEV, compute_dtype=torch.float32, resident_layers=resident).train()
+        embed = engine.units[0]
+        assert embed.numel > max(u.numel for u in engine.units if u.kind == "layer")
         opt = HostAdamW(engine, lr=1e-3, weight_decay=0.1)
         for step in range(4):
-            engine.forward_backward(make_batch(seed=step))
+            for micro in range(2):
+                engine.forward_backward(make_batch(seed=10 * step + micro), scale=0.5)
             opt.clip_grad_norm_(0.5)
             opt.step()
             engine.zero_grad()

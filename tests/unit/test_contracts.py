@@ -74,6 +74,15 @@ def test_the_planner_reads_the_ring_knobs_of_the_engine_config():
     assert more.gpu["weight ring (prefetch slots)"] == 3 * 2 * layer == 1.5 * base.gpu["weight ring (prefetch slots)"]
     assert more.gpu["gradient ring (fp32)"] == 4 * 4 * layer
     assert more.host["pinned staging slabs"] == 3 * 4 * layer
+    # a streamed embedding larger than a layer: its accumulated gradients need slabs of its size
+    wide = make_model("llama", vocab_size=4096).config
+    units = model_shapes(wide).units
+    assert units[0].numel > max(u.numel for u in units if u.kind == "layer")
+    largest = max(u.n_train for u in units)  # the head: the embedding's size and the final norm
+    assert largest > max(u.n_train for u in units if u.kind == "layer")
+    assert estimate(wide, 1, 64, EngineConfig(device="cuda")).host["pinned staging slabs"] == 2 * 4 * largest
+    assert estimate(wide, 1, 64, EngineConfig(device="cuda", resident_layers=1)).host["pinned staging slabs"] \
+        == 2 * 4 * max(u.n_train for u in units if u.kind == "layer")  # the embedding is resident now
 
 
 @pytest.mark.gpu
