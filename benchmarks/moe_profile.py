@@ -52,7 +52,10 @@ def profile(shape: str, layers: int, rows: int, seq: int, params_dtype, top: int
         torch.cuda.synchronize()
     # GPU time by aten op (self time: an op's own kernels, not its children's), so that the expert
     # kernels (aten::_grouped_mm), the dense matmuls, the dtype casts and the loss can be told apart
-    ops = {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages() if e.self_device_time_total > 0}
+    # (operator rows only: the kernels also get rows of their own, which would count twice)
+    cpu = torch.autograd.DeviceType.CPU
+    ops = {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages()
+           if e.device_type == cpu and e.self_device_time_total > 0}
     busy = sum(ops.values())
     ranked = sorted(ops.items(), key=lambda kv: -kv[1])[:top]
     del model
