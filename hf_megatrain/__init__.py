@@ -1,21 +1,31 @@
-"""hf_megatrain: train HF decoder LLMs larger than GPU memory on one GPU, through Trainer."""
+"""hf_megatrain: train HF decoder LLMs larger than GPU memory on one GPU, through Trainer.
 
-from .arguments import MegaTrainArguments
-from .engine.optimizer import HostAdamW
-from .engine.schedule import StreamingEngine
-from .errors import HostJobError, MegaTrainError
-from .loop import prepare
-from .patcher.specs import supported_model_types
-from .trainer import MegaTrainTrainer
+The names below are imported on first use (PEP 562), so that `import hf_megatrain` and the
+`hf-megatrain` command's help do not pay for importing torch and transformers (seconds)."""
 
-__all__ = [
-    "HostAdamW",
-    "HostJobError",
-    "MegaTrainArguments",
-    "MegaTrainError",
-    "MegaTrainTrainer",
-    "StreamingEngine",
-    "prepare",
-    "supported_model_types",
-]
+import importlib
+
+_EXPORTS = {
+    "HostAdamW": ".engine.optimizer",
+    "HostJobError": ".errors",
+    "MegaTrainArguments": ".arguments",
+    "MegaTrainError": ".errors",
+    "MegaTrainTrainer": ".trainer",
+    "StreamingEngine": ".engine.schedule",
+    "prepare": ".loop",
+    "supported_model_types": ".patcher.specs",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hf_megatrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -2,7 +2,7 @@
 
     hf-megatrain demo                      train the embedded tiny model (no downloads)
     hf-megatrain train --model M --data D --output_dir OUT [any TrainingArguments flag]
-    hf-megatrain train --config run.yaml   the same flags from a YAML or JSON file
+    hf-megatrain train run.yaml [flags]    the same flags from a YAML or JSON file (flags win)
     hf-megatrain estimate MODEL --batch B --seq T   host RAM and GPU memory a run needs
     hf-megatrain push FOLDER --repo org/name [--hub_dir DIR]   publish a saved model to a local hub
 """
@@ -42,26 +42,106 @@ def _demo(argv: list[str]) -> int:
     return 0 if report["eval_loss_after"] < report["eval_loss_before"] else 1
 
 
-def _train(argv: list[str]) -> int:
+TRAIN_HELP = """usage: hf-megatrain train --model M --data D --output_dir OUT [flags]
+       hf-megatrain train RUN.yaml [flags]        (or --config RUN.yaml; flags given here win)
+
+Full fine-tuning (or LoRA) of a causal LM through MegaTrainTrainer. Every TrainingArguments flag
+works; the common ones are below, `--help-all` lists them all.
+
+model and data:
+  --model M                  hub id (local cache first, then a download) or a local folder
+  --data D                   training data: .txt/.jsonl/.json/.parquet file, folder, or dataset
+  --eval_data D              evaluation data, the same forms
+  --text_field NAME          column with the raw text (default: text)
+  --max_seq_length N         tokens per row, packed or truncated (default: 1024)
+  --packing true|false       pack short documents into full rows (default: true)
+  --peft_config JSON|FILE    train LoRA adapters: inline JSON such as '{"r": 8}', or a JSON file
+
+training (Trainer's flags):
+  --output_dir DIR           where checkpoints and the final model go (required)
+  --max_steps N / --num_train_epochs E
+  --per_device_train_batch_size B   --gradient_accumulation_steps G
+  --learning_rate LR         --weight_decay W   --warmup_steps N   --lr_scheduler_type NAME
+  --max_grad_norm C          clipping (0: none; the host AdamW then steps during the backward)
+  --logging_steps N          --save_steps N     --save_total_limit N   --eval_steps N
+  --resume_from_checkpoint True|latest|DIR   continue a run (True/latest: the last checkpoint in output_dir)
+  --seed S                   --report_to none|tensorboard|...
+  --push_to_hub true         --hub_model_id ORG/NAME   --hub_dir DIR (a local hub folder)
+
+memory and speed (hf_megatrain):
+  --gpu_resident_layers auto|N   layers kept entirely on the GPU (default: as many as fit)
+  --lean_resident auto|true|false   resident layers without a bf16 copy (default: when it keeps more)
+  --offload_activations auto|N   layer inputs kept in pinned host memory (long context)
+  --compute_dtype auto|bfloat16|float32   --save_dtype auto|float32|bfloat16
+  --mlp_tile_tokens N        --loss_chunk_tokens N   --prefetch_depth N   --host_threads N
+  --memory_check true|false  refuse runs that cannot fit, before loading (default: true)
+  --log_pipeline true|false  --gpu_peak_tflops T   --checkpoint_hashes true|false
+
+See `hf-megatrain estimate MODEL` for what a run needs before starting it.
+"""
+
+
+def _train_parser():
     from transformers import HfArgumentParser
 
     from .arguments import MegaTrainArguments
 
-    parser = HfArgumentParser(
+    return HfArgumentParser(
         (ModelArguments, MegaTrainArguments),
         prog="hf-megatrain train",
         description="Full fine-tuning of a causal LM through MegaTrainTrainer. Every TrainingArguments flag works.",
     )
-    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json")):
-        argv = ["--config", argv[0]]
-    if argv[:1] == ["--config"] and len(argv) >= 2:
-        path = argv[1]
-        if path.endswith((".yaml", ".yml")):
-            margs, targs = parser.parse_yaml_file(os.path.abspath(path))
-        else:
-            margs, targs = parser.parse_json_file(os.path.abspath(path))
-    else:
-        margs, targs = parser.parse_args_into_dataclasses(args=argv)
+
+
+def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(config file, the other flags): `train RUN.yaml ...` or `... --config RUN.yaml ...`."""
+    if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml", ".json")):
+        return argv[0], argv[1:]
+    for i, a in enumerate(argv):
+        if a == "--config":
+            if i + 1 >= len(argv):
+                raise MegaTrainError("--config needs a YAML or JSON file.")
+            return argv[i + 1], argv[:i] + argv[i + 2:]
+        if a.startswith("--config="):
+            return a.split("=", 1)[1], argv[:i] + argv[i + 1:]
+    return None, argv
+
+
+def _read_config(path: str) -> dict:
+    import json
+
+    import yaml
+
+    if not os.path.isfile(path):
+        raise MegaTrainError(f"config file {path!r} does not exist.")
+    with open(path) as f:
+        data = yaml.safe_load(f) if path.endswith((".yaml", ".yml")) else json.load(f)
+    if not isinstance(data, dict):
+        raise MegaTrainError(f"{path} must hold a mapping of flag names to values.")
+    return data
+
+
+def _train(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(TRAIN_HELP)  # no torch or transformers import: it opens at once
+        return 0
+    parser = _train_parser()
+    if "--help-all" in argv:
+        parser.print_help()
+        return 0
+    path, flags = _split_config(argv)
+    if path is not None:
+        # The file's values become the parser's defaults, so flags on the command line win.
+        values = _read_config(path)
+        known = {a.dest for a in parser._actions}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise MegaTrainError(f"{path}: unknown keys {unknown}; every key must be a flag of `hf-megatrain train`.")
+        for action in parser._actions:
+            if action.dest in values:
+                action.required = False
+        parser.set_defaults(**values)
+    margs, targs = parser.parse_args_into_dataclasses(args=flags)
     if margs.data:
         targs.data_path = margs.data
     if margs.eval_data:

@@ -65,7 +65,7 @@ def check_outputs(args) -> None:
 
 # -- resuming --------------------------------------------------------------------------------------
 def check_resume(checkpoint, output_dir) -> str | None:
-    """The checkpoint folder to resume from (True: the last checkpoint-N in output_dir), checked
+    """The checkpoint folder to resume from (True or 'latest': the last checkpoint-N in output_dir), checked
     complete: optimizer state present and every file of its manifest there at its size. The
     hashes are read later, by the resume itself."""
     from transformers.trainer import TRAINER_STATE_NAME
@@ -74,6 +74,13 @@ def check_resume(checkpoint, output_dir) -> str | None:
     from .checkpoint.manifest import MANIFEST, RESUME_ELSEWHERE, verify_manifest
     from .checkpoint.optimizer_state import has_optimizer_state
 
+    if isinstance(checkpoint, str) and not os.path.isdir(checkpoint):
+        # the command line gives strings: True/latest (the last checkpoint) and False/none (no resume)
+        word = checkpoint.strip().lower()
+        if word in ("true", "latest"):
+            checkpoint = True
+        elif word in ("false", "none", ""):
+            checkpoint = None
     if checkpoint is None or checkpoint is False:
         return None
     if checkpoint is True:

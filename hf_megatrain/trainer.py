@@ -57,7 +57,8 @@ class MegaTrainTrainer(Trainer):
     """`Trainer` for models larger than the GPU: state in host RAM, one layer on the GPU at a time.
 
     `model` is a hub id, a local path, or a loaded CPU `PreTrainedModel`. With no
-    `train_dataset`, `args.data_path` is loaded, tokenized and packed. Everything that can be
+    `train_dataset`, `args.data_path` is loaded, tokenized and packed. `peft_config` (a peft
+    LoraConfig, a dict, inline JSON or a JSON file) trains LoRA adapters, as `args.peft_config` does. Everything that can be
     checked without the weights (see `preflight`) is checked before any weight is read.
     """
 
@@ -71,10 +72,15 @@ class MegaTrainTrainer(Trainer):
         processing_class=None,
         callbacks=None,
         optimizers=(None, None),
+        peft_config=None,
         **kwargs,
     ):
         check_trainer_hooks()  # a transformers release that renamed a hook we replace fails here, loudly
         args = megatrain_arguments(args)  # our own checked copy: the user's object is never changed
+        if peft_config is not None:  # where TRL users put it; the same as args.peft_config
+            if args.peft_config is not None and args.peft_config is not peft_config:
+                raise MegaTrainError("peft_config was given twice (as an argument and in args); keep one.")
+            args.peft_config = peft_config
         check_launch(args)  # several processes but no process group: refused before any weight is read
         if optimizers[0] is not None and not isinstance(optimizers[0], HostAdamW):
             raise MegaTrainError("a custom optimizer was passed; hf_megatrain steps its own HostAdamW on the host.")

@@ -38,18 +38,24 @@ def with_adapters(model, peft_config, folder: str | None, compute_dtype: torch.d
 
 
 def lora_config(peft_config):
-    """A peft config from a peft config object, a dict of LoraConfig fields, or a JSON file of them."""
+    """A peft config from a peft config object, a dict of LoraConfig fields, inline JSON of them or a
+    JSON file."""
     import json
 
     from peft import LoraConfig, PeftConfig
 
     if isinstance(peft_config, str):
+        inline = peft_config.lstrip().startswith("{")
         try:
-            with open(peft_config) as f:
-                peft_config = json.load(f)
+            if inline:
+                peft_config = json.loads(peft_config)
+            else:
+                with open(peft_config) as f:
+                    peft_config = json.load(f)
         except (OSError, ValueError) as e:
-            raise MegaTrainError(f"peft_config={peft_config!r} cannot be read as JSON ({e}); pass a LoRA JSON file, "
-                                 "a dict or a peft config.") from e
+            what = "as inline JSON" if inline else "as a JSON file"
+            raise MegaTrainError(f"peft_config={peft_config!r} cannot be read {what} ({e}); pass inline JSON such "
+                                 "as '{\"r\": 8}', a LoRA JSON file, a dict or a peft config.") from e
     if isinstance(peft_config, dict):
         peft_config = LoraConfig(**{"task_type": "CAUSAL_LM", **peft_config})
     if not isinstance(peft_config, PeftConfig):

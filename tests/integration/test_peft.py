@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
-from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainTrainer, StreamingEngine
+from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
 from tests.support.tiny import make_batch, make_model
 
 PREFIX = "base_model.model."
@@ -104,3 +104,27 @@ def test_peft_config_argument_is_one_flag(tmp_path):
     trainer.train()
     names = [n for n, _ in trainer.engine.named_master_params()]
     assert names and all("lora_" in n for n in names)
+
+
+def test_peft_config_as_a_constructor_argument_as_trl_users_write_it(tmp_path):
+    """MegaTrainTrainer(..., peft_config=LoraConfig(...)) trains the same adapters as args.peft_config."""
+    from peft import LoraConfig
+
+    train = rows(8, 0)
+    lora = dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"])
+    results = []
+    for where in ("argument", "args"):
+        args = MegaTrainArguments(output_dir=str(tmp_path / where), **dict(KW, max_steps=2),
+                                  **({"peft_config": dict(lora)} if where == "args" else {}))
+        extra = {"peft_config": LoraConfig(task_type="CAUSAL_LM", **lora)} if where == "argument" else {}
+        trainer = MegaTrainTrainer(make_model("llama"), args, train_dataset=train,
+                                   data_collator=default_data_collator, **extra)
+        trainer.train()
+        results.append(dict(trainer.engine.named_master_params()))
+    assert results[0].keys() == results[1].keys() and all("lora_" in n for n in results[0])
+    for name, t in results[0].items():
+        assert torch.equal(t, results[1][name]), name
+    with pytest.raises(MegaTrainError, match="peft_config was given twice"):
+        MegaTrainTrainer(make_model("llama"), MegaTrainArguments(output_dir=str(tmp_path / "x"), peft_config=lora,
+                                                                 **KW),
+                         train_dataset=train, data_collator=default_data_collator, peft_config=dict(lora))

@@ -1,0 +1,131 @@
+"""The command line as a user types it: each trap a user met (issue 19) through the real command,
+in a process of its own, on a tiny local model folder and a JSONL file."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from hf_megatrain.demo import build_tokenizer
+from tests.support import ROOT
+from tests.support.tiny import make_model
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A tiny Llama folder with a tokenizer, and a JSONL file of short texts."""
+    root = tmp_path_factory.mktemp("cli")
+    make_model("llama").save_pretrained(root / "model")
+    build_tokenizer().save_pretrained(root / "model")
+    rows = [{"text": "abcdefghij"[i % 7:] + "xyz" * (i % 4)} for i in range(40)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def train(cwd, *flags, timeout=300):
+    return subprocess.run([sys.executable, "-m", "hf_megatrain.cli", "train", *map(str, flags)],
+                          capture_output=True, text=True, env=_env(), cwd=cwd, timeout=timeout)
+
+
+def common(root, out):
+    return ["--model", root / "model", "--data", root / "train.jsonl", "--output_dir", out, "--use_cpu", "true",
+            "--max_seq_length", "16", "--per_device_train_batch_size", "2", "--report_to", "none",
+            "--save_strategy", "no", "--disable_tqdm", "true"]
+
+
+def steps_run(checkpoint) -> int:
+    return json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
+
+
+@pytest.mark.parametrize("how", ["inline", "file"])
+def test_peft_config_takes_inline_json_or_a_file(run_dir, tmp_path, how):
+    (tmp_path / "lora.json").write_text(json.dumps(LORA))
+    value = json.dumps(LORA) if how == "inline" else "lora.json"  # a relative path, from the working folder
+    out = tmp_path / "out"
+    r = train(tmp_path, *common(run_dir, out), "--max_steps", "1", "--peft_config", value)
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = json.loads((out / "adapter_config.json").read_text())
+    assert saved["r"] == 4 and sorted(saved["target_modules"]) == ["q_proj", "v_proj"]
+
+
+def test_peft_config_that_is_not_json_is_one_clear_line(run_dir, tmp_path):
+    r = train(tmp_path, *common(run_dir, tmp_path / "out"), "--max_steps", "1", "--peft_config", "{r: 8")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "cannot be read as inline JSON" in r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("spelling", ["positional", "--config"])
+def test_flags_after_a_config_file_override_it(run_dir, tmp_path, spelling):
+    flags = common(run_dir, tmp_path / "out")
+    config = {flags[i].lstrip("-"): str(flags[i + 1]) for i in range(0, len(flags), 2)}
+    config.update(max_steps=5, save_strategy="steps", save_steps=1, save_total_limit=1)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    where = ["run.yaml"] if spelling == "positional" else ["--config", "run.yaml"]
+    r = train(tmp_path, *where, "--max_steps", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert steps_run(tmp_path / "out" / "checkpoint-2") == 2  # the YAML said 5; the flag won
+    assert not (tmp_path / "out" / "checkpoint-5").exists()
+
+
+def test_a_config_key_that_is_no_flag_is_refused(run_dir, tmp_path):
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"model": "m", "max_stepz": 3}))
+    r = train(tmp_path, "run.yaml")
+    assert r.returncode == 2 and "unknown keys ['max_stepz']" in r.stderr, r.stderr[-2000:]
+
+
+def test_resume_from_checkpoint_true_means_the_last_checkpoint(run_dir, tmp_path):
+    out = tmp_path / "out"
+    flags = common(run_dir, out)
+    flags[flags.index("--save_strategy") + 1] = "steps"
+    first = train(tmp_path, *flags, "--max_steps", "2", "--save_steps", "2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert steps_run(out / "checkpoint-2") == 2
+    again = train(tmp_path, *flags, "--max_steps", "3", "--save_steps", "3", "--resume_from_checkpoint", "True",
+                  "--log_level", "info")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert steps_run(out / "checkpoint-3") == 3
+    assert "Resuming training from checkpoint with epoch 0 and global step 2" in again.stderr  # not anew
+
+
+def test_train_help_is_short_and_fast_and_help_all_has_every_flag():
+    start = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "hf_megatrain.cli", "train", "--help"], capture_output=True,
+                       text=True, env=_env(), timeout=60)
+    elapsed = time.perf_counter() - start
+    assert r.returncode == 0 and r.stdout.startswith("usage: hf-megatrain train")
+    assert len(r.stdout.splitlines()) < 60 and elapsed < 2.0, (len(r.stdout.splitlines()), elapsed)
+    full = subprocess.run([sys.executable, "-m", "hf_megatrain.cli", "train", "--help-all"], capture_output=True,
+                          text=True, env=_env(), timeout=120)
+    assert full.returncode == 0 and "--lr_scheduler_kwargs" in full.stdout and "--lean_resident" in full.stdout
+
+
+def test_the_short_help_names_real_flags_and_all_of_ours():
+    """The short help is written by hand (it must open without importing transformers): every flag it
+    names exists, and every field hf_megatrain adds to TrainingArguments is in it."""
+    import re
+    from dataclasses import fields
+
+    from transformers import TrainingArguments
+
+    from hf_megatrain.arguments import MegaTrainArguments
+    from hf_megatrain.cli import TRAIN_HELP, _train_parser
+
+    flags = {o for a in _train_parser()._actions for o in a.option_strings}
+    named = set(re.findall(r"(--[a-z_]+)", TRAIN_HELP)) - {"--help-all", "--config"}
+    assert named <= flags, named - flags
+    ours = {f.name for f in fields(MegaTrainArguments)} - {f.name for f in fields(TrainingArguments)}
+    ours -= {"data_path", "eval_data_path", "hub_dir", "background_host_jobs"} - {"hub_dir"}
+    shown = {n.lstrip("-") for n in named} | {"data_path", "eval_data_path"}  # --data / --eval_data
+    assert ours <= shown, ours - shown
