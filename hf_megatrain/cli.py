@@ -273,7 +273,7 @@ def _config_of(model: str):
     from .checkpoint.stream_load import resolve_folder
 
     try:
-        folder = resolve_folder(model)
+        folder = resolve_folder(model, files=["config.json"])  # a hub id: its config only
     except MegaTrainError as e:
         if "/" in model:
             raise

@@ -45,8 +45,16 @@ def missing_path(kind: str, path: str, alternative: str = "") -> MegaTrainError:
     return MegaTrainError(f"{kind} path {path!r} does not exist; check the path{where}{alternative}.")
 
 
-def resolve_folder(model_id_or_path: str, revision: str | None = None) -> str:
-    """A local folder, or the snapshot of a hub id in the local HF cache (never the network)."""
+# What training reads of a hub repository: configs, safetensors weights, tokenizer files. Other
+# formats a repository may also carry (.bin, .pth, .gguf, original/) are not downloaded.
+MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
+
+
+def resolve_folder(model_id_or_path: str, revision: str | None = None, files: list[str] | None = None) -> str:
+    """A local folder, or a hub id's snapshot, found as `from_pretrained` finds it: the local HF
+    cache first, then a download through huggingface_hub (progress bars; an interrupted download
+    resumes), unless HF_HUB_OFFLINE=1. `files`: the patterns needed (default: MODEL_FILES); a
+    cached snapshot without them (e.g. only the config that `estimate` fetched) downloads the rest."""
     if os.path.isdir(model_id_or_path):
         return model_id_or_path
     if os.path.exists(model_id_or_path):
@@ -54,14 +62,31 @@ def resolve_folder(model_id_or_path: str, revision: str | None = None) -> str:
                              "and the safetensors weights.")
     if looks_local(model_id_or_path):
         raise missing_path("model", model_id_or_path, ", or pass a hub id such as org/name")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
+    files = MODEL_FILES if files is None else files
+    weights = "*.safetensors" in files
     try:
-        return snapshot_download(model_id_or_path, revision=revision, local_files_only=True)
+        folder = snapshot_download(model_id_or_path, revision=revision, local_files_only=True, allow_patterns=files)
+        if not weights or any(n.endswith(".safetensors") for n in os.listdir(folder)):
+            return folder
+        cached = "only part of it is in the local HF cache"
     except Exception as e:
+        cached = f"it is not in the local HF cache ({e.__class__.__name__})"
+    if constants.HF_HUB_OFFLINE:
         raise MegaTrainError(
-            f"{model_id_or_path!r} is not a local folder and is not in the local HF cache ({e.__class__.__name__}). "
-            "Download it first (huggingface-cli download), or set HF_HUB_CACHE to the cache that holds it."
+            f"{model_id_or_path!r} is not a local folder, {cached}, and HF_HUB_OFFLINE=1 forbids downloading it. "
+            f"Download it where there is a network (`hf download {model_id_or_path}`), unset HF_HUB_OFFLINE, or "
+            "set HF_HUB_CACHE to the cache that holds it."
+        )
+    try:
+        return snapshot_download(model_id_or_path, revision=revision, allow_patterns=files)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise MegaTrainError(
+            f"{model_id_or_path!r} could not be downloaded from the hub ({e.__class__.__name__}: {first}). Check "
+            f"the id and your access (`hf auth login` for gated models), or download it with "
+            f"`hf download {model_id_or_path}`."
         ) from e
 
 

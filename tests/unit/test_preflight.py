@@ -364,11 +364,14 @@ def test_complete_checkpoint_goes_on_to_training(tmp_path, saved_run, no_trainin
 
 
 # -- the model, LoRA, memory ---------------------------------------------------------------------------
-def test_missing_model_fails_at_once(tmp_path, weights_read, online):
+def test_missing_model_fails_at_once(tmp_path, weights_read, online, monkeypatch):
     start = time.perf_counter()
     message = refused(str(tmp_path / "nowhere"), args_for(tmp_path), weights_read, "model path .* does not exist")
     assert message.endswith("check the path, or pass a hub id such as org/name.")
-    refused("megatrain-tests/never-downloaded", args_for(tmp_path), weights_read, "not in the local HF cache")
+    # a hub id that is not cached downloads when online (tests/unit/test_hub.py); offline it is refused at once
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    refused("megatrain-tests/never-downloaded", args_for(tmp_path), weights_read,
+            "not in the local HF cache .*HF_HUB_OFFLINE=1 forbids downloading it")
     assert time.perf_counter() - start < FAST
 
 
