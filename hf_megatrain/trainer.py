@@ -131,6 +131,14 @@ class MegaTrainTrainer(Trainer):
         if "eval_data_path" in raw_data:
             eval_dataset = self._dataset_from(raw_data["eval_data_path"], processing_class, args)
             data_collator = data_collator or CausalCollator(_pad_id(processing_class, config))
+        # Datasets as TRL takes them: raw text, chat `messages` or prompt/completion columns are
+        # tokenized (and packed) here as data_path would be; tokenized ones pass through as they are.
+        if _untokenized(train_dataset):
+            train_dataset = self._dataset_from(train_dataset, processing_class, args)
+            data_collator = data_collator or CausalCollator(_pad_id(processing_class, config))
+        if _untokenized(eval_dataset):
+            eval_dataset = self._dataset_from(eval_dataset, processing_class, args)
+            data_collator = data_collator or CausalCollator(_pad_id(processing_class, config))
         if train_dataset is not None and hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
             raise MegaTrainError("train_dataset is empty: there is nothing to train on.")
         if args.peft_config is not None:
@@ -508,6 +516,13 @@ def check_trainer_hooks() -> None:
 
 
 LONG_CONTEXT_TOKENS = 65536  # from here on the plan (tiles, offload, residency) is printed
+
+
+def _untokenized(dataset) -> bool:
+    """A `datasets.Dataset` of raw rows (text, messages or prompt/completion), with no input_ids yet."""
+    import datasets
+
+    return isinstance(dataset, datasets.Dataset) and "input_ids" not in dataset.column_names
 
 
 def _pad_id(tokenizer, config) -> int:

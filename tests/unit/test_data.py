@@ -312,3 +312,38 @@ def test_sft_example_runs(tmp_path):
     assert (out / "model.safetensors").exists() and (out / "chat_template.jinja").exists()
     before, after = r.stdout.split("eval loss: ")[1].split()[0:3:2]
     assert float(after) < float(before)
+
+
+@pytest.mark.parametrize("fmt", ["text", "chat", "prompt_completion"])
+def test_a_raw_train_dataset_is_tokenized_like_data_path(tmp_path, fmt):
+    """train_dataset= of raw rows (as TRL accepts them) trains exactly as the same rows in a data_path file:
+    same losses, same weights."""
+    from hf_megatrain import MegaTrainArguments, MegaTrainTrainer
+
+    rows = {
+        "text": [{"text": t * 3} for t in ("abc", "hello", "xyz", "qrs")],
+        "chat": [{"messages": [{"role": "user", "content": u}, {"role": "assistant", "content": a}]}
+                 for u, a in (("ab", "cde"), ("xy", "zzz"), ("hello", "olleh"), ("q", "rs"))],
+        "prompt_completion": [{"prompt": p, "completion": c} for p, c in (("ab", "cd"), ("xyz", "zyx"),
+                                                                         ("hi", "ih"), ("q", "rst"))],
+    }[fmt]
+    folder = tmp_path / "model"
+    make_model("llama").save_pretrained(folder)
+    chat_tokenizer().save_pretrained(folder)
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    results = []
+    for how in ("data_path", "train_dataset"):
+        args = MegaTrainArguments(output_dir=str(tmp_path / how), max_steps=3, per_device_train_batch_size=2,
+                                  max_seq_length=16, learning_rate=1e-2, logging_steps=1, report_to=[],
+                                  save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+                                  **({"data_path": str(path)} if how == "data_path" else {}))
+        extra = {"train_dataset": datasets.Dataset.from_list(rows)} if how == "train_dataset" else {}
+        trainer = MegaTrainTrainer(str(folder), args, **extra)
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        results.append((losses, dict(trainer.engine.named_master_params())))
+    (ref_losses, ref), (losses, got) = results
+    assert len(losses) == 3 and losses == ref_losses
+    for name, t in ref.items():
+        assert torch.equal(got[name], t), name
