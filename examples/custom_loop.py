@@ -1,7 +1,9 @@
 """Your own training loop (no Trainer) on the streaming engine.
 
-    python examples/custom_loop.py --model meta-llama/Llama-3.1-8B --data corpus.jsonl --steps 500
-    python examples/custom_loop.py --tiny          # the embedded tiny default, CPU is fine
+    python examples/custom_loop.py --model meta-llama/Llama-3.1-8B --data corpus.jsonl --steps 500 --out trained
+    python examples/custom_loop.py --tiny --out trained   # the embedded tiny default, CPU is fine
+
+The trained model is saved to --out with its tokenizer, then loaded back with from_pretrained.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main() -> None:
     p.add_argument("--max_seq_length", type=int, default=2048)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", default="custom_loop_output", help="where the trained model and tokenizer are saved")
     a = p.parse_args()
 
     if a.tiny:
@@ -64,7 +67,14 @@ def main() -> None:
         engine.zero_grad()
         if step % max(1, a.steps // 10) == 0 or step == a.steps - 1:
             print(f"step {step:5d}  loss {loss.item():.4f}  grad_norm {norm.item():.3f}  lr {scheduler.get_last_lr()[0]:.2e}")
-    engine.synchronize()
+    engine.save_pretrained(a.out, tokenizer=tokenizer)  # waits for the last step, then writes safetensors
+
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(a.out, dtype=torch.float32)
+    masters = dict(engine.named_master_params())
+    same = all(torch.equal(p.detach(), masters[n].to(p.dtype)) for n, p in reloaded.named_parameters())
+    print(f"saved to {a.out}; from_pretrained gives back the trained weights: {same}")
 
 
 if __name__ == "__main__":

@@ -250,12 +250,13 @@ def _estimate(argv: list[str]) -> int:
 
         print(json.dumps({**plan.as_dict(), "verdict": verdict}, indent=1))
     else:
-        print(f"{a.model}: {shapes.params / 1e9:.2f} B parameters, "
+        from .errors import counted, parameter_count
+
+        print(f"{a.model}: {parameter_count(shapes.params)} parameters, "
               f"{a.batch} x {a.seq} tokens per micro-batch, {a.compute_dtype} compute, "
-              f"{plan.resident_layers} layers resident on the GPU"
+              f"{counted(plan.resident_layers, 'layer')} resident on the GPU"
               f"{' (lean)' if placement.engine.lean_resident and plan.resident_layers else ''}, "
-              f"{plan.offload_activations} layer inputs "
-              f"offloaded\n")
+              f"{counted(plan.offload_activations, 'layer input')} offloaded\n")
         print(plan.table())
         if verdict is not None:
             machine = " + ".join(f"{v:g} GiB {k}" for k, v in (("GPU", a.gpu_gib), ("host", a.host_gib)) if v)

@@ -27,3 +27,18 @@ class HostJobError(RuntimeError):
         """A new instance to raise: a raised exception collects the raiser's frames in its
         traceback, and the stored one must not (they hold the engine the thread is to let go of)."""
         return HostJobError(self.job, self.worker, self.error, self._remote)
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """'1 layer', '3 layers', '0 layer inputs': numbers in messages read as a person writes them."""
+    if n == 1:
+        return f"1 {noun}"
+    return f"{n} {plural or noun + 's'}"
+
+
+def parameter_count(n: int) -> str:
+    """'7.62 B', '135.0 M', '98.3 K' parameters: never '0.00 B' for a small model."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "B" else f"{n / scale:.1f} {unit}"
+    return str(n)

@@ -6,6 +6,7 @@
         loss = engine.forward_backward(batch)        # accumulates gradients (scale= for GA)
         optimizer.clip_grad_norm_(1.0)               # optional, exact
         optimizer.step(); scheduler.step(); engine.zero_grad()
+    engine.save_pretrained("out", tokenizer=tokenizer)   # from_pretrained("out") loads it
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from transformers import Trainer
 
 from .checkpoint.loading import load_model_and_tokenizer
+from .checkpoint.peft_export import model_writer
 from .checkpoint.stream_load import engine_from_checkpoint
 from .engine.config import EngineConfig
 from .engine.optimizer import HostAdamW
@@ -38,5 +40,6 @@ def prepare(model, *, device=None, compute_dtype=None, lr: float = 1e-5, betas=(
         engine = StreamingEngine(model, config, decay_names=decay)
     else:
         engine = engine_from_checkpoint(model, weights_from, config=config, decay_names=decay)
+    engine.writer = model_writer(model)  # engine.save_pretrained(dir, tokenizer=...) writes loadable files
     optimizer = HostAdamW(engine, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     return engine.train(), optimizer

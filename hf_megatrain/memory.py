@@ -24,6 +24,7 @@ from typing import NamedTuple
 from .engine.config import EngineConfig
 from .engine.layout import (LOSS_CHUNK_COPIES, config_units, fixed_buffer_numel, grad_slot_numel, loss_chunk,
                             mark_resident, ring_numel, slab_numel)
+from .errors import counted
 
 logger = logging.getLogger(__name__)
 
@@ -322,9 +323,10 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
             resident, offload = slim if lean else full
         else:
             resident, offload = place(lean)
-        logger.info("memory plan: %d of %d layers resident on the GPU%s, %d layer inputs offloaded (%.0f GiB free)",
-                    resident, config.num_hidden_layers, " (lean: cast from the fp32 master per use)" if lean else "",
-                    offload, gpu_free / GiB)
+        logger.info("memory plan: %d of %s resident on the GPU%s, %s offloaded (%.0f GiB free)",
+                    resident, counted(config.num_hidden_layers, "layer"),
+                    " (lean: cast from the fp32 master per use)" if lean else "",
+                    counted(offload, "layer input"), gpu_free / GiB)
     return Placement(replace(engine, resident_layers=resident, offload_activations=offload,
                              lean_resident=bool(lean) and bool(resident)), planned)
 
@@ -409,8 +411,8 @@ def longest_fitting_row(config, batch: int, seq: int, gpu_free: float, host_free
         resident, offload = plan_placement(config, batch, length, gpu_free, host_free=host_free, **kw_len)
         plan = estimate(config, batch, length, resident_layers=resident, offload_activations=offload, **kw_len)
         if not shortfalls(plan, host_free, gpu_free, ADMIT_MARGIN):
-            return (f"max_seq_length={length} fits this machine ({resident} layers resident on the GPU, "
-                    f"{offload} layer inputs offloaded; {plan.host_per_host / GiB:.1f} GiB host, "
+            return (f"max_seq_length={length} fits this machine ({counted(resident, 'layer')} resident on the GPU, "
+                    f"{counted(offload, 'layer input')} offloaded; {plan.host_per_host / GiB:.1f} GiB host, "
                     f"{plan.gpu_total / GiB:.1f} GiB GPU).")
         length //= 2
     return None

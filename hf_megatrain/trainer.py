@@ -26,7 +26,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveS
 from .arguments import MegaTrainArguments, engine_config, megatrain_arguments, save_dtype
 from .checkpoint.hf_format import save_hf_model
 from .checkpoint.loading import load_model_and_tokenizer, with_adapters
-from .checkpoint.peft_export import save_adapter, save_merged
+from .checkpoint.peft_export import model_writer, save_adapter, save_merged
 from .checkpoint.local_hub import LocalHub, default_hub_dir
 from .checkpoint.manifest import MANIFEST, commit_dir, partial_dir, verify_manifest, write_manifest
 from .checkpoint.optimizer_state import (
@@ -39,7 +39,7 @@ from .engine.distributed import check_launch
 from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine
 from .engine.timeline import Timeline
-from .errors import MegaTrainError
+from .errors import MegaTrainError, counted
 from .checkpoint.stream_load import engine_from_checkpoint
 from .memory import admit, estimate, host_available, longest_fitting_row, ranks_on_this_host, resolve_placement
 from .patcher.adapters import base_model
@@ -112,8 +112,8 @@ class MegaTrainTrainer(Trainer):
             tiles = placement.engine.mlp_tile_tokens
             print(f"hf_megatrain memory plan for {batch} x {seq} tokens: "
                   f"{f'MLP tiles of {tiles} tokens' if tiles else 'MLP untiled'}, "
-                  f"{plan.offload_activations} layer inputs offloaded to host, {plan.resident_layers} layers "
-                  f"resident on the GPU\n{plan.table()}")
+                  f"{counted(plan.offload_activations, 'layer input')} offloaded to host, "
+                  f"{counted(plan.resident_layers, 'layer')} resident on the GPU\n{plan.table()}")
         if args.memory_check:
             hint = None
             if device.type == "cuda" and batch * seq >= LONG_CONTEXT_TOKENS and world == 1:
@@ -155,6 +155,7 @@ class MegaTrainTrainer(Trainer):
             self.engine = StreamingEngine(model, **build)
         else:
             self.engine = engine_from_checkpoint(model, weights_from, progress=not args.disable_tqdm, **build)
+        self.engine.writer = model_writer(base_model(model))  # trainer.engine.save_pretrained works as well
 
         if data_collator is None and train_dataset is not None:
             data_collator = CausalCollator(_pad_id(processing_class, config))

@@ -72,3 +72,15 @@ def save_merged(engine, out_dir: str, dtype: torch.dtype | None = None) -> list[
         return revert_weight_conversion(base, out)
 
     return save_hf_model(store, base, out_dir, dtype=dtype, unit_tensors=merged_unit)
+
+
+def model_writer(skeleton):
+    """The writer StreamingEngine.save_pretrained calls: the adapters of a LoRA engine, else the
+    whole model as `skeleton`'s class (the engine's meta or CPU skeleton) loads it."""
+    def write(engine, output_dir: str, dtype=None) -> None:
+        if engine.peft_model is not None:
+            save_adapter(engine, output_dir)
+        else:
+            save_hf_model(engine.store, skeleton, output_dir, dtype=dtype)
+
+    return write

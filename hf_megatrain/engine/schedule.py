@@ -171,6 +171,7 @@ class StreamingEngine(nn.Module):
         self.pipeline: Pipeline = self._make_pipeline(config)
         self.activations = Activations(self.device, config.offload_activations, config.activation_lookahead)
         self._listener: GradListener | None = None
+        self.writer = None  # (engine, output_dir, dtype) -> files; see save_pretrained
         self._warned_length = False
 
     @property
@@ -255,6 +256,19 @@ class StreamingEngine(nn.Module):
         sets it when it has run (or failed), so waiting on those waits for every step."""
         self.pipeline.finish()
         self.store.wait_ready()
+
+    def save_pretrained(self, output_dir: str, tokenizer=None, dtype: torch.dtype | None = None) -> None:
+        """Write what the model has learnt so that `from_pretrained` loads it: the full model, or
+        for a LoRA run the adapters (PeftModel.from_pretrained), plus the tokenizer when given.
+        The engine's builder says how (`writer`: hf_megatrain.prepare and MegaTrainTrainer set it);
+        the files are the checkpoint package's business, not the engine's."""
+        if self.writer is None:
+            raise MegaTrainError("this engine was built without a writer; build it with hf_megatrain.prepare() "
+                                 "or MegaTrainTrainer, or save with hf_megatrain.checkpoint.hf_format.save_hf_model.")
+        self.synchronize()
+        self.writer(self, output_dir, dtype)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
 
     def wait_for_gradients(self) -> None:
         """Every gradient emitted so far is in the host accumulators (raises a failed accumulation)."""

@@ -35,12 +35,47 @@ def test_prepare_loop_matches_stock_adamw():
         torch.testing.assert_close(masters[name], p.detach(), atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_custom_loop_example_runs():
+def test_custom_loop_example_runs(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "examples/custom_loop.py", "--tiny"], capture_output=True, text=True,
-                       cwd=__file__.rsplit("/tests/", 1)[0], timeout=600)
+    out = tmp_path / "trained"
+    r = subprocess.run([sys.executable, "examples/custom_loop.py", "--tiny", "--out", str(out)], capture_output=True,
+                       text=True, cwd=__file__.rsplit("/tests/", 1)[0], timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     losses = [float(line.split()[3]) for line in r.stdout.splitlines() if line.startswith("step")]
     assert losses[-1] < losses[0]
+    assert r.stdout.strip().splitlines()[-1].endswith("from_pretrained gives back the trained weights: True")
+    assert (out / "tokenizer_config.json").exists()
+
+
+def test_prepare_saves_a_full_model_and_lora_adapters(tmp_path):
+    """engine.save_pretrained from prepare(): from_pretrained (or PeftModel.from_pretrained) gives the
+    trained weights back; the tokenizer is saved beside them."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hf_megatrain.demo import build_tokenizer
+
+    engine, opt = hf_megatrain.prepare(make_model("llama"), device="cpu", lr=1e-2)
+    engine.forward_backward(make_batch())
+    opt.step()
+    engine.save_pretrained(tmp_path / "full", tokenizer=build_tokenizer())
+    masters = dict(engine.named_master_params())
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full", dtype=torch.float32)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p.detach(), masters[name]), name
+    assert (tmp_path / "full" / "tokenizer_config.json").exists()
+
+    base = make_model("llama", seed=3)
+    lora = get_peft_model(copy.deepcopy(base), LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    engine, opt = hf_megatrain.prepare(lora, device="cpu", lr=1e-2)
+    engine.forward_backward(make_batch())
+    opt.step()
+    engine.save_pretrained(tmp_path / "adapter")
+    trained = dict(engine.named_master_params())
+    back = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    got = {n.removeprefix("base_model.model."): p for n, p in back.named_parameters() if "lora_" in n}
+    assert got.keys() == trained.keys()
+    for name, t in trained.items():
+        assert torch.equal(got[name].detach(), t), name

@@ -254,3 +254,19 @@ def test_projection_arithmetic():
     twice = project.project(rec, "llama-3.1-70b", 139, 1536, tokens=32768)
     assert twice["t_layer_fwd_s"] == pytest.approx(2 * 0.05)  # matmuls scale with tokens, AdamW does not
     assert twice["t_layer_adamw_s"] == pytest.approx(0.5)
+
+
+def test_small_numbers_read_as_written(tmp_path, capsys):
+    """A tiny model is '...K parameters', one layer is '1 layer' (not '0.00 B parameters', '1 layers')."""
+    from hf_megatrain.cli import main
+    from hf_megatrain.errors import counted, parameter_count
+    from tests.support.tiny import make_model
+
+    assert (counted(1, "layer"), counted(0, "layer input"), counted(2, "layer")) == ("1 layer", "0 layer inputs",
+                                                                                     "2 layers")
+    assert (parameter_count(7_615_616_512), parameter_count(135_000_000), parameter_count(98_304),
+            parameter_count(12)) == ("7.62 B", "135.0 M", "98.3 K", "12")
+    make_model("llama", num_hidden_layers=1).save_pretrained(tmp_path)
+    assert main(["estimate", str(tmp_path), "--gpu_resident_layers", "1", "--batch", "1", "--seq", "16"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert " K parameters" in head and "1 layer resident" in head and "0 layer inputs offloaded" in head, head
