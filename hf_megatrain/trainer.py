@@ -437,6 +437,47 @@ class MegaTrainTrainer(Trainer):
         logger.info("published %s to local hub %s at commit %s", self.hub_model_id, self.local_hub.root, commit)
         return commit
 
+    def write_model_card(self, output_dir: str | None = None) -> str:
+        """README.md beside the saved model: what it was trained from, on what, how, and how it ended."""
+        from . import __version__
+
+        out = output_dir or self.args.output_dir
+        a, config = self.args, base_model(self.model).config
+        base = getattr(config, "_name_or_path", "")  # a hub id, a folder, or '' for a model built in memory
+        data = [d for d in (a.data_path, a.eval_data_path) if d]
+        for ds in (self.train_dataset, self.eval_dataset):
+            name = getattr(getattr(ds, "info", None), "dataset_name", None)
+            if name:
+                data.append(name)
+        hyper = {"learning_rate": a.learning_rate, "lr_scheduler_type": str(getattr(a.lr_scheduler_type, "value",
+                                                                                    a.lr_scheduler_type)),
+                 "warmup_steps": a.warmup_steps, "weight_decay": a.weight_decay, "max_grad_norm": a.max_grad_norm,
+                 "per_device_train_batch_size": a.per_device_train_batch_size,
+                 "gradient_accumulation_steps": a.gradient_accumulation_steps, "max_seq_length": a.max_seq_length,
+                 "optimizer steps": self.state.global_step, "seed": a.seed,
+                 "compute_dtype": str(self.engine.compute_dtype).replace("torch.", ""),
+                 "LoRA": "yes" if self.engine.peft_model is not None else "no (full fine-tuning)"}
+        final = {}
+        for entry in self.state.log_history:  # the last value of each metric
+            final.update({k: v for k, v in entry.items() if k in ("loss", "train_loss", "eval_loss", "epoch")})
+        lines = ["---", "library_name: transformers", "tags: [hf_megatrain]"]
+        if base and not os.path.isdir(base):
+            lines.append(f"base_model: {base}")
+        lines += ["---", "", f"# {self.hub_model_id if getattr(self, 'hub_model_id', None) else os.path.basename(out)}",
+                  "", f"Fine-tuned from {f'`{base}`' if base else f'a {config.model_type} model'} with "
+                  f"hf_megatrain {__version__} (fp32 master weights and AdamW "
+                  "state in host RAM, layers streamed through one GPU).", "",
+                  "## Data", ""] + ([f"- `{d}`" for d in data] or ["- (a dataset passed in memory, unnamed)"])
+        lines += ["", "## Hyperparameters", "", "| name | value |", "| --- | --- |"]
+        lines += [f"| {k} | {v} |" for k, v in hyper.items()]
+        lines += ["", "## Results", "", "| metric | value |", "| --- | --- |"]
+        lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in final.items()]
+        path = os.path.join(out, "README.md")
+        if self.args.should_save:
+            with open(path, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        return path
+
     def _push_from_checkpoint(self, checkpoint_folder):
         """Stock semantics: the checkpoint's model files go to output_dir, which is published."""
         if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
@@ -448,6 +489,7 @@ class MegaTrainTrainer(Trainer):
         if self.processing_class is not None:
             self.processing_class.save_pretrained(out)
         torch.save(self.args, os.path.join(out, TRAINING_ARGS_NAME))
+        self.write_model_card(out)
         if self.args.save_strategy == SaveStrategy.STEPS:
             message = f"Training in progress, step {self.state.global_step}"
         else:
@@ -461,6 +503,7 @@ class MegaTrainTrainer(Trainer):
         self.save_model(_internal_call=True)
         if not self.is_world_process_zero():
             return None
+        self.write_model_card()
         return self._publish(commit_message or "End of training")
 
 

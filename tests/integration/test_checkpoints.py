@@ -160,6 +160,11 @@ def test_local_hub_two_revisions_load_offline(tmp_path):
     assert (repo / "refs" / "main").read_text().strip() == second
     snap = repo / "snapshots" / second / "model.safetensors"
     assert snap.is_symlink() and not os.path.isabs(os.readlink(snap))
+    card = (repo / "snapshots" / second / "README.md").read_text()  # the model card
+    assert "hf_megatrain 0.1.0" in card and "| learning_rate | 0.01 |" in card and "| optimizer steps | 4 |" in card
+    assert "| train_loss |" in card and "hf_megatrain" in card.split("---")[1]
+    published = {p.name for p in (repo / "snapshots" / second).iterdir()}
+    assert not any(n.startswith(("checkpoint-", "optimizer", "megatrain_")) for n in published), published
 
     code = f"""
 import json, torch
