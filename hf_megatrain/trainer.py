@@ -24,9 +24,8 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy, rotate_checkpoints
 
 from .arguments import MegaTrainArguments, engine_config, megatrain_arguments, save_dtype
-from .checkpoint.hf_format import save_hf_model
 from .checkpoint.loading import load_model_and_tokenizer, with_adapters
-from .checkpoint.peft_export import model_writer, save_adapter, save_merged
+from .checkpoint.peft_export import model_writer, save_merged
 from .checkpoint.local_hub import LocalHub, default_hub_dir
 from .checkpoint.manifest import MANIFEST, commit_dir, partial_dir, verify_manifest, write_manifest
 from .checkpoint.optimizer_state import (
@@ -58,8 +57,9 @@ class MegaTrainTrainer(Trainer):
 
     `model` is a hub id, a local path, or a loaded CPU `PreTrainedModel`. With no
     `train_dataset`, `args.data_path` is loaded, tokenized and packed. `peft_config` (a peft
-    LoraConfig, a dict, inline JSON or a JSON file) trains LoRA adapters, as `args.peft_config` does. Everything that can be
-    checked without the weights (see `preflight`) is checked before any weight is read.
+    LoraConfig, a dict, inline JSON or a JSON file) trains LoRA adapters, as `args.peft_config`
+    does. Everything that can be checked without the weights (see `preflight`) is checked before
+    any weight is read.
     """
 
     def __init__(
@@ -305,10 +305,8 @@ class MegaTrainTrainer(Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         self.engine.synchronize()
         write = self.args.should_save
-        if self.engine.peft_model is not None:
-            save_adapter(self.engine, output_dir)  # what PeftModel.from_pretrained loads
-        else:
-            save_hf_model(self.engine.store, self.model, output_dir, dtype=save_dtype(self.args), write=write)
+        # the adapters for a LoRA run (what PeftModel.from_pretrained loads), else the whole model
+        self.engine.writer(self.engine, output_dir, save_dtype(self.args), write=write)
         if not write:
             return
         if self.processing_class is not None:

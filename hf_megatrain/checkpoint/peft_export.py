@@ -77,10 +77,10 @@ def save_merged(engine, out_dir: str, dtype: torch.dtype | None = None) -> list[
 def model_writer(skeleton):
     """The writer StreamingEngine.save_pretrained calls: the adapters of a LoRA engine, else the
     whole model as `skeleton`'s class (the engine's meta or CPU skeleton) loads it."""
-    def write(engine, output_dir: str, dtype=None) -> None:
+    def write(engine, output_dir: str, dtype=None, write: bool = True) -> None:
         if engine.peft_model is not None:
             save_adapter(engine, output_dir)
-        else:
-            save_hf_model(engine.store, skeleton, output_dir, dtype=dtype)
+        else:  # write=False: a data-parallel rank that only takes part in the gathers
+            save_hf_model(engine.store, skeleton, output_dir, dtype=dtype, write=write)
 
     return write
