@@ -282,6 +282,20 @@ def plan_placement(config, batch: int, seq: int, gpu_free: float, *, margin: flo
     return resident, offload
 
 
+def place_layers(config, batch: int, seq: int, gpu_free: float, *, engine: EngineConfig | None = None,
+                 **kw) -> tuple[int, int, bool]:
+    """(resident layers, offloaded layer inputs, lean residency): plan_placement for `engine`, with
+    an 'auto' (None) lean_resident settled too. Lean is taken exactly when it keeps more layers
+    resident: its cast costs a little GPU time beside the compute (0.7% of a Gemma-2-9B step,
+    BENCHMARKS.md run 12), while a layer that streams instead costs its host AdamW and PCIe."""
+    eng = planning_config(engine)
+    if eng.lean_resident is not None:
+        return (*plan_placement(config, batch, seq, gpu_free, engine=eng, **kw), eng.lean_resident)
+    full = plan_placement(config, batch, seq, gpu_free, engine=replace(eng, lean_resident=False), **kw)
+    slim = plan_placement(config, batch, seq, gpu_free, engine=replace(eng, lean_resident=True), **kw)
+    return (*slim, True) if slim[0] > full[0] else (*full, False)
+
+
 class Placement(NamedTuple):
     engine: EngineConfig  # with both placements as numbers
     planned: bool  # the planner chose the resident layers for this GPU: as many as it holds
@@ -306,23 +320,9 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
         resident, offload, lean = resident or 0, offload or 0, bool(lean)
     elif resident is None or offload is None or lean is None:
         gpu_free = gpu_available(engine.device) if gpu_free is None else gpu_free
-
-        def place(lean_resident: bool) -> tuple[int, int]:
-            return plan_placement(config, batch, seq, gpu_free, resident_layers=resident,
-                                  offload_activations=offload, host_free=host_free,
-                                  engine=replace(engine, lean_resident=lean_resident),
-                                  world_size=world_size, local_ranks=local_ranks)
-
-        if lean is None:
-            # Lean residency costs a cast per resident layer per pass (about 12 bytes of GPU memory
-            # traffic per parameter and step: BENCHMARKS.md); streaming a layer instead costs its
-            # host AdamW and PCIe (about 30 bytes of host DRAM traffic per parameter). So it is
-            # taken exactly when it keeps more layers on the GPU.
-            full, slim = place(False), place(True)
-            lean = slim[0] > full[0]
-            resident, offload = slim if lean else full
-        else:
-            resident, offload = place(lean)
+        resident, offload, lean = place_layers(config, batch, seq, gpu_free, engine=engine, resident_layers=resident,
+                                               offload_activations=offload, host_free=host_free,
+                                               world_size=world_size, local_ranks=local_ranks)
         logger.info("memory plan: %d of %s resident on the GPU%s, %s offloaded (%.0f GiB free)",
                     resident, counted(config.num_hidden_layers, "layer"),
                     " (lean: cast from the fp32 master per use)" if lean else "",
@@ -408,10 +408,12 @@ def longest_fitting_row(config, batch: int, seq: int, gpu_free: float, host_free
     length = seq // 2
     while length >= 1024:
         kw_len = dict(kw, mlp_tile_tokens=mlp_tile(length, mlp_tile_tokens))
-        resident, offload = plan_placement(config, batch, length, gpu_free, host_free=host_free, **kw_len)
-        plan = estimate(config, batch, length, resident_layers=resident, offload_activations=offload, **kw_len)
+        resident, offload, lean = place_layers(config, batch, length, gpu_free, host_free=host_free, **kw_len)
+        plan = estimate(config, batch, length, resident_layers=resident, offload_activations=offload,
+                        lean_resident=lean, **kw_len)
         if not shortfalls(plan, host_free, gpu_free, ADMIT_MARGIN):
-            return (f"max_seq_length={length} fits this machine ({counted(resident, 'layer')} resident on the GPU, "
+            return (f"max_seq_length={length} fits this machine ({counted(resident, 'layer')} resident on the GPU"
+                    f"{' (lean)' if lean and resident else ''}, "
                     f"{counted(offload, 'layer input')} offloaded; {plan.host_per_host / GiB:.1f} GiB host, "
                     f"{plan.gpu_total / GiB:.1f} GiB GPU).")
         length //= 2
