@@ -11,6 +11,6 @@ def found(name: str) -> str:
         return "not installed"
 
 
-names = ("torch", "transformers", "accelerate", "peft", "datasets", "huggingface_hub")
+names = ("torch", "transformers", "accelerate", "peft", "datasets", "huggingface_hub", "trl")
 print(f"== {' '.join(sys.argv[1:])}: python {sys.version.split()[0]}, "
       + ", ".join(f"{n} {found(n)}" for n in names), flush=True)

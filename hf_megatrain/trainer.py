@@ -18,7 +18,7 @@ from dataclasses import fields
 from functools import partial
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments, set_seed
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy, rotate_checkpoints
@@ -88,7 +88,11 @@ class MegaTrainTrainer(Trainer):
         # a 70B model takes minutes). The model id resolves to a config and a meta skeleton here.
         check_outputs(args)
         check_resume(args.resume_from_checkpoint, args.output_dir)
-        model, tokenizer, weights_from = load_model_and_tokenizer(model)
+        preloaded = getattr(self, "_loaded", None)  # a subclass (the TRL one) resolved the model already
+        if preloaded is not None and preloaded[0] is model:
+            model, tokenizer, weights_from = preloaded
+        else:
+            model, tokenizer, weights_from = load_model_and_tokenizer(model)
         processing_class = processing_class if processing_class is not None else tokenizer
         raw_data = {name: check_data(getattr(args, name), processing_class, args, name)
                     for name, given in (("data_path", train_dataset), ("eval_data_path", eval_dataset))
@@ -108,7 +112,7 @@ class MegaTrainTrainer(Trainer):
         placement = resolve_placement(config, batch, seq, wanted, world_size=world, local_ranks=local,
                                       host_free=host_available() if device.type == "cuda" else None)
         plan = estimate(config, batch, seq, placement.engine, world_size=world, local_ranks=local)
-        if batch * seq >= LONG_CONTEXT_TOKENS and args.process_index == 0:
+        if batch * seq >= LONG_CONTEXT_TOKENS and args.process_index == 0 and device.type == "cuda":
             tiles = placement.engine.mlp_tile_tokens
             print(f"hf_megatrain memory plan for {batch} x {seq} tokens: "
                   f"{f'MLP tiles of {tiles} tokens' if tiles else 'MLP untiled'}, "
@@ -142,6 +146,9 @@ class MegaTrainTrainer(Trainer):
         if train_dataset is not None and hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
             raise MegaTrainError("train_dataset is empty: there is nothing to train on.")
         if args.peft_config is not None:
+            # Seeded as TRL's SFTTrainer seeds them: args.seed just before the adapters are made
+            # (Trainer seeds again later, for the training itself).
+            set_seed(args.seed)
             model = with_adapters(model, args.peft_config, weights_from, placement.engine.compute_dtype)
             weights_from = None
         decay = Trainer.get_decay_parameter_names(None, base_model(model))
@@ -243,7 +250,8 @@ class MegaTrainTrainer(Trainer):
         if self._last_log is None:
             self._last_log = time.perf_counter()
         self._tokens_since_log += count_real_tokens(inputs)
-        loss = self.engine.forward_backward(inputs, num_items_in_batch if scaled else None, scale)
+        loss = self.engine.forward_backward(inputs, num_items_in_batch if scaled else None, scale,
+                                            aux_scale=self._aux_loss_scale(num_items_in_batch if scaled else None))
         if not scaled:
             loss = loss / ga
         elif self.args.average_tokens_across_devices and self.args.world_size > 1:
@@ -251,6 +259,10 @@ class MegaTrainTrainer(Trainer):
             # tokens) and its logging averages over ranks; the gradients are already exact.
             loss = loss * self.args.world_size
         return loss.to(self.args.device)
+
+    def _aux_loss_scale(self, num_items_in_batch) -> float:
+        """Weight of the MoE load-balancing loss in this micro-batch's loss: 1, as the model adds it."""
+        return 1.0
 
     def log(self, logs, start_time=None):
         if "loss" in logs and self._last_log is not None:

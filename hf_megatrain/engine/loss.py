@@ -46,6 +46,7 @@ def chunked_head_loss(
     chunk: int,
     rows: torch.Tensor | None = None,
     trainable: list[bool] | None = None,
+    stats: dict | None = None,
 ):
     """Loss of the head over `hidden`, and (when `seed` is given) its gradients.
 
@@ -53,6 +54,9 @@ def chunked_head_loss(
     seed: d(total loss)/d(loss), e.g. 1/GA, as an fp32 scalar tensor on the device.
 
     trainable: which weights get a gradient (frozen ones, e.g. under LoRA, get None).
+    stats: when a dict, it receives device tensors over the counted tokens: 'tokens', the
+    summed 'entropy' of the predicted distributions and 'correct' top-1 predictions (TRL's
+    SFT metrics), at the cost of a softmax over each chunk's logits.
 
     Returns (loss, grad_hidden or None, fp32 grads of `weights` or None).
     """
@@ -70,19 +74,27 @@ def chunked_head_loss(
         grad_w = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) if t else None
                   for w, t in zip(weights, trainable)]
     chunk_seed = seed / denom if seed is not None else None
+    if stats is not None:
+        stats.update(tokens=torch.tensor(rows.numel(), device=hidden.device),
+                     entropy=torch.zeros((), dtype=torch.float32, device=hidden.device),
+                     correct=torch.zeros((), dtype=torch.int64, device=hidden.device))
 
     for idx in rows.split(chunk):
         h = flat_h.index_select(0, idx)
         target = flat_l.index_select(0, idx)
         if seed is None:
             with torch.no_grad():
-                total += F.cross_entropy(run_head(weights, h).float(), target, reduction="sum")
+                logits = run_head(weights, h).float()
+                total += F.cross_entropy(logits, target, reduction="sum")
+                _add_stats(stats, logits, target)
             continue
         bound = [w.detach().requires_grad_() if t else w for w, t in zip(weights, trainable)]
         leaves = [b for b, t in zip(bound, trainable) if t]
         h.requires_grad_()
         with torch.enable_grad():
-            ce = F.cross_entropy(run_head(bound, h).float(), target, reduction="sum")
+            logits = run_head(bound, h).float()
+            ce = F.cross_entropy(logits, target, reduction="sum")
+            _add_stats(stats, logits, target)
             grads = torch.autograd.grad(ce, [h] + leaves, grad_outputs=chunk_seed, materialize_grads=True, allow_unused=True)
         total += ce.detach()
         grad_h.index_copy_(0, idx, grads[0])
@@ -93,6 +105,15 @@ def chunked_head_loss(
     if grad_h is not None:
         grad_h = grad_h.view_as(hidden)
     return loss, grad_h, grad_w
+
+
+def _add_stats(stats: dict | None, logits: torch.Tensor, target: torch.Tensor) -> None:
+    if stats is None:
+        return
+    with torch.no_grad():
+        logp = logits.detach().log_softmax(-1)
+        stats["entropy"] += -(logp.exp() * logp).sum()
+        stats["correct"] += (logp.argmax(-1) == target).sum()
 
 
 def full_logits(run_head, weights, hidden: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -172,6 +172,9 @@ class StreamingEngine(nn.Module):
         self.activations = Activations(self.device, config.offload_activations, config.activation_lookahead)
         self._listener: GradListener | None = None
         self.writer = None  # (engine, output_dir, dtype) -> files; see save_pretrained
+        # Set to a dict to have each training micro-batch leave its head statistics there (token
+        # count, summed entropy, top-1 hits: loss.chunked_head_loss); TRL's SFT metrics read them.
+        self.head_stats: dict | None = None
         self._warned_length = False
 
     @property
@@ -353,7 +356,9 @@ class StreamingEngine(nn.Module):
         labels = batch.get("labels")
         if ids.device.type == "cpu":
             validate_tokens(ids, labels, self.config.vocab_size)
-        self._check_length(ids.shape[1])
+        pos = batch.get("position_ids")
+        # packed (and TRL's padding-free) rows restart their positions: what counts is the largest
+        self._check_length(int(pos.max()) + 1 if pos is not None and pos.device.type == "cpu" else ids.shape[1])
         docs = self._documents(ids, batch.get("attention_mask"), batch.get("position_ids"))
         rows = counted_rows(labels) if labels is not None and labels.device.type == "cpu" else None
         if rows is not None and self.device.type == "cuda":
@@ -363,7 +368,6 @@ class StreamingEngine(nn.Module):
         mask = batch.get("attention_mask")
         mask = mask.to(dev, non_blocking=True) if mask is not None else None
         labels = labels.to(dev, non_blocking=True) if labels is not None else None
-        pos = batch.get("position_ids")
         if pos is None:
             pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
         else:
@@ -468,14 +472,16 @@ class StreamingEngine(nn.Module):
                 pipe.release(unit.index)
         return x, ctx, acts, routers, e_w
 
-    def forward_backward(self, batch: dict, num_items_in_batch=None, scale: float = 1.0) -> torch.Tensor:
+    def forward_backward(self, batch: dict, num_items_in_batch=None, scale: float = 1.0,
+                         aux_scale: float = 1.0) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch; weight gradients accumulate.
 
         The gradient is that of `scale * loss`; the returned loss (detached, on the compute
-        device) is not scaled, exactly what `model(**batch).loss` would be.
+        device) is not scaled, exactly what `model(**batch).loss` would be. `aux_scale` weighs
+        the MoE load-balancing term within the loss (TRL averages it over accumulation steps).
         """
         try:
-            return self._forward_backward(batch, num_items_in_batch, scale)
+            return self._forward_backward(batch, num_items_in_batch, scale, aux_scale)
         except BaseException:
             listener = self._listener
             if listener is not None:  # an early step armed for this backward must not outlive it
@@ -483,7 +489,7 @@ class StreamingEngine(nn.Module):
                 listener.backward_failed()
             raise
 
-    def _forward_backward(self, batch: dict, num_items_in_batch, scale: float) -> torch.Tensor:
+    def _forward_backward(self, batch: dict, num_items_in_batch, scale: float, aux_scale: float) -> torch.Tensor:
         ids, mask, labels, pos, rows, docs = self._prepare(batch)
         if labels is None:
             raise MegaTrainError(f"the batch has no 'labels'; training needs them (use {IGNORE_INDEX} to ignore a token).")
@@ -498,7 +504,8 @@ class StreamingEngine(nn.Module):
         denom = loss_denominator(labels, num_items_in_batch)
         with pipe.span("compute"):
             loss, grad_x, grad_w = chunked_head_loss(
-                self._run_head(names), weights, x, labels, denom, seed, self.loss_chunk_tokens, rows, trainable
+                self._run_head(names), weights, x, labels, denom, seed, self.loss_chunk_tokens, rows, trainable,
+                stats=self.head_stats,
             )
             del x
             n_own = len(head.slots)
@@ -511,8 +518,8 @@ class StreamingEngine(nn.Module):
 
         router_seeds = {}
         if routers:
-            aux, router_seeds = self._router_loss(routers, mask, seed)
-            loss = loss + aux
+            aux, router_seeds = self._router_loss(routers, mask, seed * aux_scale)  # times 1.0 is exact
+            loss = loss + aux * aux_scale
 
         for unit in reversed(self.units[1:-1]):
             r_seed = router_seeds.get(unit.layer)

@@ -146,8 +146,8 @@ def test_local_hub_two_revisions_load_offline(tmp_path):
     rows = [make_batch(1, 12, seed=i) for i in range(8)]
     data = datasets.Dataset.from_dict({k: [r[k][0].tolist() for r in rows] for k in rows[0]})
     args = MegaTrainArguments(output_dir=str(tmp_path / "out"), push_to_hub=True, hub_model_id="org/tiny",
-                              hub_dir=str(hub), max_steps=2, report_to=[], use_cpu=True, save_strategy="no",
-                              per_device_train_batch_size=2, learning_rate=1e-2, disable_tqdm=True)
+                              hub_dir=str(hub), max_steps=2, report_to=[], use_cpu=True, save_strategy="steps",
+                              save_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, disable_tqdm=True)
     trainer = MegaTrainTrainer(make_model("llama"), args, train_dataset=data, processing_class=tok)
     trainer.train()
     first = trainer.push_to_hub()
@@ -164,7 +164,9 @@ def test_local_hub_two_revisions_load_offline(tmp_path):
     assert "hf_megatrain 0.1.0" in card and "| learning_rate | 0.01 |" in card and "| optimizer steps | 4 |" in card
     assert "| train_loss |" in card and "hf_megatrain" in card.split("---")[1]
     published = {p.name for p in (repo / "snapshots" / second).iterdir()}
-    assert not any(n.startswith(("checkpoint-", "optimizer", "megatrain_")) for n in published), published
+    assert (tmp_path / "out" / "checkpoint-4" / "trainer_state.json").exists()  # training state in output_dir...
+    assert not any(n.startswith(("checkpoint-", "optimizer", "megatrain_", "trainer_state", "rng_state", "scheduler"))
+                   for n in published), published  # ...but not in the published revision
 
     code = f"""
 import json, torch

@@ -9,12 +9,16 @@ import pytest
 from tests.support import ROOT
 
 
-@pytest.mark.parametrize("script", ["continued_pretraining.py", "lora.py"])
+@pytest.mark.parametrize("script", ["continued_pretraining.py", "lora.py", "trl_sft.py"])
 def test_example_runs_on_the_tiny_default(script, tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "examples"))
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), "--tiny", "--output_dir", str(out)],
-                       capture_output=True, text=True, env=env, timeout=600)
+    flags = []
+    if script == "trl_sft.py":
+        pytest.importorskip("trl")
+        flags = ["--bf16", "False", "--report_to", "none", "--save_strategy", "no"]  # TRL's bf16 default: fp32 on the CPU
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), "--tiny", "--output_dir", str(out)]
+                       + flags, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     if script == "lora.py":
         assert (out / "adapter_config.json").exists() and (out / "merged" / "config.json").exists()

@@ -65,6 +65,21 @@ def test_sequence_longer_than_the_model_warns_once():
         engine.forward_backward(make_batch(batch=1, seq=24, pad_rows=0))
 
 
+def test_packed_rows_longer_than_the_model_do_not_warn():
+    """TRL's padding-free batches are one long row whose positions restart per document: the longest
+    document counts, not the row."""
+    import warnings
+
+    model = make_model("llama", max_position_embeddings=16)
+    engine = StreamingEngine(model, compute_dtype=torch.float32).train()
+    batch = make_batch(batch=1, seq=24, pad_rows=0)
+    batch["position_ids"] = torch.cat([torch.arange(12), torch.arange(12)]).unsqueeze(0)
+    del batch["attention_mask"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.forward_backward(batch)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mixtral"])
 def test_activation_offload_gives_identical_gradients(kind):
     """Offloaded layer inputs come back bit-exact: same loss and gradients as keeping them all."""

@@ -1,0 +1,192 @@
+"""TRL's SFTTrainer on the streaming engine: one change of class.
+
+    from hf_megatrain.sft import MegaTrainSFTConfig, MegaTrainSFTTrainer
+
+    trainer = MegaTrainSFTTrainer(model="path/or/hub-id", args=MegaTrainSFTConfig(...),
+                                  train_dataset=dataset, peft_config=lora)   # was SFTTrainer / SFTConfig
+    trainer.train()
+
+TRL prepares the data as it always does (chat templates, completion-only and assistant-only
+labels, BFD packing with padding-free rows, its collator); the engine runs the step. The class
+order makes that work: SFTTrainer's `__init__` prepares the data and then calls the next
+`__init__` in line, which is MegaTrainTrainer's (it builds the engine and then calls Trainer's),
+and every hook the engine replaces comes from MegaTrainTrainer unless SFTTrainer wraps it
+around a `super()` call. The loss is the same number: TRL's 'nll' is the token-summed negative
+log-likelihood over `num_items_in_batch`, which the engine's chunked loss computes.
+
+Other TRL trainers (DPO, KTO, ORPO, GRPO, RLOO, reward modelling, distillation) compute their
+losses from forwards the engine does not run (a reference model, generations, a value head);
+their configs are refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from dataclasses import MISSING, dataclass, field, fields
+
+from transformers import TrainingArguments
+
+try:
+    from trl import SFTConfig, SFTTrainer
+except ImportError as e:  # an optional extra
+    raise ImportError("hf_megatrain.sft needs TRL: pip install 'hf_megatrain[trl]'") from e
+
+from .arguments import MegaTrainArguments, check_arguments, megatrain_arguments
+from .checkpoint.loading import load_model_and_tokenizer
+from .errors import MegaTrainError
+from .preflight import check_outputs, check_resume
+from .trainer import MegaTrainTrainer
+
+
+@dataclass
+class MegaTrainSFTConfig(SFTConfig, MegaTrainArguments):
+    """`SFTConfig` with the engine's fields (those of `MegaTrainArguments`) besides.
+
+    Where the two overlap, TRL's meaning holds: `max_length` is the row length (the engine plans
+    its memory for it: `max_seq_length` follows it), `packing` is TRL's packing, `bf16` defaults
+    to True as in every TRL config (pass `bf16=False` for fp32 compute on a CPU)."""
+
+    # TRL turns recompute on by default; the engine always recomputes at layer boundaries, so this
+    # keeps Trainer's own default (False, or None from transformers 5.25, where the name is deprecated).
+    gradient_checkpointing: bool | None = field(
+        default=next(f.default for f in fields(TrainingArguments) if f.name == "gradient_checkpointing"),
+        metadata={"help": "Ignored: the engine always recomputes each layer in the backward."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()  # SFTConfig's, then MegaTrainArguments' checks, then TrainingArguments'
+        if self.max_length is not None:
+            self.max_seq_length = self.max_length
+
+
+def sft_arguments(args, model) -> MegaTrainSFTConfig:
+    """The trainer's own MegaTrainSFTConfig for what the user passed: None (TRL's default, an
+    output folder named after the model), an SFTConfig, a MegaTrainSFTConfig or TrainingArguments."""
+    if args is None:
+        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+        return MegaTrainSFTConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-SFT")
+    if isinstance(args, MegaTrainSFTConfig):
+        own = copy.copy(args)
+    elif isinstance(args, SFTConfig):
+        if type(args) is not SFTConfig:
+            raise MegaTrainError(f"args is a {type(args).__name__}, a subclass of SFTConfig whose fields hf_megatrain "
+                                 "cannot carry over; pass MegaTrainSFTConfig (every SFTConfig field works there).")
+        own = copy.copy(args)
+        own.__class__ = MegaTrainSFTConfig  # it only adds fields, each with a default
+        for f in fields(MegaTrainArguments):
+            if f.name not in vars(own):
+                setattr(own, f.name, f.default_factory() if f.default_factory is not MISSING else f.default)
+        if own.max_length is not None:
+            own.max_seq_length = own.max_length
+    elif isinstance(args, TrainingArguments):
+        megatrain_arguments(args)  # refuses another library's subclass (TRL's DPOConfig...) with the reason
+        values = {f.name: getattr(args, f.name) for f in fields(args) if f.init}
+        own = MegaTrainSFTConfig(**values)  # what SFTTrainer does with TrainingArguments, with our fields kept
+    else:
+        raise MegaTrainError(f"args must be MegaTrainSFTConfig, SFTConfig or TrainingArguments, not "
+                             f"{type(args).__name__}.")
+    check_arguments(own)
+    return own
+
+
+def check_sft(args, kwargs: dict) -> None:
+    """What SFTTrainer offers that the engine cannot honour, refused before any data is tokenized."""
+    if args.loss_type != "nll":
+        raise MegaTrainError(f"loss_type={args.loss_type!r} is not supported: the engine's chunked loss is the "
+                             "negative log-likelihood (loss_type='nll', the default).")
+    if args.activation_offloading:
+        raise MegaTrainError("activation_offloading=True is TRL's offload for a model on the GPU; the engine keeps "
+                             "activations itself (MegaTrainSFTConfig.offload_activations). Leave it False.")
+    if kwargs.get("quantization_config") is not None or (args.model_init_kwargs or {}).get("quantization_config"):
+        raise MegaTrainError("quantization_config is not supported: hf_megatrain trains at full precision (fp32 "
+                             "master weights); a frozen LoRA base streams in bf16. Remove it.")
+    if kwargs.get("compute_loss_func") is not None:
+        raise MegaTrainError("compute_loss_func is not supported: the engine computes the causal-LM loss itself.")
+    template = args.chat_template_path
+    if template is not None and not template.endswith((".jinja", ".j2")):
+        raise MegaTrainError(
+            f"chat_template_path={template!r} copies a tokenizer's template and resizes the embeddings for its "
+            "tokens, which the engine's host store cannot follow. Resize and save the model first (trl's "
+            "clone_chat_template), then train the saved folder, or pass a .jinja template file."
+        )
+
+
+class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
+    """`trl.SFTTrainer` whose forward, backward and optimizer step run on the streaming engine.
+
+    Takes what SFTTrainer takes; `args` may be an SFTConfig (the engine's options at their
+    defaults) or a MegaTrainSFTConfig. `model` is a hub id, a folder (its weights are streamed
+    into host RAM, never loaded whole) or a CPU model; `peft_config` trains LoRA adapters."""
+
+    def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, peft_config=None, **kwargs):
+        args = sft_arguments(args, model)
+        check_sft(args, kwargs)
+        check_outputs(args)
+        check_resume(args.resume_from_checkpoint, args.output_dir)
+        if peft_config is not None:  # the engine wraps the base itself (SFTTrainer would wrap a meta skeleton)
+            if args.peft_config is not None and args.peft_config is not peft_config:
+                raise MegaTrainError("peft_config was given twice (as an argument and in args); keep one.")
+            args.peft_config = peft_config
+        # A folder or hub id becomes a meta skeleton here and is filled by the engine, so SFTTrainer
+        # never loads the whole model into RAM; MegaTrainTrainer.__init__ picks up what was resolved.
+        # Of model_init_kwargs, the revision and attention implementation apply; the weights are fp32
+        # masters whatever dtype they ask for.
+        init = dict(args.model_init_kwargs or {}) if isinstance(model, str) else {}
+        args.model_init_kwargs = None  # used here, so SFTTrainer does not warn that it ignores them
+        self._loaded = load_model_and_tokenizer(model, attn_implementation=init.get("attn_implementation"),
+                                                revision=init.get("revision"))
+        skeleton, tokenizer, _ = self._loaded
+        if processing_class is None:
+            if tokenizer is None:
+                raise MegaTrainError("no tokenizer was found with the model; pass processing_class=.")
+            processing_class = tokenizer
+        if args.device.type == "cuda":
+            args._n_gpu = 1  # one GPU per process: SFTTrainer would refuse nn.DataParallel on a multi-GPU host
+        super().__init__(model=skeleton, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
+        # SFTTrainer settles the MoE load-balancing loss on the model's config after the engine took
+        # its own copy of that config: carry the two settings over.
+        text, own = self.model.config.get_text_config(), self.engine.config.get_text_config()
+        for name in ("output_router_logits", "router_aux_loss_coef"):
+            if hasattr(text, name):
+                setattr(own, name, getattr(text, name))
+        self.engine.head_stats = {}  # entropy and top-1 hits for TRL's metrics, from the engine's loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # SFTTrainer's own training_step only adds its activation offloading (refused above).
+        loss = MegaTrainTrainer.training_step(self, model, inputs, num_items_in_batch)
+        self._record_metrics(inputs)
+        return loss
+
+    def _record_metrics(self, inputs) -> None:
+        """TRL's training metrics, counted as SFTTrainer.compute_loss counts them, kept as device
+        tensors (no sync per micro-batch) until the next log."""
+        stats, gather = self.engine.head_stats, self.accelerator.gather_for_metrics
+        valid = gather(stats["tokens"]).sum()
+        metrics = self._metrics["train"]
+        metrics["entropy"].append(gather(stats["entropy"]).sum() / valid.clamp(min=1))
+        metrics["mean_token_accuracy"].append(gather(stats["correct"]).sum() / valid.clamp(min=1))
+        if "attention_mask" in inputs:
+            tokens = torch.as_tensor(inputs["attention_mask"]).sum()
+        else:  # padding-free rows: every position counts, as in TRL
+            tokens = torch.tensor(inputs["position_ids"].size(1))
+        if self.args.world_size > 1:
+            tokens = gather(tokens.to(self.args.device)).sum()
+        self._total_train_tokens += int(tokens) // self._tp_size
+        metrics["num_tokens"] = [self._total_train_tokens]
+
+    def log(self, logs, start_time=None):
+        for values in self._metrics["train"].values():  # device tensors become numbers once per log
+            values[:] = [float(v) for v in values]
+        super().log(logs, start_time)
+
+    # SFTTrainer's own evaluation step runs its fused head through the model; the engine has its own.
+    prediction_step = MegaTrainTrainer.prediction_step
+
+    def _aux_loss_scale(self, num_items_in_batch) -> float:
+        # TRL averages the MoE load-balancing loss over the accumulation steps when the token loss is
+        # normalised by num_items_in_batch (SFTTrainer.compute_loss); stock Trainer does not.
+        return 1.0 / self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1.0

@@ -1,0 +1,166 @@
+"""TRL's SFTTrainer through the engine: the same losses, metrics and weights as stock SFTTrainer (fp32, CPU),
+for completion-only loss, TRL's packing (BFD, padding-free rows), LoRA and a MoE under gradient accumulation;
+TRL's own script shape run as a command; what the engine cannot do is refused by name."""
+
+import json
+import os
+import subprocess
+import sys
+
+import datasets
+import pytest
+import torch
+from safetensors.torch import load_file
+
+trl = pytest.importorskip("trl")
+from peft import LoraConfig  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+from hf_megatrain import MegaTrainArguments, MegaTrainError, MegaTrainTrainer  # noqa: E402
+from hf_megatrain.demo import build_tokenizer, make_words  # noqa: E402
+from hf_megatrain.sft import MegaTrainSFTConfig, MegaTrainSFTTrainer  # noqa: E402
+from tests.support import ROOT  # noqa: E402
+from tests.support.tiny import make_model  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_datasets_cache"))
+
+
+def model_folder(tmp_path, kind):
+    folder = tmp_path / f"model-{kind}"
+    model, tok = make_model(kind), build_tokenizer()
+    model.config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+WORDS = make_words(40, seed=0)
+DATA = {
+    "completion": datasets.Dataset.from_dict({"prompt": [w + ">" for w in WORDS], "completion": [w[::-1] for w in WORDS]}),
+    "packing": datasets.Dataset.from_dict({"text": [w + ">" + w[::-1] for w in WORDS]}),
+}
+# lr 1e-3: Adam divides by the root of tiny second moments, so at larger rates the last-bit differences
+# between TRL's fused head and the engine's chunked loss grow past 1e-5 in the weights.
+KW = dict(bf16=False, use_cpu=True, max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+          learning_rate=1e-3, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+          disable_tqdm=True, dataloader_num_workers=0)
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
+METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens", "grad_norm")
+
+
+def run(trainer_cls, config_cls, folder, out, data, lora=None, **extra):
+    trainer = trainer_cls(model=folder, args=config_cls(output_dir=str(out), **KW, **extra), train_dataset=DATA[data],
+                          peft_config=LoraConfig(**lora) if lora else None)
+    trainer.train()
+    trainer.save_model(str(out))
+    logs = [{k: h[k] for k in METRICS if k in h} for h in trainer.state.log_history if "loss" in h]
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    return trainer, logs, load_file(os.path.join(out, name))
+
+
+CASES = {
+    "completion_only": ("llama", "completion", None, {}),
+    "packing": ("llama", "packing", None, dict(packing=True, max_length=32)),
+    "lora": ("llama", "completion", LORA, {}),
+    # the load-balancing loss averaged over accumulation steps, as SFTTrainer does (stock Trainer does not)
+    "moe_aux_loss": ("mixtral", "completion", None, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sft_equals_stock_sfttrainer(case, tmp_path):
+    kind, data, lora, extra = CASES[case]
+    folder = model_folder(tmp_path, kind)
+    _, stock_logs, stock_weights = run(SFTTrainer, SFTConfig, folder, tmp_path / "stock", data, lora, **extra)
+    # a plain SFTConfig works as well as MegaTrainSFTConfig: the engine's options keep their defaults
+    config_cls = SFTConfig if case == "lora" else MegaTrainSFTConfig
+    trainer, logs, weights = run(MegaTrainSFTTrainer, config_cls, folder, tmp_path / "mega", data, lora, **extra)
+    assert isinstance(trainer.args, MegaTrainSFTConfig)
+    assert len(logs) == len(stock_logs) == KW["max_steps"]
+    for ours, theirs in zip(logs, stock_logs):
+        assert ours.keys() == theirs.keys(), (ours, theirs)
+        for k in METRICS:
+            assert ours[k] == pytest.approx(theirs[k], rel=1e-5, abs=1e-6), (k, ours, theirs)
+    assert weights.keys() == stock_weights.keys()
+    if lora:
+        assert all("lora_" in k for k in weights)
+    for k in weights:
+        torch.testing.assert_close(weights[k], stock_weights[k], atol=1e-5, rtol=1e-5, msg=k)
+    if case == "packing":  # TRL's BFD packing gives the engine padding-free rows of several documents
+        batch = next(iter(trainer.get_train_dataloader()))
+        assert "attention_mask" not in batch and (batch["position_ids"] == 0).sum() > 1
+
+
+def test_sft_evaluate_equals_stock(tmp_path):
+    folder = model_folder(tmp_path, "llama")
+    kw = dict(KW, max_steps=2, eval_strategy="no", per_device_eval_batch_size=4)
+    losses = {}
+    for name, cls in (("stock", SFTTrainer), ("mega", MegaTrainSFTTrainer)):
+        trainer = cls(model=folder, args=SFTConfig(output_dir=str(tmp_path / name), **kw),
+                      train_dataset=DATA["completion"], eval_dataset=DATA["completion"].select(range(8)))
+        trainer.train()
+        losses[name] = trainer.evaluate()["eval_loss"]
+    assert losses["mega"] == pytest.approx(losses["stock"], rel=1e-5)
+
+
+def test_trl_configs_of_other_trainers_are_refused(tmp_path):
+    folder = model_folder(tmp_path, "llama")
+    with pytest.raises(MegaTrainError, match="MegaTrainSFTTrainer.*DPO"):
+        MegaTrainTrainer(folder, trl.DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[]))
+    with pytest.raises(MegaTrainError, match="MegaTrainSFTTrainer.*DPO"):
+        MegaTrainSFTTrainer(folder, trl.DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[]),
+                            train_dataset=DATA["completion"])
+
+
+@pytest.mark.parametrize("extra, match", [
+    (dict(loss_type="dft"), "loss_type='dft'"),
+    (dict(activation_offloading=True), "activation_offloading"),
+    (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
+    (dict(chat_template_path="Qwen/Qwen2.5-0.5B-Instruct"), "clone_chat_template"),
+])
+def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tmp_path, monkeypatch):
+    folder = model_folder(tmp_path, "llama")
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("the data was prepared before the refusal")
+
+    monkeypatch.setattr(SFTTrainer, "_prepare_dataset", no_tokenizing)
+    with pytest.raises(MegaTrainError, match=match):
+        MegaTrainSFTTrainer(folder, SFTConfig(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[], **extra),
+                            train_dataset=DATA["completion"])
+
+
+def test_sft_config_carries_the_engine_options():
+    args = MegaTrainSFTConfig(output_dir="o", use_cpu=True, max_length=48, gpu_resident_layers="0", report_to=[])
+    assert isinstance(args, MegaTrainArguments) and isinstance(args, SFTConfig)
+    assert args.max_seq_length == 48 and args.gpu_resident_layers == "0"
+    with pytest.raises(MegaTrainError, match="optim"):
+        MegaTrainSFTConfig(output_dir="o", use_cpu=True, optim="adafactor", report_to=[])
+
+
+def test_trl_script_runs_as_a_command_with_yaml_and_lora(tmp_path):
+    """examples/trl_sft.py is TRL's own SFT script with the two classes swapped: TrlParser, a YAML --config
+    whose values flags override, --use_peft, a local .jsonl. The adapter loads back with PeftModel."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folder, out, data = model_folder(tmp_path, "llama"), tmp_path / "out", tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": w + ">", "completion": w[::-1]}) + "\n" for w in WORDS))
+    config = tmp_path / "run.yaml"  # JSON is YAML
+    config.write_text(json.dumps(dict(max_steps=6, per_device_train_batch_size=8, logging_steps=1, bf16=False,
+                                      report_to="none", save_strategy="no", learning_rate=1e-3, use_cpu=True)))
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "trl_sft.py"), "--config", str(config),
+           "--model_name_or_path", folder, "--dataset_name", str(data), "--output_dir", str(out),
+           "--max_steps", "3", "--use_peft", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    logged = [line for line in r.stdout.splitlines() if "'mean_token_accuracy'" in line]
+    assert len(logged) == 3, r.stdout[-2000:]  # the flag's 3 steps, not the YAML's 6
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), str(out))
+    saved = load_file(str(out / "adapter_model.safetensors"))
+    trained = {k: v for k, v in model.state_dict().items() if "lora_B" in k}
+    assert trained and all(v.abs().max() > 0 for v in trained.values())  # B starts at zero: it was trained
+    assert len(saved) == 2 * len(trained)
