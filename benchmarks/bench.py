@@ -396,7 +396,7 @@ def worker(opts) -> None:
             # hf_megatrain takes the whole step as one micro-batch (the GPU holds one layer, so
             # activations fit); the Trainer systems would need [B, T, vocab] fp32 logits at once, so
             # they run micro-batches of --stock_micro rows with gradient accumulation.
-            micro = bs if opts.system == "megatrain" else min(bs, opts.stock_micro)
+            micro = min(bs, opts.mega_micro or bs) if opts.system == "megatrain" else min(bs, opts.stock_micro)
             common = dict(
                 output_dir=tempfile.mkdtemp(), per_device_train_batch_size=micro,
                 gradient_accumulation_steps=bs // micro, max_steps=opts.steps,
@@ -410,7 +410,8 @@ def worker(opts) -> None:
                 from hf_megatrain.engine.timeline import Timeline
 
                 trainer = MegaTrainTrainer(model, MegaTrainArguments(**common, log_pipeline=False,
-                                                                     gpu_resident_layers=opts.resident),
+                                                                     gpu_resident_layers=opts.resident,
+                                                                     layer_major_accumulation=opts.layer_major),
                                            train_dataset=data,
                                            data_collator=_collate)
                 engine = trainer.engine
@@ -446,8 +447,10 @@ def worker(opts) -> None:
             )
             if setup:
                 row["setup"] = setup
-            if engine is not None:  # which layers lived on the GPU (the rest streamed)
+            if engine is not None:  # which layers lived on the GPU (the rest streamed), how the step was split
                 row["resident_layers"] = engine.resident_layers
+                cut = trainer._split
+                row["micro_batches"] = f"{micro // cut}x{bs // micro * cut}" + (" together" if trainer._together else "")
             if timeline is not None:
                 b = timeline.collect()
                 row["breakdown"] = {k: v for k, v in b.items() if k.endswith("_busy") or k == "gpu_idle"}
@@ -521,7 +524,7 @@ def run_system(system: str, opts) -> list:
 
     base = [sys.executable, script, "--system", system, "--shape", opts.shape, "--seq", str(opts.seq),
             "--steps", str(opts.steps), "--warmup", str(opts.warmup), "--stock_micro", str(opts.stock_micro),
-            "--resident", resident]
+            "--resident", resident, "--mega_micro", str(opts.mega_micro or 0), "--layer_major", opts.layer_major]
     if opts.layers:
         base += ["--layers", str(opts.layers)]
     if opts.dry_run:
@@ -585,6 +588,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--stock_micro", type=int, default=16,
                    help="rows per micro-batch for the Trainer systems (stock, fsdp2, deepspeed)")
+    p.add_argument("--mega_micro", type=int, default=0,
+                   help="rows per micro-batch for hf_megatrain (0: the whole step in one)")
+    p.add_argument("--layer_major", default="auto",
+                   help="hf_megatrain layer_major_accumulation: auto | true | false")
     p.add_argument("--resident", default="0", help="hf_megatrain gpu_resident_layers: 0 (stream all), N or auto; "
                    "per run as a system name: --systems megatrain:0,megatrain:auto,stock")
     p.add_argument("--baseline_clip", type=float, nargs="+", default=None,
@@ -646,13 +653,13 @@ def print_table(record) -> None:
                 if r.get("system") == system and "tokens_per_s" in r}
 
     stock, anchor = by_config("stock"), by_config("stock_bf16")
-    head = f"{'system':18} {'shape':13} {'L':>3} {'tok/step':>8} {'clip':>4} {'tok/s':>9} {'TFLOPS':>7} " \
+    head = f"{'system':24} {'shape':13} {'L':>3} {'tok/step':>8} {'clip':>4} {'tok/s':>9} {'TFLOPS':>7} " \
            f"{'MFU':>5} {'x stock':>7} {'x bf16':>6} {'GPU GiB':>7} {'host GiB':>8}  breakdown"
     print(head)
     for r in rows:
         if "tokens_per_s" not in r:  # an error, or a --dry_run row
             what = f"ERROR {r['error']}" if "error" in r else f"DRY RUN {json.dumps(r.get('dry_run'))}"
-            print(f"{r['system']:18} {r['shape']:13} {'':>3} {r.get('tokens_per_step', '-'):>8} "
+            print(f"{r['system']:24} {r['shape']:13} {'':>3} {r.get('tokens_per_step', '-'):>8} "
                   f"{r.get('clip', '-'):>4}  {what}")
             continue
         ref, fair = stock.get((r["tokens_per_step"], r["clip"])), anchor.get((r["tokens_per_step"], r["clip"]))
@@ -660,9 +667,10 @@ def print_table(record) -> None:
         ratio_bf16 = f"{r['tokens_per_s'] / fair:.2f}" if fair else "-"
         bd = r.get("breakdown")
         bds = " ".join(f"{k.replace('_busy', '')}={v:.2f}" for k, v in bd.items()) if bd else ""
-        name = r["system"] + (f"/r{r['resident_layers']}" if "resident_layers" in r else "")
+        name = r["system"] + (f"/r{r['resident_layers']}" if "resident_layers" in r else "") \
+            + (f" {r['micro_batches'].replace(' together', 't')}" if "micro_batches" in r else "")
         mfu = f"{r['mfu']:.2f}" if "mfu" in r else "-"  # no peak measured (--skip_peak)
-        print(f"{name:18} {r['shape']:13} {r['layers']:>3} {r['tokens_per_step']:>8} {r['clip']:>4} "
+        print(f"{name:24} {r['shape']:13} {r['layers']:>3} {r['tokens_per_step']:>8} {r['clip']:>4} "
               f"{r['tokens_per_s']:>9.0f} {r['model_tflops']:>7.1f} {mfu:>5} {ratio:>7} {ratio_bf16:>6} "
               f"{r['gpu_peak_gib']:>7.1f} {r['host_peak_gib']:>8.1f}  {bds}")
     # rows that ran another checkout's code (megatrain:R@DIR): which code that was

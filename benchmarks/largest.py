@@ -66,6 +66,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--resident", default="auto", help="gpu_resident_layers of the training run")
+    p.add_argument("--micro", type=int, default=0, help="rows per micro-batch (0: the whole step in one)")
+    p.add_argument("--layer_major", default="auto", help="layer_major_accumulation: auto | true | false")
+    p.add_argument("--skip_all_host", action="store_true", help="do not try the all-host run first")
     p.add_argument("--dir", default="/tmp/largest")
     p.add_argument("--out", default=os.environ.get("OUT", "largest_out"))
     opts = p.parse_args()
@@ -87,12 +90,17 @@ def main() -> None:
     print("PLANS " + json.dumps(record["plans"]), flush=True)
     record["peak"] = matmul_peak()  # bf16 matmul TFLOP/s, burst and sustained (after ~8 s of load)
     print("PEAK " + json.dumps(record["peak"]), flush=True)
-    common = dict(per_device_train_batch_size=bs, max_steps=opts.steps, learning_rate=1e-5, max_grad_norm=1.0,
+    micro = min(bs, opts.micro or bs)
+    common = dict(per_device_train_batch_size=micro, gradient_accumulation_steps=bs // micro,
+                  layer_major_accumulation=opts.layer_major, max_steps=opts.steps, learning_rate=1e-5, max_grad_norm=1.0,
                   lr_scheduler_type="constant", bf16=True, logging_steps=1, save_strategy="no", report_to=[],
-                  disable_tqdm=True, dataloader_num_workers=2, max_seq_length=opts.seq, log_pipeline=False)
+                  disable_tqdm=True, dataloader_num_workers=2, max_seq_length=opts.seq, log_pipeline=False,
+                  save_dtype="bfloat16")  # the disk check then asks room for bf16 files beside the checkpoint
     data = TokenRows(bs * (opts.steps + 1), opts.seq, cfg.vocab_size)
 
     try:  # streaming every layer: all state in host RAM. The admission check must say no, cleanly.
+        if opts.skip_all_host:
+            raise MegaTrainError("not tried (--skip_all_host)")
         MegaTrainTrainer(folder, MegaTrainArguments(output_dir=tempfile.mkdtemp(), gpu_resident_layers="0", **common),
                          train_dataset=data, data_collator=_collate)
         record["all_host_attempt"] = "accepted (it fits this machine)"
@@ -138,7 +146,8 @@ def main() -> None:
     with open(os.path.join(opts.out, f"trace_largest_{opts.shape}_{cfg.num_hidden_layers}.json"), "w") as f:
         json.dump({"spans": spans[-6000:], "wall_s": collected["wall_s"]}, f)
     n = cfg.num_hidden_layers
-    compute = [b - a for lane, a, b in sorted(spans, key=lambda s: s[1]) if lane == "compute"]
+    # the per-layer medians below read one micro-batch per step's spans in order
+    compute = [b - a for lane, a, b in sorted(spans, key=lambda s: s[1]) if lane == "compute"] if micro == bs else []
     per_step = 2 * n + 3  # embedding, n layers, head + loss, n layer backwards, embedding backward
     fwd = [compute[k * per_step + 1 + i] for k in range(len(compute) // per_step) for i in range(n)]
     bwd = [compute[k * per_step + n + 2 + i] for k in range(len(compute) // per_step) for i in range(n)]
@@ -148,6 +157,8 @@ def main() -> None:
     opt = [b - a for lane, a, b in spans if lane == "optimizer"]
     record.update(
         params=params, resident_layers=trainer.engine.resident_layers, tokens_per_step=opts.tokens,
+        micro_batches=f"{micro // trainer._split}x{bs // micro * trainer._split}"
+        + (" together" if trainer._together else "") + (f" (asked {micro}x{bs // micro})" if trainer._split > 1 else ""),
         step_s=round(dt / steps, 3), tokens_per_s=round(tps, 1), model_tflops=round(6 * params * tps / 1e12, 1),
         mfu=round(6 * params * tps / 1e12 / record["peak"]["sustained_tflops"], 3),
         gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -166,8 +177,9 @@ def main() -> None:
     # peak RSS; GPU: max_memory_allocated, which leaves out the CUDA context the estimate counts)
     from hf_megatrain.memory import estimate
 
-    plan = estimate(cfg, bs, opts.seq, resident_layers=trainer.engine.resident_layers,
-                    offload_activations=trainer.engine.activations.offload)
+    plan = estimate(cfg, micro // trainer._split, opts.seq, resident_layers=trainer.engine.resident_layers,
+                    offload_activations=trainer.engine.activations.offload, lean_resident=trainer.engine.engine_config.lean_resident,
+                    micro_batches=trainer._together or 1)
     record.update(estimate_host_gib=round(plan.host_total / GiB, 2), estimate_gpu_gib=round(plan.gpu_total / GiB, 2))
     with open(os.path.join(opts.out, f"largest_{opts.shape}_{cfg.num_hidden_layers}.json"), "w") as f:
         json.dump(record, f, indent=1)

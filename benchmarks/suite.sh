@@ -21,6 +21,11 @@
 #    autocast), stock with bf16 parameters (the speed anchor) and the default placement, 16K and 64K
 # J: Gemma-2-9B shape, full depth, default placement, 16K tokens/step (MFU against the sustained peak);
 #    the MoE profile again (by aten op); H's all-streamed MoE without clipping (AdamW during the backward)
+# K: issue 20: the GPU tests, then the 3B shape all streamed at 64K tokens/step as 64x1, and as 16x4 with
+#    the micro-batches through each layer together and one at a time
+# L, M: issue 20 at scale: the 13B shape at 64K tokens/step asked as 16 x 4 and 64 x 1 beside 16K; Mixtral-8x7B
+#    width (4 layers, all streamed) at 16K and 64K
+# N: issue 20's closing check: the GPU tests, and the 3B shape at 16K tokens/step beside stock
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
 # Every call first writes $OUT/versions.json and prints one VERSIONS line (benchmarks/versions.py:
 # Python, torch, CUDA, transformers, accelerate, peft, GPU and driver, hf_megatrain commit); each
@@ -98,6 +103,34 @@ J)
   part 60 moe_profile python3 benchmarks/moe_profile.py --shape qwen3-30b-a3b --layers 4 --rows 4 --out "$OUT"
   part 170 moe_streamed_noclip python3 benchmarks/bench.py --shape qwen3-30b-a3b --layers 8 --tokens 65536 \
     --clip 0.0 --systems megatrain:0 --steps 4 --warmup 2 --skip_peak --from_disk /tmp/ckpt --out "$OUT/noclip" ;;
-*) echo "unknown group $1 (A to J)"; exit 2 ;;
+K)  # issue 20: a step's micro-batches through each layer together (layer_major_accumulation)
+  part 200 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py
+  part 110 3b_64x1 python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 65536 --clip 1.0 --systems megatrain:0 \
+    --steps 5 --warmup 2 --out "$OUT/64x1"
+  for lm in true false; do
+    part 110 3b_16x4_$lm python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 65536 --clip 1.0 \
+      --systems megatrain:0 --mega_micro 16 --layer_major $lm --steps 5 --warmup 2 --skip_peak --out "$OUT/16x4_$lm"
+  done ;;
+L)  # issue 20: the 13B shape (full depth, default placement, clipping 1.0) at 64K tokens/step asked as 16 x 4
+    # (the planner cuts it to fit) beside 16K tokens/step in one micro-batch; the checkpoint is kept for M
+  export LARGEST_KEEP=1
+  part 60 gpu_together python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py -k together
+  part 330 13b_64k_16x4 python3 benchmarks/largest.py --shape llama-2-13b --tokens 65536 --micro 16 \
+    --steps 6 --warmup 2 --skip_all_host --out "$OUT/64k_16x4"
+  part 190 13b_16k python3 benchmarks/largest.py --shape llama-2-13b --tokens 16384 --steps 6 \
+    --warmup 2 --skip_all_host --out "$OUT/16k" ;;
+M)  # issue 20: L's 13B run at 64K asked as 16 x 4 with the allocator's expandable segments (L's ran out of
+    # memory on fragmentation: 9 GiB reserved but unallocated); Mixtral-8x7B width, 4 layers, all streamed, 16K, 64K
+  export LARGEST_KEEP=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  part 250 13b_64k_16x4 python3 benchmarks/largest.py --shape llama-2-13b --tokens 65536 --micro 16 \
+    --steps 6 --warmup 2 --skip_all_host --out "$OUT/64k_16x4"
+  part 300 mixtral_4l python3 benchmarks/bench.py --shape mixtral-8x7b --layers 4 --tokens 16384 65536 --clip 1.0 \
+    --systems megatrain:0 --steps 4 --warmup 2 --skip_peak --from_disk /tmp/ckpt --out "$OUT/mixtral" ;;
+N)  # issue 20, the closing check: every gpu-marked test on the final code, and no regression at 16K tokens/step
+    # (3B shape, default placement, one micro-batch per step) beside stock
+  part 200 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py
+  part 300 bench_3b_16k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip 1.0 \
+    --systems stock,megatrain:auto --steps 6 --warmup 2 --out "$OUT" ;;
+*) echo "unknown group $1 (A to N)"; exit 2 ;;
 esac
 for f in "${names[@]}"; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done

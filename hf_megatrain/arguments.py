@@ -76,6 +76,13 @@ class MegaTrainArguments(TrainingArguments):
                   "casts the fp32 master for each use (the same rounding), so a resident parameter costs 16 bytes "
                   "of GPU memory instead of 18. auto: when that keeps more layers on the GPU."},
     )
+    layer_major_accumulation: str = field(
+        default="auto",
+        metadata={"help": "auto | true | false. With gradient accumulation, run a step's micro-batches through each "
+                  "layer together: a streamed layer crosses PCIe once per step, not once per micro-batch, and its "
+                  "gradient is summed on the GPU and leaves once (the same numbers). Every micro-batch's layer "
+                  "inputs are kept at once. auto: when some layer streams, in one process."},
+    )
     prefetch_depth: int = field(
         default=2, metadata={"help": "GPU weight slots in the ring that streams decoder layers (>= 2)."}
     )
@@ -155,6 +162,7 @@ def check_arguments(args, before_init: bool = False) -> None:
         raise MegaTrainError(f"compute_dtype={args.compute_dtype!r}; choose auto, bfloat16 or float32.")
     if args.save_dtype not in SAVE_DTYPES:
         raise MegaTrainError(f"save_dtype={args.save_dtype!r}; choose {', '.join(SAVE_DTYPES)}.")
+    parse_switch(args.layer_major_accumulation, "layer_major_accumulation")
     if args.max_seq_length < 1:
         raise MegaTrainError("max_seq_length must be a positive number of tokens.")
     engine_config(args, torch.device("cpu"))  # the engine's own checks of its knobs, on any machine

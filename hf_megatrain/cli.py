@@ -72,6 +72,7 @@ memory and speed (hf_megatrain):
   --gpu_resident_layers auto|N   layers kept entirely on the GPU (default: as many as fit)
   --lean_resident auto|true|false   resident layers without a bf16 copy (default: when it keeps more)
   --offload_activations auto|N   layer inputs kept in pinned host memory (long context)
+  --layer_major_accumulation auto|true|false   a step's micro-batches through each layer together
   --compute_dtype auto|bfloat16|float32   --save_dtype auto|float32|bfloat16
   --mlp_tile_tokens N        --loss_chunk_tokens N   --prefetch_depth N   --host_threads N
   --memory_check true|false  refuse runs that cannot fit, before loading (default: true)
@@ -181,6 +182,11 @@ def _estimate(argv: list[str]) -> int:
     p.add_argument("model")
     p.add_argument("--batch", type=int, default=1, help="rows per micro-batch")
     p.add_argument("--seq", type=int, default=4096, help="tokens per row")
+    p.add_argument("--grad_accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--layer_major_accumulation", default="auto",
+                   help="run a step's micro-batches through each layer together: auto (with --gpu_gib and "
+                        "--host_gib, decided as the trainer decides it, cutting micro-batches into chunks of rows "
+                        "where that fits), true or false")
     p.add_argument("--compute_dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--gpu_resident_layers", default=None,
@@ -205,7 +211,8 @@ def _estimate(argv: list[str]) -> int:
     a = p.parse_args(argv)
     from .engine.config import EngineConfig, parse_count, parse_switch
     from .errors import MegaTrainError
-    from .memory import GiB, admit, estimate, longest_fitting_row, mlp_tile, model_shapes, resolve_placement
+    from .memory import (GiB, StepSplit, admit, estimate, longest_fitting_row, mlp_tile, model_shapes,
+                         resolve_placement, split_step)
 
     def count(value, name):
         try:
@@ -229,16 +236,28 @@ def _estimate(argv: list[str]) -> int:
                           mlp_tile_tokens=mlp_tile(a.seq, a.mlp_tile_tokens))
     ranks = dict(world_size=a.world_size, local_ranks=a.local_ranks)
     shapes = model_shapes(config)
-    placement = resolve_placement(config, a.batch, a.seq, engine, gpu_free=a.gpu_gib * GiB if a.gpu_gib else None,
-                                  host_free=a.host_gib * GiB if a.host_gib else None, **ranks)
-    plan = estimate(config, a.batch, a.seq, placement.engine, shapes=shapes, **ranks)
+    gpu_free, host_free = (a.gpu_gib * GiB if a.gpu_gib else None), (a.host_gib * GiB if a.host_gib else None)
+    try:
+        together = parse_switch(a.layer_major_accumulation, "layer_major_accumulation")
+    except MegaTrainError:
+        raise SystemExit("hf-megatrain estimate: --layer_major_accumulation takes true, false or auto, "
+                         f"not {a.layer_major_accumulation!r}")
+    if a.world_size == 1 and (together or (together is None and gpu_free and host_free and a.device == "cuda")):
+        splittable = not (getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
+        step = split_step(config, a.batch, a.seq, engine, a.grad_accum, asked=together, splittable=splittable,
+                          gpu_free=gpu_free, host_free=host_free)
+    else:
+        step = StepSplit(1, 0, resolve_placement(config, a.batch, a.seq, engine, gpu_free=gpu_free,
+                                                 host_free=host_free, **ranks))
+    placement, batch = step.placement, a.batch // step.split
+    plan = estimate(config, batch, a.seq, placement.engine, shapes=shapes, micro_batches=step.together or 1, **ranks)
     verdict = None
     if a.gpu_gib is not None or a.host_gib is not None:
         try:
             hint = None
             if a.gpu_gib is not None and a.host_gib is not None and a.device == "cuda":
-                hint = partial(longest_fitting_row, config, a.batch, a.seq, engine=engine, shapes=shapes,
-                               mlp_tile_tokens=a.mlp_tile_tokens, **ranks)
+                hint = partial(longest_fitting_row, config, batch, a.seq, engine=engine, shapes=shapes,
+                               mlp_tile_tokens=a.mlp_tile_tokens, micro_batches=step.together or 1, **ranks)
             admit(plan, host_free=(a.host_gib or float("inf")) * GiB, gpu_free=(a.gpu_gib or float("inf")) * GiB,
                   hint=hint, residency_planned=placement.planned)
             verdict = "fits"
@@ -248,12 +267,14 @@ def _estimate(argv: list[str]) -> int:
     if a.json:
         import json
 
-        print(json.dumps({**plan.as_dict(), "verdict": verdict}, indent=1))
+        print(json.dumps({**plan.as_dict(), "verdict": verdict, "rows_per_micro_batch": batch,
+                          "micro_batches": a.grad_accum * step.split, "together": bool(step.together)}, indent=1))
     else:
         from .errors import counted, parameter_count
 
         print(f"{a.model}: {parameter_count(shapes.params)} parameters, "
-              f"{a.batch} x {a.seq} tokens per micro-batch, {a.compute_dtype} compute, "
+              f"{batch} x {a.seq} tokens per micro-batch, {step.describe(a.batch, a.grad_accum)}, "
+              f"{a.compute_dtype} compute, "
               f"{counted(plan.resident_layers, 'layer')} resident on the GPU"
               f"{' (lean)' if placement.engine.lean_resident and plan.resident_layers else ''}, "
               f"{counted(plan.offload_activations, 'layer input')} offloaded\n")

@@ -126,8 +126,13 @@ def planning_config(engine: EngineConfig | None = None, **fields) -> EngineConfi
 
 
 def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *, world_size: int = 1,
-             local_ranks: int | None = None, shapes: Shapes | None = None, **engine_fields) -> MemoryPlan:
+             local_ranks: int | None = None, shapes: Shapes | None = None, micro_batches: int = 1,
+             **engine_fields) -> MemoryPlan:
     """What training `config` at `batch` x `seq` tokens per micro-batch needs, by component.
+
+    micro_batches: how many micro-batches of a step run through each layer together
+    (StreamingEngine.forward_backward_many): their layer inputs, the gradients flowing down and
+    a tied head's gradients are kept for all of them at once.
 
     engine: the EngineConfig the run will be built with (EngineConfig fields given as keywords
     replace its values; without one, a GPU run with the engine's defaults is planned). Its
@@ -171,8 +176,9 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
                           f"whole compute copy and 1/{world} of the fp32 master, gradient and Adam moments.")
     if cuda:
         plan.host["pinned staging slabs"] = eng.staging_slabs * 4 * slab_numel(units)
+    group = max(1, micro_batches)
     if offload:
-        plan.host["offloaded layer inputs (pinned)"] = offload * layer_input
+        plan.host["offloaded layer inputs (pinned)"] = group * offload * layer_input
     plan.host["runtime (torch, CUDA, Python)"] = HOST_RUNTIME
     if not cuda:
         plan.notes.append("CPU run: the compute happens in host RAM; the GPU column does not apply.")
@@ -188,17 +194,21 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
         plan.gpu["lean resident layers (master, grad, Adam)"] = 16 * lean
     else:
         plan.gpu["resident units (weights, master, grad, Adam)"] = (cbytes + 16) * on_gpu
-    plan.gpu["saved layer inputs"] = (s.layers - offload) * layer_input
+    plan.gpu["saved layer inputs"] = group * (s.layers - offload) * layer_input
     if offload:  # brought back ahead of need (engine.activations: the lookahead, plus the one in use)
-        plan.gpu["offloaded inputs in flight"] = min(offload, eng.activation_lookahead + 1) * layer_input
+        plan.gpu["offloaded inputs in flight"] = group * min(offload, eng.activation_lookahead + 1) * layer_input
+    if group > 1 and slab_numel(units):  # a later micro-batch's weight gradient, before it joins the first's
+        plan.gpu["gradient scratch (fp32, micro-batches together)"] = 4 * slab_numel(units)
     # The backward passes through three phases that never overlap; the GPU peak is the fixed part
     # plus the largest phase. Calibrated against measured peaks on the device (BENCHMARKS.md,
     # "Measurements the code's defaults rest on").
     head_w = s.vocab * s.hidden
-    grad_x = tokens * s.hidden * cbytes  # the gradient flowing down, alive in every phase
-    held = 4 * s.embed if s.tied else 0  # a tied head's fp32 gradient waits for the embedding's
+    grad_x = group * tokens * s.hidden * cbytes  # the gradients flowing down, alive in every phase
+    held = group * 4 * s.embed if s.tied else 0  # a tied head's fp32 gradients wait for the embedding's
     plan.gpu["[loss] fp32 logits chunk x3"] = chunk * s.vocab * 4 * LOSS_CHUNK_COPIES
-    plan.gpu["[loss] head weight gradient (fp32, x2 while packed)"] = 2 * 4 * head_w + grad_x
+    # (the other micro-batches' last hidden states wait for the head beside the gradient)
+    plan.gpu["[loss] head weight gradient (fp32, x2 while packed)"] = 2 * 4 * head_w + grad_x \
+        + (group - 1) * (layer_input + held // group)
     # One layer's recompute with autograd and its backward: HF's RMSNorm computes in fp32 and
     # autograd keeps those tensors, so a layer holds about 18 [tokens, hidden] compute-dtype tensors
     # beside q/k/v, plus one MLP tile's intermediates and the layer's weight gradient.
@@ -303,13 +313,14 @@ class Placement(NamedTuple):
 
 def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, world_size: int = 1,
                       local_ranks: int | None = None, gpu_free: float | None = None,
-                      host_free: float | None = None) -> Placement:
+                      host_free: float | None = None, micro_batches: int = 1) -> Placement:
     """The engine config with 'auto' (None) placements replaced by the plan's numbers: the one
     place where the automatic placement is decided, for the trainer and `hf-megatrain estimate`.
 
     Data parallel streams every layer, whatever was asked for. Off a GPU nothing is placed.
     gpu_free: the GPU's free bytes (default: measured now); host_free: the host's available bytes,
-    for moving layers onto the GPU when the host side would not fit (None: not considered)."""
+    for moving layers onto the GPU when the host side would not fit (None: not considered);
+    micro_batches: how many run through each layer together (estimate)."""
     resident, offload, lean = engine.resident_layers, engine.offload_activations, engine.lean_resident
     if world_size > 1 and resident != 0:
         if resident:
@@ -322,13 +333,70 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
         gpu_free = gpu_available(engine.device) if gpu_free is None else gpu_free
         resident, offload, lean = place_layers(config, batch, seq, gpu_free, engine=engine, resident_layers=resident,
                                                offload_activations=offload, host_free=host_free,
-                                               world_size=world_size, local_ranks=local_ranks)
+                                               world_size=world_size, local_ranks=local_ranks,
+                                               micro_batches=micro_batches)
         logger.info("memory plan: %d of %s resident on the GPU%s, %s offloaded (%.0f GiB free)",
                     resident, counted(config.num_hidden_layers, "layer"),
                     " (lean: cast from the fp32 master per use)" if lean else "",
                     counted(offload, "layer input"), gpu_free / GiB)
     return Placement(replace(engine, resident_layers=resident, offload_activations=offload,
                              lean_resident=bool(lean) and bool(resident)), planned)
+
+
+class StepSplit(NamedTuple):
+    split: int  # each micro-batch the loader gives is cut into this many chunks of rows
+    together: int  # chunks of a step that run through each layer together (0: one micro-batch at a time)
+    placement: Placement  # planned for that
+
+    def describe(self, batch: int, ga: int) -> str:
+        rows, n = batch // self.split, ga * self.split
+        if n == 1:
+            return "one micro-batch per step"
+        how = "through each layer together" if self.together else "one at a time"
+        asked = f" (asked: {batch} x {ga})" if self.split > 1 else ""
+        return f"micro-batches of {counted(rows, 'row')} x {n}{asked}, {how}"
+
+
+def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, asked: bool | None = None,
+               splittable: bool = True, host_free: float | None = None, gpu_free: float | None = None) -> StepSplit:
+    """How a step of `ga` micro-batches of `batch` rows runs: the one place this is decided (the
+    trainer, `hf-megatrain estimate`). The user's batch is `batch` x `ga`; the engine may cut each
+    micro-batch into chunks of rows and run a step's chunks through each layer together
+    (StreamingEngine.forward_backward_many), so that a streamed layer crosses PCIe once per step
+    and the GPU holds one chunk's transient activations. The same loss: every chunk is divided by
+    the step's (or its micro-batch's) token count, as the whole micro-batch would be.
+
+    asked: layer_major_accumulation (None: auto). Auto on a GPU: as asked when nothing streams
+    and it fits; else the fewest chunks, together, whose plan fits; else as asked (admission then
+    says why not). True: together, uncut. False, or off a GPU on auto: as asked.
+    splittable: rows may be cut (not for an MoE whose load-balancing loss spans the micro-batch)."""
+    base = resolve_placement(config, batch, seq, engine, host_free=host_free, gpu_free=gpu_free)
+    cuda = engine.device.type == "cuda"
+    if asked is False or (asked is None and not cuda):
+        return StepSplit(1, 0, base)
+    if asked:
+        if ga < 2:
+            return StepSplit(1, 0, base)
+        return StepSplit(1, ga, resolve_placement(config, batch, seq, engine, host_free=host_free, gpu_free=gpu_free,
+                                                  micro_batches=ga))
+    gpu_free = gpu_available(engine.device) if gpu_free is None else gpu_free
+    host_free = host_available() if host_free is None else host_free
+
+    def fits(placement, rows, n):
+        plan = estimate(config, rows, seq, placement.engine, micro_batches=n)
+        return not shortfalls(plan, host_free, gpu_free)
+
+    streams = base.engine.resident_layers < config.num_hidden_layers
+    if fits(base, batch, 1) and (ga == 1 or not streams):
+        return StepSplit(1, 0, base)  # nothing would cross PCIe per micro-batch: as asked
+    for f in [f for f in range(1, batch + 1) if batch % f == 0 and (f == 1 or splittable)]:
+        if ga * f < 2:
+            continue
+        placement = resolve_placement(config, batch // f, seq, engine, host_free=host_free, gpu_free=gpu_free,
+                                      micro_batches=ga * f)
+        if fits(placement, batch // f, ga * f):
+            return StepSplit(f, ga * f, placement)
+    return StepSplit(1, 0, base)
 
 
 def host_available() -> float:

@@ -153,7 +153,7 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         for name in ("output_router_logits", "router_aux_loss_coef"):
             if hasattr(text, name):
                 setattr(own, name, getattr(text, name))
-        self.engine.head_stats = {}  # entropy and top-1 hits for TRL's metrics, from the engine's loss
+        self.engine.head_stats = []  # entropy and top-1 hits for TRL's metrics, from the engine's loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         # SFTTrainer's own training_step only adds its activation offloading (refused above).
@@ -164,7 +164,10 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
     def _record_metrics(self, inputs) -> None:
         """TRL's training metrics, counted as SFTTrainer.compute_loss counts them, kept as device
         tensors (no sync per micro-batch) until the next log."""
-        stats, gather = self.engine.head_stats, self.accelerator.gather_for_metrics
+        k = self._micro_index
+        chunks = [c for c, o in zip(self.engine.head_stats, self._owner) if o == k]  # the chunks it ran as
+        stats = {key: sum(c[key] for c in chunks) for key in ("tokens", "entropy", "correct")}
+        gather = self.accelerator.gather_for_metrics
         valid = gather(stats["tokens"]).sum()
         metrics = self._metrics["train"]
         metrics["entropy"].append(gather(stats["entropy"]).sum() / valid.clamp(min=1))

@@ -34,13 +34,16 @@ from .checkpoint.optimizer_state import (
     save_optimizer_state,
 )
 from .data import CausalCollator, count_real_tokens, tokenize_dataset
+from .engine.config import parse_switch
 from .engine.distributed import check_launch
+from .engine.loss import loss_denominator
 from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine
 from .engine.timeline import Timeline
 from .errors import MegaTrainError, counted
 from .checkpoint.stream_load import engine_from_checkpoint
-from .memory import admit, estimate, host_available, longest_fitting_row, ranks_on_this_host, resolve_placement
+from .memory import (admit, estimate, host_available, longest_fitting_row, ranks_on_this_host, resolve_placement,
+                     split_step)
 from .patcher.adapters import base_model
 from .preflight import check_data, check_disk, check_outputs, check_resume
 
@@ -109,9 +112,26 @@ class MegaTrainTrainer(Trainer):
         wanted = engine_config(args, device)
         # Data parallel streams every layer (residency is not combined with sharding yet): the plan
         # that admission checks says so, or it would count host memory the run does not save.
-        placement = resolve_placement(config, batch, seq, wanted, world_size=world, local_ranks=local,
-                                      host_free=host_available() if device.type == "cuda" else None)
-        plan = estimate(config, batch, seq, placement.engine, world_size=world, local_ranks=local)
+        host_free = host_available() if device.type == "cuda" else None
+        asked = parse_switch(args.layer_major_accumulation, "layer_major_accumulation")
+        if world > 1:  # data parallel runs its micro-batches one at a time, as asked
+            if asked:
+                raise MegaTrainError("layer_major_accumulation is not combined with data parallel yet; leave it on auto.")
+            self._split, self._together = 1, 0
+            placement = resolve_placement(config, batch, seq, wanted, world_size=world, local_ranks=local,
+                                          host_free=host_free)
+        else:
+            ga = args.gradient_accumulation_steps
+            # rows of an MoE whose load-balancing loss spans the micro-batch are not cut
+            splittable = not (getattr(config, "output_router_logits", False) and
+                              getattr(config, "router_aux_loss_coef", 0.0))
+            step = split_step(config, batch, seq, wanted, ga, asked=asked, splittable=splittable, host_free=host_free)
+            self._split, self._together, placement = step
+            if step.together or step.split > 1:
+                logger.info("hf_megatrain step: %s", step.describe(batch, ga))
+            batch //= step.split
+        plan = estimate(config, batch, seq, placement.engine, world_size=world, local_ranks=local,
+                        micro_batches=self._together or 1)
         if batch * seq >= LONG_CONTEXT_TOKENS and args.process_index == 0 and device.type == "cuda":
             tiles = placement.engine.mlp_tile_tokens
             print(f"hf_megatrain memory plan for {batch} x {seq} tokens: "
@@ -123,7 +143,8 @@ class MegaTrainTrainer(Trainer):
             if device.type == "cuda" and batch * seq >= LONG_CONTEXT_TOKENS and world == 1:
                 # a long-context refusal also names the longest row that would fit
                 hint = partial(longest_fitting_row, config, batch, seq, engine=wanted,
-                               mlp_tile_tokens=args.mlp_tile_tokens, world_size=world, local_ranks=local)
+                               mlp_tile_tokens=args.mlp_tile_tokens, world_size=world, local_ranks=local,
+                               micro_batches=self._together or 1)
             admit(plan, hint=hint, residency_planned=placement.planned)  # before a single large allocation
         if device.type == "cpu":
             args.dataloader_pin_memory = False  # nothing to pin for
@@ -236,22 +257,50 @@ class MegaTrainTrainer(Trainer):
         return getattr(opt, "optimizer", opt)
 
     # -- one micro-batch ------------------------------------------------------------------------
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        # Trainer fetches a step's micro-batches before it runs them: kept, so that the first
+        # training_step can run them all through each layer together (forward_backward_many).
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._step_batches = batches if self._together and len(batches) * self._split > 1 else None
+        return batches, num_items
+
+    def _micro_batch(self, inputs) -> tuple[int, list]:
+        """(index of `inputs` among the micro-batches that run with it, those micro-batches)."""
+        group = getattr(self, "_step_batches", None)
+        if group:
+            for k, b in enumerate(group):
+                if b is inputs:
+                    return k, group
+        return 0, [inputs]
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.engine.train()
         # Same loss scaling rule as Trainer.training_step: HF causal LMs divide by
         # num_items_in_batch themselves; otherwise the mean loss is divided by the GA steps.
         scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
         ga = self.current_gradient_accumulation_steps
-        scale = 1.0 if scaled else 1.0 / ga
-        if self.args.max_grad_norm <= 0 and self.accelerator.sync_gradients:
-            # No clipping: the norm is not needed before stepping, so each unit is stepped on the
-            # host as soon as its gradient lands, overlapping the CPU optimizer with the backward.
-            self.host_optimizer.step_during_backward()
-        if self._last_log is None:
-            self._last_log = time.perf_counter()
+        k, group = self._micro_batch(inputs)
+        self._micro_index = k
+        if k == 0:
+            if self.args.max_grad_norm <= 0 and (len(group) > 1 or self.accelerator.sync_gradients):
+                # No clipping: the norm is not needed before stepping, so each unit is stepped on the
+                # host as soon as its gradient is final, overlapping the CPU optimizer with the backward.
+                self.host_optimizer.step_during_backward()
+            if self._last_log is None:
+                self._last_log = time.perf_counter()
+            items = num_items_in_batch if scaled else None
+            # each micro-batch in chunks of rows (memory.split_step; a short last batch in fewer)
+            chunks = [split_rows(b, self._split) for b in group]
+            self._owner = [i for i, parts in enumerate(chunks) for _ in parts]  # which micro-batch each chunk is of
+            if items is None and len(self._owner) > len(group):  # the mean over the micro-batch's tokens
+                items = [loss_denominator(group[i]["labels"], None) for i in self._owner]
+            losses = self.engine.forward_backward_many([c for parts in chunks for c in parts], items,
+                                                       1.0 if scaled else 1.0 / ga,
+                                                       aux_scale=self._aux_loss_scale(items if scaled else None))
+            self._losses = [sum(x for x, o in zip(losses, self._owner) if o == i) for i in range(len(group))] \
+                if len(losses) > len(group) else losses
         self._tokens_since_log += count_real_tokens(inputs)
-        loss = self.engine.forward_backward(inputs, num_items_in_batch if scaled else None, scale,
-                                            aux_scale=self._aux_loss_scale(num_items_in_batch if scaled else None))
+        loss = self._losses[k]
         if not scaled:
             loss = loss / ga
         elif self.args.average_tokens_across_devices and self.args.world_size > 1:
@@ -519,13 +568,33 @@ class MegaTrainTrainer(Trainer):
 
 _ENGINE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 
+
+def split_rows(batch: dict, parts: int) -> list[dict]:
+    """`batch` cut into `parts` batches of consecutive rows, or as many as it has rows (a [1, T]
+    position_ids row is shared by all); `[batch]` itself when it stays whole."""
+    rows = batch["input_ids"].shape[0]
+    parts = min(parts, rows)
+    if parts <= 1:
+        return [batch]
+    out = [dict() for _ in range(parts)]
+    for key, value in batch.items():
+        if key not in _ENGINE_KEYS or value is None:
+            continue
+        if value.shape[0] == 1 and rows > 1:  # broadcast over the rows
+            pieces = [value] * parts
+        else:
+            pieces = value.chunk(parts, dim=0)
+        for piece, part in zip(pieces, out):
+            part[key] = piece
+    return out
+
 # The Trainer methods MegaTrainTrainer replaces. Most are private, so a transformers release may rename
 # or re-sign one; then Trainer would go on calling its own (moving the model to the GPU, stepping a torch
 # optimizer) and training would silently bypass the engine. check_trainer_hooks refuses that instead.
 TRAINER_OVERRIDES = (
     "train", "_move_model_to_device", "_wrap_model", "_build_accelerator_args", "create_optimizer",
-    "training_step", "log", "_clip_grad_norm", "_get_grad_norm", "prediction_step", "save_model", "_save",
-    "_save_optimizer_and_scheduler", "_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
+    "get_batch_samples", "training_step", "log", "_clip_grad_norm", "_get_grad_norm", "prediction_step", "save_model",
+    "_save", "_save_optimizer_and_scheduler", "_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
     "_load_best_model", "init_hf_repo", "_push_from_checkpoint", "push_to_hub",
 )
 

@@ -32,7 +32,7 @@ from ..patcher.templates import Template, meta_copy, recompute_grads
 from ..patcher.tiling import tile_mlp, untile_mlp
 from .activations import Activations
 from .config import EngineConfig
-from .layout import loss_chunk, mark_resident
+from .layout import loss_chunk, mark_resident, slab_numel
 from .loss import IGNORE_INDEX, chunked_head_loss, counted_rows, full_logits, loss_denominator
 from .pipeline import HostPipeline, Pipeline
 from .selfcheck import verify
@@ -170,11 +170,14 @@ class StreamingEngine(nn.Module):
         self.loss_chunk_tokens = loss_chunk(cfg.vocab_size, self.device.type, config.loss_chunk_tokens)
         self.pipeline: Pipeline = self._make_pipeline(config)
         self.activations = Activations(self.device, config.offload_activations, config.activation_lookahead)
+        self._extra_activations: list[Activations] = []  # micro-batches after the first (forward_backward_many)
+        self._grad_scratch: torch.Tensor | None = None  # their weight gradients, before they are summed
         self._listener: GradListener | None = None
         self.writer = None  # (engine, output_dir, dtype) -> files; see save_pretrained
-        # Set to a dict to have each training micro-batch leave its head statistics there (token
-        # count, summed entropy, top-1 hits: loss.chunked_head_loss); TRL's SFT metrics read them.
-        self.head_stats: dict | None = None
+        # Set to a list to have each training call leave there, per micro-batch, a dict of its head
+        # statistics (token count, summed entropy, top-1 hits: loss.chunked_head_loss); TRL's SFT
+        # metrics read them.
+        self.head_stats: list[dict] | None = None
         self._warned_length = False
 
     @property
@@ -449,28 +452,40 @@ class StreamingEngine(nn.Module):
         tmpl = self._templates["head"]
         return lambda ws, h: tmpl.call(dict(zip(names, ws)), h)
 
-    def _forward_layers(self, ids, mask, pos, docs, keep: bool):
-        """Embedding and decoder layers without grad; keeps each layer's input when asked."""
+    def _activation_sets(self, n: int) -> list[Activations]:
+        """One store of layer inputs per micro-batch of a step (the first is `self.activations`)."""
+        while len(self._extra_activations) < n - 1:
+            base = self.activations
+            self._extra_activations.append(Activations(self.device, base.offload, base.lookahead))
+        return [self.activations] + self._extra_activations[: n - 1]
+
+    def _forward_layers(self, preps: list, keep: bool):
+        """Embedding and decoder layers without grad, for each micro-batch in `preps` (what _prepare
+        returns) while a unit's weights are in; keeps each layer's inputs when asked."""
         pipe = self.pipeline
         embed = self.units[0]
         e_w = pipe.weights(embed.index)
+        xs, ctxs = [], []
         with torch.no_grad():
             with pipe.span("compute"):
-                x = self._templates["embed"].call({"embed.weight": e_w.view(embed.slots[0].shape)}, ids)
-                ctx = _BatchContext(self, x, mask, pos, docs)
-            acts, routers = self.activations if keep else None, {}  # layer -> its router logits
-            if keep:
-                acts.reset()
+                for ids, mask, _, pos, _, docs in preps:
+                    xs.append(self._templates["embed"].call({"embed.weight": e_w.view(embed.slots[0].shape)}, ids))
+                    ctxs.append(_BatchContext(self, xs[-1], mask, pos, docs))
+            acts = self._activation_sets(len(preps)) if keep else None
+            for a in acts or ():
+                a.reset()
+            routers = [{} for _ in preps]  # per micro-batch: layer -> its router logits
             for unit in self.units[1:-1]:
                 w = pipe.weights(unit.index)
-                if keep:
-                    acts.put(unit.layer, x)
-                with pipe.span("compute"), ctx.rng_for(unit, save=True), ctx.router_capture(unit) as cap:
-                    x = self._layer_call(unit, w, x, ctx)
-                if cap:  # an MoE layer's router ran (a dense layer of an MoE model has none)
-                    routers[unit.layer] = _router_logits(cap, ids.shape[0])
+                for k, ctx in enumerate(ctxs):
+                    if keep:
+                        acts[k].put(unit.layer, xs[k])
+                    with pipe.span("compute"), ctx.rng_for(unit, save=True), ctx.router_capture(unit) as cap:
+                        xs[k] = self._layer_call(unit, w, xs[k], ctx)
+                    if cap:  # an MoE layer's router ran (a dense layer of an MoE model has none)
+                        routers[k][unit.layer] = _router_logits(cap, preps[k][0].shape[0])
                 pipe.release(unit.index)
-        return x, ctx, acts, routers, e_w
+        return xs, ctxs, acts, routers, e_w
 
     def forward_backward(self, batch: dict, num_items_in_batch=None, scale: float = 1.0,
                          aux_scale: float = 1.0) -> torch.Tensor:
@@ -480,8 +495,23 @@ class StreamingEngine(nn.Module):
         device) is not scaled, exactly what `model(**batch).loss` would be. `aux_scale` weighs
         the MoE load-balancing term within the loss (TRL averages it over accumulation steps).
         """
+        return self.forward_backward_many([batch], num_items_in_batch, scale, aux_scale)[0]
+
+    def forward_backward_many(self, batches: list[dict], num_items_in_batch=None, scale: float = 1.0,
+                              aux_scale: float = 1.0) -> list[torch.Tensor]:
+        """`forward_backward` of each micro-batch of one optimizer step, run layer by layer.
+
+        Every micro-batch goes through a unit while its weights are in, so each streamed unit
+        crosses PCIe once for the forward and once for the backward however many micro-batches
+        the step has, and its gradient, summed over them on the device in their order, leaves
+        once. The numbers are those of calling forward_backward on each in turn (the sums are
+        the same fp32 additions in the same order); the price is that every layer's inputs of
+        every micro-batch are kept at once. Returns each micro-batch's loss.
+
+        num_items_in_batch: one count for all (Trainer's, for the whole step), or one per batch.
+        """
         try:
-            return self._forward_backward(batch, num_items_in_batch, scale, aux_scale)
+            return self._forward_backward(batches, num_items_in_batch, scale, aux_scale)
         except BaseException:
             listener = self._listener
             if listener is not None:  # an early step armed for this backward must not outlive it
@@ -489,52 +519,90 @@ class StreamingEngine(nn.Module):
                 listener.backward_failed()
             raise
 
-    def _forward_backward(self, batch: dict, num_items_in_batch, scale: float, aux_scale: float) -> torch.Tensor:
-        ids, mask, labels, pos, rows, docs = self._prepare(batch)
-        if labels is None:
+    def _forward_backward(self, batches: list[dict], num_items_in_batch, scale: float,
+                          aux_scale: float) -> list[torch.Tensor]:
+        preps = [self._prepare(b) for b in batches]
+        if any(labels is None for _, _, labels, _, _, _ in preps):
             raise MegaTrainError(f"the batch has no 'labels'; training needs them (use {IGNORE_INDEX} to ignore a token).")
         pipe = self.pipeline
         pipe.start(self._unit_plan(backward=True))
-        x, ctx, acts, routers, e_w = self._forward_layers(ids, mask, pos, docs, keep=True)
+        xs, ctxs, acts, routers, e_w = self._forward_layers(preps, keep=True)
 
         head = self.units[-1]
         h_w = pipe.weights(head.index)
         names, weights, trainable = self._head_weights(h_w, e_w)
         seed = torch.full((), scale, dtype=torch.float32, device=self.device)
-        denom = loss_denominator(labels, num_items_in_batch)
-        with pipe.span("compute"):
-            loss, grad_x, grad_w = chunked_head_loss(
-                self._run_head(names), weights, x, labels, denom, seed, self.loss_chunk_tokens, rows, trainable,
-                stats=self.head_stats,
-            )
-            del x
-            n_own = len(head.slots)
-            own = [g.reshape(-1) for g in grad_w[:n_own] if g is not None]
-            head_grad = torch.cat(own) if own else None
+        n_own = len(head.slots)
+        losses, grad_xs, tied_grads, router_seeds = [], [], [], []
+        head_grad = None
+        if self.head_stats is not None:
+            self.head_stats[:] = [{} for _ in preps]
+        for k, (ids, mask, labels, pos, rows, docs) in enumerate(preps):
+            items = num_items_in_batch[k] if isinstance(num_items_in_batch, (list, tuple)) else num_items_in_batch
+            denom = loss_denominator(labels, items)
+            with pipe.span("compute"):
+                loss, grad_x, grad_w = chunked_head_loss(
+                    self._run_head(names), weights, xs[k], labels, denom, seed, self.loss_chunk_tokens, rows,
+                    trainable, stats=self.head_stats[k] if self.head_stats is not None else None,
+                )
+                xs[k] = None
+                own = [g.reshape(-1) for g in grad_w[:n_own] if g is not None]
+                if own:  # summed over micro-batches in their order, as the host accumulator would
+                    head_grad = torch.cat(own) if head_grad is None else head_grad.add_(torch.cat(own))
+            tied_grads.append(grad_w[n_own].reshape(-1) if head.tied_local and grad_w[n_own] is not None else None)
+            grad_xs.append(grad_x)
+            r_seeds = {}
+            if routers[k]:
+                aux, r_seeds = self._router_loss(routers[k], mask, seed * aux_scale)  # times 1.0 is exact
+                loss = loss + aux * aux_scale
+            router_seeds.append(r_seeds)
+            losses.append(loss.detach())
         if head_grad is not None:
             pipe.emit_grad(head.index, head_grad)
-        tied_grad = grad_w[n_own].reshape(-1) if head.tied_local and grad_w[n_own] is not None else None
         pipe.release(head.index)
 
-        router_seeds = {}
-        if routers:
-            aux, router_seeds = self._router_loss(routers, mask, seed * aux_scale)  # times 1.0 is exact
-            loss = loss + aux * aux_scale
-
         for unit in reversed(self.units[1:-1]):
-            r_seed = router_seeds.get(unit.layer)
-            x_in = acts.get(unit.layer)  # also starts bringing back the next offloaded inputs
             w = pipe.weights(unit.index)
-            gbuf = pipe.grad_buffer(unit.index) if unit.n_train else None
-            with pipe.span("compute"):
-                grad_x = self._layer_backward(unit, w, gbuf, x_in, grad_x, r_seed, ctx)
-            del x_in  # free the activation as soon as its layer is done
-            if gbuf is not None:
-                pipe.emit_grad(unit.index, gbuf)
+            acc = None
+            for k, ctx in enumerate(ctxs):
+                x_in = acts[k].get(unit.layer)  # also starts bringing back the next offloaded inputs
+                gbuf = self._grad_target(unit, k, len(preps))
+                with pipe.span("compute"):
+                    grad_xs[k] = self._layer_backward(unit, w, gbuf, x_in, grad_xs[k], router_seeds[k].get(unit.layer),
+                                                      ctx)
+                    acc = self._accumulate(acc, gbuf, len(preps))
+                del x_in  # free the activation as soon as its layer is done
+            if acc is not None:
+                pipe.emit_grad(unit.index, acc)
             pipe.release(unit.index)
 
-        self._embed_backward(e_w, ids, grad_x, tied_grad)
-        return loss.detach()
+        self._embed_backward(e_w, preps, grad_xs, tied_grads)
+        return losses
+
+    def _grad_target(self, unit, k: int, n: int) -> torch.Tensor | None:
+        """Where micro-batch k writes unit's weight gradient: the pipeline's buffer for the first
+        (it is what leaves), an fp32 buffer for the later ones, which are added to it (fp32: a
+        LoRA adapter's gradient is fp32 under a bf16 base). A streamed unit's comes from one
+        scratch buffer on the device sized for the largest; a resident one's is made per use, as
+        the pipeline makes one for a second contribution."""
+        if not unit.n_train:
+            return None
+        if k == 0:
+            return self.pipeline.grad_buffer(unit.index)
+        if unit.resident or self.device.type != "cuda":
+            return torch.empty(unit.n_train, dtype=torch.float32, device=self.device)
+        if self._grad_scratch is None:  # as large as any unit that is not resident (the planner counts it)
+            self._grad_scratch = torch.empty(slab_numel(self.units), dtype=torch.float32, device=self.device)
+        return self._grad_scratch[: unit.n_train]
+
+    @staticmethod
+    def _accumulate(acc, grad, n: int):
+        """acc + grad in fp32, the sum the host accumulator makes (its first contribution copied in)."""
+        if grad is None:
+            return acc
+        if acc is None:
+            return grad.float() if n > 1 else grad  # float() of an fp32 buffer is the buffer itself
+        return acc.add_(grad)
 
     def _layer_backward(self, unit, w, gbuf, x_in, grad_out, router_seed, ctx):
         tmpl = self._templates[unit.template_key]
@@ -550,24 +618,28 @@ class StreamingEngine(nn.Module):
         (grad_x,) = recompute_grads(unit.slots, w, gbuf, run, seeds)
         return grad_x
 
-    def _embed_backward(self, e_w, ids, grad_x, tied_grad):
+    def _embed_backward(self, e_w, preps, grad_xs, tied_grads):
         embed = self.units[0]
         if not embed.n_train:  # frozen embedding (LoRA): nothing to compute
             self.pipeline.release(embed.index)
             return
         tmpl = self._templates["embed"]
-        gbuf = self.pipeline.grad_buffer(embed.index)
-
-        def run(named):
-            return [tmpl.call(named, ids)], []
-
+        acc = None
         with self.pipeline.span("compute"):
-            recompute_grads(embed.slots, e_w, gbuf, run, [grad_x])
-            if tied_grad is not None:
-                # Both uses of a tied weight meet in fp32, as they would in an fp32 .grad.
-                tied_grad.add_(gbuf)
-                gbuf = tied_grad
-        self.pipeline.emit_grad(embed.index, gbuf)
+            for k, (ids, *_), in enumerate(preps):
+                gbuf = self._grad_target(embed, k, len(preps))
+
+                def run(named, ids=ids):
+                    return [tmpl.call(named, ids)], []
+
+                recompute_grads(embed.slots, e_w, gbuf, run, [grad_xs[k]])
+                grad_xs[k] = None
+                if tied_grads[k] is not None:
+                    # Both uses of a tied weight meet in fp32, as they would in an fp32 .grad.
+                    tied_grads[k].add_(gbuf)
+                    gbuf = tied_grads[k]
+                acc = self._accumulate(acc, gbuf, len(preps))
+        self.pipeline.emit_grad(embed.index, acc)
         self.pipeline.release(embed.index)
 
     def _router_loss(self, routers, mask, seed):
@@ -600,7 +672,7 @@ class StreamingEngine(nn.Module):
         ids, mask, labels, pos, rows, docs = self._prepare(batch)
         pipe = self.pipeline
         pipe.start(self._unit_plan(backward=False))
-        x, ctx, _, routers, e_w = self._forward_layers(ids, mask, pos, docs, keep=False)
+        (x,), _, _, (routers,), e_w = self._forward_layers([(ids, mask, labels, pos, rows, docs)], keep=False)
         head = self.units[-1]
         names, weights, _ = self._head_weights(pipe.weights(head.index), e_w)
         run_head = self._run_head(names)

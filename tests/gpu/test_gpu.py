@@ -296,6 +296,63 @@ def test_lean_residency_is_bit_identical_on_gpu(clip):
             assert torch.equal(got[name], ref[name]), (resident, name)
 
 
+def test_micro_batches_together_are_bit_identical_on_gpu():
+    """A step's micro-batches through each layer together (forward_backward_many: the gradient summed
+    in the ring slot from a scratch buffer, sent to the host once) equal one at a time, bit for bit:
+    bf16 compute, a tied embedding larger than a layer, resident and streamed layers, offloaded
+    layer inputs, random GPU sleeps on the copy streams. Gradients of one step, and masters over
+    steps taken during the backward (no clipping). The clipping norms differ in their last digits:
+    together, a streamed unit's norm is taken on the GPU from its summed gradient (as stock takes it);
+    one at a time, the host takes it from its accumulator, whose fp32 sums run longer (checked
+    against the norm in float64)."""
+
+    def batches(step):
+        return [make_batch(batch=2 + m % 2, seq=10 + 2 * m, seed=10 * step + m, pad_rows=m % 2) for m in range(3)]
+
+    def engine_for(resident):
+        model = make_model("llama_tied", num_hidden_layers=4, seed=8, vocab_size=4096)
+        engine = StreamingEngine(model, device=DEV, compute_dtype=torch.bfloat16, resident_layers=resident,
+                                 offload_activations=1).train()
+        engine.pipeline.chaos = random.Random(5)
+        return engine
+
+    def backward(engine, together, step, opt=None):
+        """opt: arm it to step each unit as its gradient is final (before the last backward of the step)."""
+        if together:
+            assert opt is None or opt.step_during_backward()
+            return [float(x) for x in engine.forward_backward_many(batches(step), None, 1 / 3)]
+        losses = []
+        for m, b in enumerate(batches(step)):
+            assert opt is None or m < 2 or opt.step_during_backward()
+            losses.append(float(engine.forward_backward(b, None, 1 / 3)))
+        return losses
+
+    def run(together, resident):
+        engine = engine_for(resident)
+        opt = HostAdamW(engine, lr=1e-3, weight_decay=0.1)
+        record = []
+        for step in range(4):
+            record += backward(engine, together, step, opt)  # no clipping: steps during the backward
+            opt.step()
+            engine.zero_grad()
+        return record, dict(engine.named_master_params())
+
+    for resident in (0, 2):
+        one, many = engine_for(resident), engine_for(resident)
+        assert backward(one, False, 0) == backward(many, True, 0)
+        grads = dict(one.named_grads())
+        for name, g in many.named_grads():
+            assert torch.equal(g, grads[name]), (resident, name)
+        exact = torch.linalg.vector_norm(torch.cat([g.double().reshape(-1) for _, g in many.named_grads()]))
+        assert float(many.grad_norm()) == pytest.approx(float(exact), rel=2e-6)  # the GPU's fp32 sums
+        assert float(one.grad_norm()) == pytest.approx(float(exact), rel=1e-4)  # the host's, in longer runs
+        ref_record, ref = run(False, resident)
+        record, got = run(True, resident)
+        assert record == ref_record, resident
+        for name in ref:
+            assert torch.equal(got[name], ref[name]), (resident, name)
+
+
 def test_activation_offload_is_exact_on_gpu():
     """Layer inputs offloaded to pinned host memory and brought back on their own streams (with
     random GPU sleeps on the compute stream to shake the ordering): bit-identical gradients."""

@@ -270,3 +270,44 @@ def test_small_numbers_read_as_written(tmp_path, capsys):
     assert main(["estimate", str(tmp_path), "--gpu_resident_layers", "1", "--batch", "1", "--seq", "16"]) == 0
     head = capsys.readouterr().out.splitlines()[0]
     assert " K parameters" in head and "1 layer resident" in head and "0 layer inputs offloaded" in head, head
+
+
+def test_split_step_picks_micro_batches_that_fit_and_keep_layers_resident(capsys):
+    """The 13B shape on the H200 box (139 GiB GPU, 123.7 GiB host; BENCHMARKS.md): 16 x 4 rows together
+    keep too few layers resident for the host, 8 x 8 together fit; 64 x 1 does not fit at all but is cut
+    to a split that does; 16 x 1 runs as asked; an MoE with its load-balancing loss is never cut; off,
+    it runs as asked. `hf-megatrain estimate --grad_accum` says the same."""
+    from hf_megatrain.engine.config import EngineConfig
+    from hf_megatrain.memory import resolve_placement, shortfalls, split_step
+    from hf_megatrain.shapes import make_config
+
+    cfg = make_config("llama-2-13b")
+    gpu, host = 139 * GiB, 123.7 * GiB
+    eng = EngineConfig(device="cuda", compute_dtype=torch.bfloat16, resident_layers=None, offload_activations=None,
+                       lean_resident=None)
+
+    def split(batch, ga, **kw):
+        return split_step(cfg, batch, 1024, eng, ga, gpu_free=gpu, host_free=host, **kw)
+
+    def fits(step, batch):
+        plan = estimate(cfg, batch // step.split, 1024, step.placement.engine, micro_batches=step.together or 1)
+        return not shortfalls(plan, host, gpu)
+
+    together = resolve_placement(cfg, 16, 1024, eng, gpu_free=gpu, host_free=host, micro_batches=4)
+    assert not fits(type(split(16, 4))(1, 4, together), 16)  # uncut, the host is short
+    s = split(16, 4)
+    assert (s.split, s.together) == (2, 8) and fits(s, 16)
+    assert s.describe(16, 4) == "micro-batches of 8 rows x 8 (asked: 16 x 4), through each layer together"
+    s = split(64, 1)
+    assert s.split > 1 and s.together == s.split and fits(s, 64)
+    base = resolve_placement(cfg, 64, 1024, eng, gpu_free=gpu, host_free=host)
+    assert shortfalls(estimate(cfg, 64, 1024, base.engine), host, gpu)  # as asked it is refused
+    assert split(16, 1)[:2] == (1, 0)
+    assert split(16, 4, splittable=False)[:2] == (1, 0)  # uncut together does not fit: one at a time
+    assert split(16, 4, asked=False)[:2] == (1, 0)
+    assert split(16, 4, asked=True)[:2] == (1, 4)
+    assert main(["estimate", "llama-2-13b", "--batch", "16", "--seq", "1024", "--grad_accum", "4", "--gpu_gib", "139",
+                 "--host_gib", "123.7"]) == 0
+    out = capsys.readouterr().out
+    assert "8 x 1024 tokens per micro-batch, micro-batches of 8 rows x 8 (asked: 16 x 4), through each layer together" \
+        in out and out.rstrip().endswith("fits")
