@@ -626,7 +626,7 @@ class StreamingEngine(nn.Module):
         tmpl = self._templates["embed"]
         acc = None
         with self.pipeline.span("compute"):
-            for k, (ids, *_), in enumerate(preps):
+            for k, (ids, *_) in enumerate(preps):
                 gbuf = self._grad_target(embed, k, len(preps))
 
                 def run(named, ids=ids):
