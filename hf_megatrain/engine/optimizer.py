@@ -181,6 +181,8 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _check_whole(self) -> None:
         if self._torn is not None:
+            if self._stepper is not None:
+                self._stepper.check()  # a failed step that tore it: its error first, as every later call gets
             raise RuntimeError(f"{self._torn}; the model is partly updated. Restart from the last checkpoint.")
 
     def final_grad(self, index: int, landed) -> None:

@@ -181,9 +181,12 @@ def test_failed_optimizer_step_surfaces(device, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_failed_step_during_the_backward_surfaces(device, tmp_path, monkeypatch):
+@pytest.mark.parametrize("together", ["false", "true"])
+def test_failed_step_during_the_backward_surfaces(device, together, tmp_path, monkeypatch):
+    """Also with the micro-batches through each layer together, where the step fails while the backward
+    still runs (no accumulation thread in between): the step's own error, then again on the next call."""
     fail_and_recover(tmp_path, device, monkeypatch, _fail_step_of(2), "AdamW step 1 of decoder layer 1",
-                     max_grad_norm=0.0)
+                     max_grad_norm=0.0, layer_major_accumulation=together)
 
 
 def _fail_accumulation_of(index):
@@ -201,9 +204,11 @@ def _fail_accumulation_of(index):
 @pytest.mark.parametrize("clip", [0.5, 0.0])
 def test_failed_gradient_accumulation_surfaces(device, clip, tmp_path, monkeypatch):
     """With clipping the step waits for every gradient; without it each unit's early step waits
-    for its own gradient to land (and must see the failure instead of stepping)."""
+    for its own gradient to land (and must see the failure instead of stepping). Micro-batches one
+    at a time: together, their gradients are summed on the GPU and no accumulation job runs."""
     fail_and_recover(tmp_path, device, monkeypatch, _fail_accumulation_of(3),
-                     "gradient accumulation of decoder layer 2 failed", max_grad_norm=clip)
+                     "gradient accumulation of decoder layer 2 failed", max_grad_norm=clip,
+                     layer_major_accumulation="false")
 
 
 @pytest.mark.parametrize("device", DEVICES)
