@@ -126,6 +126,10 @@ def _train(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(TRAIN_HELP)  # no torch or transformers import: it opens at once
         return 0
+    # Micro-batches of several shapes (packed rows, cut micro-batches: memory.split_step) fragment
+    # CUDA's caching allocator near a full card; with expandable segments they do not (BENCHMARKS.md,
+    # run 13). It must be set before torch is imported, which the parser does; a value set is kept.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     parser = _train_parser()
     if "--help-all" in argv:
         parser.print_help()

@@ -399,6 +399,19 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
     return StepSplit(1, 0, base)
 
 
+def allocator_advice(plan: MemoryPlan, gpu_free: float, conf: str | None = None) -> str | None:
+    """A line of advice when the plan fills the GPU and CUDA's allocator may fragment: micro-batches
+    of several shapes left 9 GiB reserved but unused and ran out of memory near a full card, where
+    expandable segments did not (BENCHMARKS.md, run 13). conf: PYTORCH_CUDA_ALLOC_CONF (default: the
+    environment's). None when there is nothing to say."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if conf is None else conf
+    if "expandable_segments:true" in conf.replace(" ", "").lower() or plan.gpu_total <= 0.85 * gpu_free:
+        return None
+    return (f"the plan fills {plan.gpu_total / gpu_free:.0%} of the GPU's free memory: launch with "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before torch is imported; hf-megatrain train "
+            "sets it) so that the allocator's cache does not fragment into an out-of-memory error.")
+
+
 def host_available() -> float:
     """MemAvailable from /proc/meminfo (what can be allocated without swapping), in bytes."""
     try:

@@ -42,8 +42,8 @@ from .engine.schedule import StreamingEngine
 from .engine.timeline import Timeline
 from .errors import MegaTrainError, counted
 from .checkpoint.stream_load import engine_from_checkpoint
-from .memory import (admit, estimate, host_available, longest_fitting_row, ranks_on_this_host, resolve_placement,
-                     split_step)
+from .memory import (admit, allocator_advice, estimate, gpu_available, host_available, longest_fitting_row,
+                     ranks_on_this_host, resolve_placement, split_step)
 from .patcher.adapters import base_model
 from .preflight import check_data, check_disk, check_outputs, check_resume
 
@@ -146,6 +146,10 @@ class MegaTrainTrainer(Trainer):
                                mlp_tile_tokens=args.mlp_tile_tokens, world_size=world, local_ranks=local,
                                micro_batches=self._together or 1)
             admit(plan, hint=hint, residency_planned=placement.planned)  # before a single large allocation
+        if device.type == "cuda" and args.process_index == 0:
+            advice = allocator_advice(plan, gpu_available(device))
+            if advice:
+                logger.warning(advice)
         if device.type == "cpu":
             args.dataloader_pin_memory = False  # nothing to pin for
         args._n_gpu = 1 if device.type == "cuda" else args._n_gpu

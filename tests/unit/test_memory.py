@@ -311,3 +311,33 @@ def test_split_step_picks_micro_batches_that_fit_and_keep_layers_resident(capsys
     out = capsys.readouterr().out
     assert "8 x 1024 tokens per micro-batch, micro-batches of 8 rows x 8 (asked: 16 x 4), through each layer together" \
         in out and out.rstrip().endswith("fits")
+
+
+
+def test_allocator_advice_near_a_full_gpu(monkeypatch):
+    """Near a full card the trainer advises expandable segments unless they are set; the train command
+    sets them before torch is imported, and keeps a value the user chose."""
+    from hf_megatrain import cli
+    from hf_megatrain.memory import MemoryPlan, allocator_advice
+
+    full = MemoryPlan(gpu={"everything": 120 * GiB})
+    assert "expandable_segments:True" in allocator_advice(full, 130 * GiB, conf="")
+    assert allocator_advice(full, 130 * GiB, conf="expandable_segments:True") is None
+    assert allocator_advice(full, 130 * GiB, conf="max_split_size_mb:512, expandable_segments: true") is None
+    assert allocator_advice(MemoryPlan(gpu={"everything": 60 * GiB}), 130 * GiB, conf="") is None
+
+    class Stop(Exception):
+        pass
+
+    def parser():
+        raise Stop  # the point where torch and transformers would be imported
+
+    monkeypatch.setattr(cli, "_train_parser", parser)
+    for before, after in ((None, "expandable_segments:True"), ("max_split_size_mb:256", "max_split_size_mb:256")):
+        if before is None:
+            monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        else:
+            monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", before)
+        with pytest.raises(Stop):
+            cli._train(["--model", "m", "--output_dir", "o"])
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == after
