@@ -247,9 +247,8 @@ def _estimate(argv: list[str]) -> int:
         raise SystemExit("hf-megatrain estimate: --layer_major_accumulation takes true, false or auto, "
                          f"not {a.layer_major_accumulation!r}")
     if a.world_size == 1 and (together or (together is None and gpu_free and host_free and a.device == "cuda")):
-        splittable = not (getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
-        step = split_step(config, a.batch, a.seq, engine, a.grad_accum, asked=together, splittable=splittable,
-                          gpu_free=gpu_free, host_free=host_free)
+        step = split_step(config, a.batch, a.seq, engine, a.grad_accum, asked=together, gpu_free=gpu_free,
+                          host_free=host_free)
     else:
         step = StepSplit(1, 0, resolve_placement(config, a.batch, a.seq, engine, gpu_free=gpu_free,
                                                  host_free=host_free, **ranks))

@@ -358,7 +358,8 @@ class StepSplit(NamedTuple):
 
 
 def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, asked: bool | None = None,
-               splittable: bool = True, host_free: float | None = None, gpu_free: float | None = None) -> StepSplit:
+               splittable: bool | None = None, host_free: float | None = None,
+               gpu_free: float | None = None) -> StepSplit:
     """How a step of `ga` micro-batches of `batch` rows runs: the one place this is decided (the
     trainer, `hf-megatrain estimate`). The user's batch is `batch` x `ga`; the engine may cut each
     micro-batch into chunks of rows and run a step's chunks through each layer together
@@ -369,16 +370,20 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
     asked: layer_major_accumulation (None: auto). Auto on a GPU: as asked when nothing streams
     and it fits; else the fewest chunks, together, whose plan fits; else as asked (admission then
     says why not). True: together, uncut. False, or off a GPU on auto: as asked.
-    splittable: rows may be cut (not for an MoE whose load-balancing loss spans the micro-batch)."""
-    base = resolve_placement(config, batch, seq, engine, host_free=host_free, gpu_free=gpu_free)
+    splittable: rows may be cut; by default unless `config` is an MoE whose load-balancing loss
+    spans the micro-batch (output_router_logits with a coefficient)."""
+    if splittable is None:
+        splittable = not (getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
+
+    def placed(rows, n=1):
+        return resolve_placement(config, rows, seq, engine, host_free=host_free, gpu_free=gpu_free, micro_batches=n)
+
     cuda = engine.device.type == "cuda"
-    if asked is False or (asked is None and not cuda):
-        return StepSplit(1, 0, base)
+    if asked is False or (asked is None and not cuda) or (asked and ga < 2):
+        return StepSplit(1, 0, placed(batch))
     if asked:
-        if ga < 2:
-            return StepSplit(1, 0, base)
-        return StepSplit(1, ga, resolve_placement(config, batch, seq, engine, host_free=host_free, gpu_free=gpu_free,
-                                                  micro_batches=ga))
+        return StepSplit(1, ga, placed(batch, ga))
+    base = placed(batch)
     gpu_free = gpu_available(engine.device) if gpu_free is None else gpu_free
     host_free = host_available() if host_free is None else host_free
 
@@ -392,8 +397,7 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
     for f in [f for f in range(1, batch + 1) if batch % f == 0 and (f == 1 or splittable)]:
         if ga * f < 2:
             continue
-        placement = resolve_placement(config, batch // f, seq, engine, host_free=host_free, gpu_free=gpu_free,
-                                      micro_batches=ga * f)
+        placement = placed(batch // f, ga * f)
         if fits(placement, batch // f, ga * f):
             return StepSplit(f, ga * f, placement)
     return StepSplit(1, 0, base)

@@ -22,10 +22,9 @@ their configs are refused by name.
 from __future__ import annotations
 
 import copy
-
-import torch
 from dataclasses import MISSING, dataclass, field, fields
 
+import torch
 from transformers import TrainingArguments
 
 try:
@@ -57,6 +56,10 @@ class MegaTrainSFTConfig(SFTConfig, MegaTrainArguments):
 
     def __post_init__(self):
         super().__post_init__()  # SFTConfig's, then MegaTrainArguments' checks, then TrainingArguments'
+        self.follow_max_length()
+
+    def follow_max_length(self) -> None:
+        """The engine plans its memory for max_seq_length: TRL's max_length, when it sets one."""
         if self.max_length is not None:
             self.max_seq_length = self.max_length
 
@@ -78,8 +81,7 @@ def sft_arguments(args, model) -> MegaTrainSFTConfig:
         for f in fields(MegaTrainArguments):
             if f.name not in vars(own):
                 setattr(own, f.name, f.default_factory() if f.default_factory is not MISSING else f.default)
-        if own.max_length is not None:
-            own.max_seq_length = own.max_length
+        own.follow_max_length()  # its __post_init__ ran as SFTConfig's
     elif isinstance(args, TrainingArguments):
         megatrain_arguments(args)  # refuses another library's subclass (TRL's DPOConfig...) with the reason
         values = {f.name: getattr(args, f.name) for f in fields(args) if f.init}

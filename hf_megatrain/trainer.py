@@ -122,10 +122,7 @@ class MegaTrainTrainer(Trainer):
                                           host_free=host_free)
         else:
             ga = args.gradient_accumulation_steps
-            # rows of an MoE whose load-balancing loss spans the micro-batch are not cut
-            splittable = not (getattr(config, "output_router_logits", False) and
-                              getattr(config, "router_aux_loss_coef", 0.0))
-            step = split_step(config, batch, seq, wanted, ga, asked=asked, splittable=splittable, host_free=host_free)
+            step = split_step(config, batch, seq, wanted, ga, asked=asked, host_free=host_free)
             self._split, self._together, placement = step
             if step.together or step.split > 1:
                 logger.info("hf_megatrain step: %s", step.describe(batch, ga))
