@@ -449,6 +449,9 @@ def worker(opts) -> None:
                 row["setup"] = setup
             if engine is not None:  # which layers lived on the GPU (the rest streamed), how the step was split
                 row["resident_layers"] = engine.resident_layers
+                if trainer.step_time is not None:  # the step-time model's prediction (hf_megatrain/steptime.py)
+                    row["model"] = trainer.step_time.as_dict()
+                    row["vs_model"] = round(tps / trainer.step_time.tokens_per_s, 3)
                 cut = trainer._split
                 row["micro_batches"] = f"{micro // cut}x{bs // micro * cut}" + (" together" if trainer._together else "")
             if timeline is not None:
@@ -654,7 +657,7 @@ def print_table(record) -> None:
 
     stock, anchor = by_config("stock"), by_config("stock_bf16")
     head = f"{'system':24} {'shape':13} {'L':>3} {'tok/step':>8} {'clip':>4} {'tok/s':>9} {'TFLOPS':>7} " \
-           f"{'MFU':>5} {'x stock':>7} {'x bf16':>6} {'GPU GiB':>7} {'host GiB':>8}  breakdown"
+           f"{'MFU':>5} {'x stock':>7} {'x bf16':>6} {'x model':>7} {'GPU GiB':>7} {'host GiB':>8}  breakdown"
     print(head)
     for r in rows:
         if "tokens_per_s" not in r:  # an error, or a --dry_run row
@@ -672,7 +675,8 @@ def print_table(record) -> None:
         mfu = f"{r['mfu']:.2f}" if "mfu" in r else "-"  # no peak measured (--skip_peak)
         print(f"{name:24} {r['shape']:13} {r['layers']:>3} {r['tokens_per_step']:>8} {r['clip']:>4} "
               f"{r['tokens_per_s']:>9.0f} {r['model_tflops']:>7.1f} {mfu:>5} {ratio:>7} {ratio_bf16:>6} "
-              f"{r['gpu_peak_gib']:>7.1f} {r['host_peak_gib']:>8.1f}  {bds}")
+              f"{r.get('vs_model', '-'):>7} {r['gpu_peak_gib']:>7.1f} {r['host_peak_gib']:>8.1f}  {bds}"
+              + (f" | model: {r['model']['bound']}" if "model" in r else ""))
     # rows that ran another checkout's code (megatrain:R@DIR): which code that was
     for tag, code in {r["system"].partition("@")[2]: r["code"] for r in rows
                       if "@" in r.get("system", "") and "code" in r}.items():

@@ -181,6 +181,8 @@ def main() -> None:
                     offload_activations=trainer.engine.activations.offload, lean_resident=trainer.engine.engine_config.lean_resident,
                     micro_batches=trainer._together or 1)
     record.update(estimate_host_gib=round(plan.host_total / GiB, 2), estimate_gpu_gib=round(plan.gpu_total / GiB, 2))
+    if trainer.step_time is not None:  # the step-time model's prediction (hf_megatrain/steptime.py)
+        record.update(model=trainer.step_time.as_dict(), vs_model=round(tps / trainer.step_time.tokens_per_s, 3))
     with open(os.path.join(opts.out, f"largest_{opts.shape}_{cfg.num_hidden_layers}.json"), "w") as f:
         json.dump(record, f, indent=1)
     print("\n" + json.dumps({k: v for k, v in record.items() if k not in ("plans", "loss", "alloc_retries",

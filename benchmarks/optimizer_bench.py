@@ -1,12 +1,17 @@
 """Time HostAdamW.step_unit itself (the engine's real code path) on a model-shaped store.
 
-    python benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4 --threads 0 15 --spans 19 21
+    python benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4 --threads 0 15 --spans 19 21 \
+        --tiles 18 20 23 --before
 
 For each of: store pinned (cudaHostRegister, as on a GPU) or pageable; clipping on or off; the
 main thread or the optimizer's worker thread; the host step's threads and span sizes (2**N
-elements): G params/s of one full step. Compare with benchmarks/adam_bench.py (the bare kernel)
-to see what the engine adds. The first line printed states the versions it ran on
-(benchmarks/versions.py).
+elements; --tiles: the tile of the default OpenMP step): G params/s of one full step, and the GB/s
+that is at the 30 bytes per parameter the step must move (read master, m, v, gradient; write
+master, m, v, bf16 copy), beside the host's fp32 copy bandwidth measured first (bytes read +
+written per second, as hf-megatrain probe measures it). --before adds the step as it was before
+issue 20 (gradient clipped in place, 8M-element tiles), for comparison. Compare with
+benchmarks/adam_bench.py (the bare kernel) to see what the engine adds. The first line printed
+states the versions it ran on (benchmarks/versions.py).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import sys
 import threading
 import time
+from functools import partial
 from contextlib import nullcontext
 
 import torch
@@ -27,6 +33,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import hf_megatrain.engine.optimizer as optimizer_module  # noqa: E402
 from hf_megatrain.engine.optimizer import HostAdamW  # noqa: E402
 from hf_megatrain.engine.store import HostStore, build_units  # noqa: E402
+from hf_megatrain.probe import ADAMW_BYTES, host_copy_gbs, host_update_gbs  # noqa: E402
 from hf_megatrain.patcher.specs import spec_for  # noqa: E402
 from hf_megatrain.shapes import make_config  # noqa: E402
 from versions import versions, versions_line  # noqa: E402
@@ -63,30 +70,60 @@ def build(shape, layers, pin, threads):
     return engine, HostAdamW(engine, lr=1e-4, weight_decay=0.1, host_threads=threads)
 
 
+def _step_before(opt, index, hyper, clip, count, step):
+    """The host step before issue 20: clip the accumulator in place, then AdamW, then the bf16 copy
+    re-reading the master, on 8M-element tiles (what optimizer.adamw_tile replaced)."""
+    store = opt.store
+    master, grad, compute = store.master[index], store.grad[index], store.compute[index]
+    step_t = torch.tensor(float(step))
+    for start, end, group in opt.segments[index]:
+        for a in range(start, end, 1 << 23):
+            b = min(a + (1 << 23), end)
+            g = grad[a:b]
+            if clip is not None:
+                g.mul_(clip)
+            torch._fused_adamw_([master[a:b]], [g], [opt.exp_avg[index][a:b]], [opt.exp_avg_sq[index][a:b]], [],
+                                [step_t], amsgrad=False, maximize=False, **hyper[group])
+            if compute is not None and compute is not master:
+                compute[a:b].copy_(master[a:b])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, nargs="+", default=[0],
-                    help="host_threads (0, the engine's default: no pool, OpenMP inside each op on 8M tiles)")
-    ap.add_argument("--spans", type=int, nargs="+", default=[None], help="log2 of the span size (default: the engine's)")
+                    help="host_threads (0, the engine's default: no pool, OpenMP inside each op)")
+    ap.add_argument("--spans", type=int, nargs="+", default=[None], help="log2 of the pool's span size (default: the engine's)")
+    ap.add_argument("--tiles", type=int, nargs="+", default=[None],
+                    help="log2 of the OpenMP step's tile (default: the engine's)")
+    ap.add_argument("--before", action="store_true", help="also time the step as it was before issue 20")
     a = ap.parse_args()
     print("VERSIONS " + versions_line(versions()), flush=True)
-    print("torch threads", torch.get_num_threads(), "default span", optimizer_module.SPAN)
-    default_span = optimizer_module.SPAN
+    copy, update = host_copy_gbs(), host_update_gbs()
+    print(f"torch threads {torch.get_num_threads()}, default span 2^{optimizer_module.SPAN.bit_length() - 1}, "
+          f"default tile 2^{optimizer_module.OPENMP_TILE.bit_length() - 1}; host fp32 copy {copy:.1f} GB/s, "
+          f"in-place add {update:.1f} GB/s (bytes read + written)", flush=True)
+    default_span, default_tile = optimizer_module.SPAN, optimizer_module.OPENMP_TILE
+    table = []
     for pin in ([False, True] if torch.cuda.is_available() else [False]):
         for threads in a.threads:
             engine, opt = build(a.shape, a.layers, pin, threads)
             n = sum(u.n_train for u in engine.store.units)
             hyper = opt.hyperparameters()
-            for span in (a.spans if threads > 0 else [None]):  # span sizes mean nothing to OpenMP
+            variants = [("pool", s_, None) for s_ in a.spans] if threads > 0 else \
+                [("openmp", None, t) for t in a.tiles] + ([("before", None, 23)] if a.before else [])
+            for kind, span, tile in variants:
                 optimizer_module.SPAN = default_span if span is None else 1 << span
+                optimizer_module.OPENMP_TILE = default_tile if tile is None else 1 << tile
+                step_unit = partial(_step_before, opt) if kind == "before" else \
+                    (lambda i, h, c, k, s_: opt.step_unit(i, h, c, k, s_))
                 for clip in (None, torch.tensor(0.5)):
                     for where in ("main", "thread"):
                         def one():
                             t0 = time.perf_counter()
                             for u in engine.store.units:
-                                opt.step_unit(u.index, hyper, clip, 1, 1)
+                                step_unit(u.index, hyper, clip, 1, 1)
                             return n / (time.perf_counter() - t0) / 1e9
 
                         res = {}
@@ -104,14 +141,19 @@ def main():
                             t = threading.Thread(target=go)
                             t.start()
                             t.join()
-                        pool = opt.host_threads or "omp"
-                        size = optimizer_module.SPAN if opt.host_threads else optimizer_module.OPENMP_TILE
-                        print(f"pinned={pin!s:5} threads={pool:<3} span=2^{size.bit_length() - 1:<3}"
+                        size = optimizer_module.SPAN if kind == "pool" else optimizer_module.OPENMP_TILE
+                        label = {"pool": f"pool of {opt.host_threads}", "openmp": "OpenMP", "before": "before"}[kind]
+                        gbs = ADAMW_BYTES * res["r"]
+                        table.append((pin, label, size.bit_length() - 1, clip is not None, where, res["r"], gbs))
+                        print(f"pinned={pin!s:5} {label:<11} span=2^{size.bit_length() - 1:<3}"
                               f"clip={'on ' if clip is not None else 'off'} {where:6} {res['r']:.2f} G params/s  "
-                              f"({n / 1e9:.2f} B params)", flush=True)
+                              f"{gbs:6.1f} GB/s ({gbs / copy:.0%} of copy, {gbs / update:.0%} of add)  ({n / 1e9:.2f} B params)", flush=True)
             engine = opt = None  # free this store before the next one is built
-        optimizer_module.SPAN = default_span
-
+        optimizer_module.SPAN, optimizer_module.OPENMP_TILE = default_span, default_tile
+    print(f"\n{'store':8} {'step':11} {'tile':>5} {'clip':4} {'thread':6} {'G params/s':>10} {'GB/s':>6} {'of copy':>7} {'of add':>6}")
+    for pin, label, size, clip, where, r, gbs in table:
+        print(f"{'pinned' if pin else 'pageable':8} {label:11} {'2^' + str(size):>5} {'on' if clip else 'off':4} "
+              f"{where:6} {r:10.2f} {gbs:6.1f} {gbs / copy:7.0%} {gbs / update:6.0%}")
 
 if __name__ == "__main__":
     main()

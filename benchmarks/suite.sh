@@ -26,6 +26,11 @@
 # L, M: issue 20 at scale: the 13B shape at 64K tokens/step asked as 16 x 4 and 64 x 1 beside 16K; Mixtral-8x7B
 #    width (4 layers, all streamed) at 16K and 64K
 # N: issue 20's closing check: the GPU tests, and the 3B shape at 16K tokens/step beside stock
+# O, P, Q: issue 20's step-time model and host AdamW. Each call first runs `hf-megatrain probe` (its rates,
+#    cached under $OUT/rates, are what every hf_megatrain row's prediction uses: "x model" in the tables).
+#    O: the host AdamW's tile sizes against the step before (optimizer_bench --before), Mixtral-8x7B width
+#    (4 layers, all streamed) at 16K and 64K. P: the 3B shape all streamed at 64K as 64x1 and 16x4 together,
+#    and at 16K default placement beside stock. Q: the 7B shape at 16K beside stock, every gpu-marked test.
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
 # Every call first writes $OUT/versions.json and prints one VERSIONS line (benchmarks/versions.py:
 # Python, torch, CUDA, transformers, accelerate, peft, GPU and driver, hf_megatrain commit); each
@@ -46,6 +51,7 @@ if ls .dswhl/*.whl >/dev/null 2>&1; then  # deepspeed: visible to bench.py's dee
   export DS_SITE=/tmp/dssite
 fi
 timeout 120 python3 benchmarks/versions.py --json "$OUT/versions.json" || echo "VERSIONS not recorded (exit $?)"
+export HF_MEGATRAIN_CACHE="$OUT/rates"  # the probe's cache: the rates this call's predictions ran on
 names=()
 part() {  # part SECONDS NAME command...: run, keep its log, never stop the suite
   local limit=$1 name=$2; shift 2
@@ -131,6 +137,25 @@ N)  # issue 20, the closing check: every gpu-marked test on the final code, and 
   part 200 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py
   part 300 bench_3b_16k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip 1.0 \
     --systems stock,megatrain:auto --steps 6 --warmup 2 --out "$OUT" ;;
-*) echo "unknown group $1 (A to N)"; exit 2 ;;
+O)
+  part 60 probe python3 -m hf_megatrain.cli probe
+  part 150 optimizer python3 benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4 --threads 0 \
+    --tiles 18 19 20 21 23 --before
+  part 320 mixtral_4l python3 benchmarks/bench.py --shape mixtral-8x7b --layers 4 --tokens 16384 65536 --clip 1.0 \
+    --systems megatrain:0 --steps 4 --warmup 2 --from_disk /tmp/ckpt --out "$OUT/mixtral" ;;
+P)
+  part 60 probe python3 -m hf_megatrain.cli probe
+  part 110 3b_64x1 python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 65536 --clip 1.0 --systems megatrain:0 \
+    --steps 5 --warmup 2 --skip_peak --out "$OUT/64x1"
+  part 110 3b_16x4 python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 65536 --clip 1.0 --systems megatrain:0 \
+    --mega_micro 16 --layer_major true --steps 5 --warmup 2 --skip_peak --out "$OUT/16x4"
+  part 230 bench_3b_16k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip 1.0 \
+    --systems stock,megatrain:auto --steps 6 --warmup 2 --out "$OUT/16k" ;;
+Q)
+  part 60 probe python3 -m hf_megatrain.cli probe
+  part 300 bench_7b_16k python3 benchmarks/bench.py --shape qwen2.5-7b --tokens 16384 --clip 1.0 \
+    --systems megatrain:auto,stock --stock_micro 2 --steps 5 --warmup 2 --from_disk /tmp/ckpt --out "$OUT"
+  part 210 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py ;;
+*) echo "unknown group $1 (A to Q)"; exit 2 ;;
 esac
 for f in "${names[@]}"; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done

@@ -3,7 +3,8 @@
     hf-megatrain demo                      train the embedded tiny model (no downloads)
     hf-megatrain train --model M --data D --output_dir OUT [any TrainingArguments flag]
     hf-megatrain train run.yaml [flags]    the same flags from a YAML or JSON file (flags win)
-    hf-megatrain estimate MODEL --batch B --seq T   host RAM and GPU memory a run needs
+    hf-megatrain estimate MODEL --batch B --seq T   host RAM, GPU memory and step time of a run
+    hf-megatrain probe                     measure this machine's rates for the step-time model
     hf-megatrain push FOLDER --repo org/name [--hub_dir DIR]   publish a saved model to a local hub
 """
 
@@ -211,6 +212,9 @@ def _estimate(argv: list[str]) -> int:
                         "compute copy")
     p.add_argument("--local_ranks", type=int, default=None,
                    help="how many of those ranks run on one host (default: all); --host_gib is that host's RAM")
+    p.add_argument("--max_grad_norm", type=float, default=1.0,
+                   help="gradient clipping as the run will have it (0: none; the step-time model's host AdamW "
+                        "then overlaps the backward)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     a = p.parse_args(argv)
     from .engine.config import EngineConfig, parse_count, parse_switch
@@ -267,11 +271,20 @@ def _estimate(argv: list[str]) -> int:
         except MegaTrainError as e:
             lines = str(e).splitlines()  # the verdict, and the longest row that fits when there is one
             verdict = lines[0] + "".join(f"\n{ln}" for ln in lines[1:] if ln.startswith("max_seq_length="))
+    timing = None
+    if a.device == "cuda" and a.world_size == 1:
+        from .probe import rates_for_planning
+        from .steptime import predict
+
+        timing = predict(config, batch, a.seq, placement.engine, rates_for_planning(),
+                         micro_batches=a.grad_accum * step.split, together=bool(step.together) or
+                         a.grad_accum * step.split == 1, clip=a.max_grad_norm > 0, shapes=shapes)
     if a.json:
         import json
 
         print(json.dumps({**plan.as_dict(), "verdict": verdict, "rows_per_micro_batch": batch,
-                          "micro_batches": a.grad_accum * step.split, "together": bool(step.together)}, indent=1))
+                          "micro_batches": a.grad_accum * step.split, "together": bool(step.together),
+                          "step_time": timing.as_dict() if timing else None}, indent=1))
     else:
         from .errors import counted, parameter_count
 
@@ -282,6 +295,9 @@ def _estimate(argv: list[str]) -> int:
               f"{' (lean)' if placement.engine.lean_resident and plan.resident_layers else ''}, "
               f"{counted(plan.offload_activations, 'layer input')} offloaded\n")
         print(plan.table())
+        if timing is not None:
+            clipping = f"clipping at {a.max_grad_norm:g}" if a.max_grad_norm > 0 else "no clipping"
+            print(f"\nstep time (model, {clipping}): {timing.describe()}")
         if verdict is not None:
             machine = " + ".join(f"{v:g} GiB {k}" for k, v in (("GPU", a.gpu_gib), ("host", a.host_gib)) if v)
             print(f"\non {machine}: {verdict}")
@@ -329,7 +345,40 @@ def _push(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"demo": _demo, "train": _train, "estimate": _estimate, "push": _push}
+def _probe(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="hf-megatrain probe",
+        description="Measure this machine's rates (bf16 matmul under sustained load, pinned PCIe each way and both "
+                    "ways at once, GPU memory, host DRAM, the engine's host AdamW) in about 15 seconds, and cache "
+                    "them for `hf-megatrain estimate` and the trainer's step-time model.",
+    )
+    p.add_argument("--seconds", type=float, default=5.0, help="seconds of matmul load before the rate is taken")
+    p.add_argument("--no_save", action="store_true", help="print only; keep the cache as it is")
+    p.add_argument("--json", action="store_true", help="print the rates as JSON")
+    a = p.parse_args(argv)
+    if a.seconds <= 0:
+        raise MegaTrainError(f"--seconds must be positive, not {a.seconds:g}")
+    from dataclasses import asdict
+
+    from . import probe
+
+    rates = probe.measure(a.seconds, progress=(lambda line: None) if a.json else
+                          (lambda line: print(line, file=sys.stderr, flush=True)))
+    path = None if a.no_save else probe.save(rates)
+    if a.json:
+        import json
+
+        print(json.dumps({**asdict(rates), "cache": path}, indent=1))
+    else:
+        print(rates.table())
+        if not rates.gpu:
+            print("no GPU here: only the host's rates were measured")
+        if path:
+            print(f"cached in {path}")
+    return 0
+
+
+COMMANDS = {"demo": _demo, "train": _train, "estimate": _estimate, "probe": _probe, "push": _push}
 
 
 def main(argv: list[str] | None = None) -> int:

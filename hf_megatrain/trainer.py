@@ -46,6 +46,8 @@ from .memory import (admit, allocator_advice, estimate, gpu_available, host_avai
                      ranks_on_this_host, resolve_placement, split_step)
 from .patcher.adapters import base_model
 from .preflight import check_data, check_disk, check_outputs, check_resume
+from .probe import rates_for_planning
+from .steptime import predict
 
 logger = logging.getLogger(__name__)
 
@@ -143,10 +145,17 @@ class MegaTrainTrainer(Trainer):
                                mlp_tile_tokens=args.mlp_tile_tokens, world_size=world, local_ranks=local,
                                micro_batches=self._together or 1)
             admit(plan, hint=hint, residency_planned=placement.planned)  # before a single large allocation
+        self.step_time = None  # the step-time model's prediction (steptime.py), for a GPU run of one process
         if device.type == "cuda" and args.process_index == 0:
             advice = allocator_advice(plan, gpu_available(device))
             if advice:
                 logger.warning(advice)
+            if world == 1 and args.peft_config is None and not hasattr(model, "peft_config"):
+                n = args.gradient_accumulation_steps * self._split
+                self.step_time = predict(config, batch, seq, placement.engine, rates_for_planning(), micro_batches=n,
+                                         together=bool(self._together) or n == 1,
+                                         clip=bool(args.max_grad_norm) and args.max_grad_norm > 0)
+                logger.info("hf_megatrain step-time model: %s", self.step_time.describe())
         if device.type == "cpu":
             args.dataloader_pin_memory = False  # nothing to pin for
         args._n_gpu = 1 if device.type == "cuda" else args._n_gpu
@@ -329,6 +338,9 @@ class MegaTrainTrainer(Trainer):
         peak = self.args.gpu_peak_tflops
         if peak:
             out["mfu"] = float(f"{tflops / peak:.4g}")
+        if self.step_time is not None:  # how far from the model (which counts every token as real)
+            out["pipe_model_tokens_per_second"] = round(self.step_time.tokens_per_s, 1)
+            out["pipe_vs_model"] = round(out["tokens_per_second"] / self.step_time.tokens_per_s, 4)
         timeline = self._timeline  # only our own: someone else's (a benchmark's) is theirs to read
         if timeline is not None and self.engine.timeline is timeline:
             busy = timeline.collect()

@@ -5,9 +5,16 @@ usual: `param_groups` hold the decay and no-decay segments of each unit's master
 `step()` reads lr / betas / eps / weight_decay from them at the moment it is called.
 
 The math is torch's own fused AdamW kernel (`torch._fused_adamw_`, what Trainer's default
-`adamw_torch_fused` runs). On the host a unit is stepped in 8M-element tiles, each op spread over
-the cores by OpenMP; `host_threads=n` instead cuts it into spans that n single-core threads step
-in parallel, each span clipped, updated and copied into the compute copy back to back.
+`adamw_torch_fused` runs). On the host a unit is stepped in tiles small enough to stay in the
+cores' caches between the three ops on them (clip, AdamW, the bf16 copy), each op spread over the
+cores by OpenMP; `host_threads=n` instead cuts it into spans that n single-core threads step in
+parallel, each span clipped, updated and copied into the compute copy back to back.
+
+The host step is bound by DRAM bandwidth, so it is written to move each byte once: read the
+master, both moments and the gradient, write the master, both moments and the bf16 copy (30 B per
+parameter). The clipped gradient goes to a per-thread scratch tile, which stays in cache, rather
+than back over the accumulator (that would write 4 B per parameter more, and read them again), and
+the bf16 copy reads the master the AdamW kernel has just written, from cache.
 The moments live here, in the store's flat layout, not in `self.state`: `state_dict()` stays
 small (accelerate copies it to the GPU when it wraps an optimizer), and the checkpoint module
 saves the moments as safetensors.
@@ -19,6 +26,7 @@ step multiplies each gradient tile by min(1, max_norm / (norm + 1e-6)).
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 
 import torch
@@ -34,8 +42,39 @@ from .worker import SpanPool, Worker
 # body, and the reference (a per-tensor step) has no tail where a span boundary is.
 SPAN = 1 << 21
 # host_threads=0 (the default): no pool; the calling thread steps tiles this large, each op
-# spread over the cores by OpenMP.
-OPENMP_TILE = 1 << 23
+# spread over the cores by OpenMP. Small enough that a tile's gradient, scratch, master, moments
+# and bf16 copy (22 B per element) stay in cache between its ops, each core's share in its L2 (torch
+# splits every op of a tile the same way across the team); large enough that each op's OpenMP
+# fork and join is small beside it (BENCHMARKS.md, "Measurements the code's defaults rest on").
+OPENMP_TILE = 1 << 20
+
+_scratch = threading.local()
+
+
+def _scratch_tile(numel: int) -> torch.Tensor:
+    """This thread's fp32 scratch of at least `numel` elements (the clipped gradient of a tile)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch.buf = torch.empty(numel, dtype=torch.float32)
+    return buf[:numel]
+
+
+def adamw_tile(master, grad, exp_avg, exp_avg_sq, compute, hyper: dict, clip, step_t) -> None:
+    """One tile of the step: clip, AdamW, refresh the compute copy (None: there is none).
+
+    On the host the clipped gradient goes to a scratch tile and the accumulator is only read; on a
+    GPU (a resident unit) it is clipped in place, as torch's clip_grad_norm_ does. The same values
+    either way: one multiply by the same 0-dim tensor."""
+    g = grad
+    if clip is not None:
+        if grad.device.type == "cpu":
+            g = torch.mul(grad, clip, out=_scratch_tile(grad.numel()))
+        else:
+            g.mul_(clip)
+    torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], [step_t],
+                        amsgrad=False, maximize=False, **hyper)
+    if compute is not None:
+        compute.copy_(master)
 
 
 class HostAdamW(torch.optim.Optimizer):
@@ -253,18 +292,15 @@ class HostAdamW(torch.optim.Optimizer):
         """Clip, update and refresh the compute copy of elements [a, b) of this rank's slice."""
         a, b, group = span
         store = self.store
-        master, grad = store.master[index], store.grad[index]
+        master = store.master[index]
         compute = store.compute[index]  # on the device for a resident unit; None for a lean one
-        g = grad[a:b]
-        if clip is not None:
-            g.mul_(clip)
-        torch._fused_adamw_(
-            [master[a:b]], [g], [self.exp_avg[index][a:b]], [self.exp_avg_sq[index][a:b]], [], [step_t],
-            amsgrad=False, maximize=False, **hyper[group],
-        )
         if compute is not None and compute is not master:
             lo = store.bounds[index][0]  # the compute copy is the whole unit; the master this rank's slice
-            compute[lo + a : lo + b].copy_(master[a:b])
+            compute = compute[lo + a : lo + b]
+        else:
+            compute = None
+        adamw_tile(master[a:b], store.grad[index][a:b], self.exp_avg[index][a:b], self.exp_avg_sq[index][a:b],
+                   compute, hyper[group], clip, step_t)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()

@@ -198,6 +198,10 @@ def test_trainer_loss_curve_matches_stock_bf16(tmp_path):
     assert b[-1] < b[0], "it learns"
     for x, y in zip(a, b):
         assert abs(x - y) < 0.05 * max(1.0, abs(x)), (x, y)
+    # the step-time model: predicted at the start, and every log says how far the run is from it
+    assert mega.step_time is not None and mega.step_time.step_s > 0 and mega.step_time.bound
+    ratios = [h["pipe_vs_model"] for h in mega.state.log_history if "pipe_vs_model" in h]
+    assert len(ratios) == len(b) and all(r > 0 for r in ratios)
 
 
 def test_gpu_memory_is_stable_over_50_steps():

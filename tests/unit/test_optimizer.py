@@ -10,12 +10,14 @@ from hf_megatrain import HostAdamW, StreamingEngine
 from tests.support.tiny import make_batch, make_model
 
 
-@pytest.mark.parametrize("span,threads", [(None, 0), (256, 3), (None, 2)])
+@pytest.mark.parametrize("span,threads", [(None, 0), (256, 0), (256, 3), (None, 2)])
 def test_adamw_clipping_and_scheduler_match_torch(span, threads, monkeypatch):
-    """(None, 0), the default: no pool, OpenMP inside each op; (256, 3): every unit cut into
+    """(None, 0), the default: no pool, OpenMP inside each op; (256, 0): the same on tiles of 256
+    elements, hundreds per unit, each clipped into the scratch tile; (256, 3): every unit cut into
     hundreds of spans stepped by three threads at once; (None, 2): the pool at its own span."""
     if span is not None:
         monkeypatch.setattr("hf_megatrain.engine.optimizer.SPAN", span)
+        monkeypatch.setattr("hf_megatrain.engine.optimizer.OPENMP_TILE", span)
     model = make_model("llama_tied")
     ref = copy.deepcopy(model)
     decay = Trainer.get_decay_parameter_names(None, ref)
@@ -46,6 +48,7 @@ def test_adamw_clipping_and_scheduler_match_torch(span, threads, monkeypatch):
     masters = dict(engine.named_master_params())
     for name, p in ref.named_parameters():
         assert torch.equal(masters[name], p.detach()), name  # same fused kernel: bit for bit
+
 
 
 def test_state_dict_is_small_and_round_trips():

@@ -1,0 +1,279 @@
+"""This machine's rates, measured in seconds and cached: what the step-time model (steptime.py) runs on.
+
+    hf-megatrain probe            measure, print, cache
+    hf-megatrain estimate ...     uses the cached rates of this GPU (or the reference rates)
+
+Measured: the bf16 matmul rate sustained after a few seconds of load (an H200 caps its power and
+drops from ~790 to ~660 TFLOP/s), pinned PCIe per direction alone and with both directions busy,
+the GPU's memory bandwidth, the host's DRAM bandwidth (a large fp32 copy and an in-place add, all
+cores: a copy's writes also read their lines first, an in-place update's do not) and the
+engine's own host AdamW step (optimizer.adamw_tile on a 128M-parameter store, with clipping and
+without), which is what the DRAM bandwidth buys in the step.
+
+The cache is a JSON file (HF_MEGATRAIN_CACHE or ~/.cache/hf_megatrain, `rates.json`) holding the
+latest probe of each GPU model; `load()` returns the one for this machine's GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, fields
+
+GB = 1e9
+
+
+@dataclass
+class Rates:
+    gpu: str  # the GPU's name ("" for none)
+    matmul_tflops: float  # bf16, sustained
+    h2d_gbs: float  # pinned host -> GPU, alone
+    d2h_gbs: float  # GPU -> pinned host, alone
+    h2d_duplex_gbs: float  # each direction while the other is busy too
+    d2h_duplex_gbs: float
+    gpu_mem_gbs: float  # device copy, bytes read + written per second
+    host_copy_gbs: float  # fp32 copy over all cores, bytes read + written per second
+    host_update_gbs: float  # fp32 in-place a += b over all cores (read 8 B, write 4 B per element)
+    adamw_gparams: float  # the host AdamW step with clipping, G parameters/s
+    adamw_noclip_gparams: float  # ... without clipping
+    host: str = ""  # CPU model and cores
+    measured: str = ""  # when (UTC), or where the reference numbers come from
+
+    def table(self) -> str:
+        rows = [("bf16 matmul, sustained", f"{self.matmul_tflops:,.0f} TFLOP/s"),
+                ("PCIe host -> GPU (alone / both ways)", f"{self.h2d_gbs:.1f} / {self.h2d_duplex_gbs:.1f} GB/s"),
+                ("PCIe GPU -> host (alone / both ways)", f"{self.d2h_gbs:.1f} / {self.d2h_duplex_gbs:.1f} GB/s"),
+                ("GPU memory copy (read + write)", f"{self.gpu_mem_gbs:,.0f} GB/s"),
+                ("host DRAM copy / in-place add", f"{self.host_copy_gbs:.1f} / {self.host_update_gbs:.1f} GB/s "
+                                                   "(bytes read + written)"),
+                ("host AdamW, clipped / unclipped",
+                 f"{self.adamw_gparams:.2f} / {self.adamw_noclip_gparams:.2f} G params/s "
+                 f"({ADAMW_BYTES * self.adamw_gparams:.0f} / {ADAMW_BYTES * self.adamw_noclip_gparams:.0f} GB/s "
+                 f"at {ADAMW_BYTES} B/param)")]
+        head = f"{self.gpu or 'no GPU'}; host {self.host or '?'}; {self.measured}"
+        return head + "\n" + "\n".join(f"  {k:38} {v}" for k, v in rows)
+
+
+# Bytes the host AdamW must move per parameter: read master, m, v, gradient (16), write master, m,
+# v (12) and the bf16 compute copy (2).
+ADAMW_BYTES = 30
+
+# An H200 box's rates, for planning on a machine that has not been probed (or has no GPU): the
+# device machine's measurements (BENCHMARKS.md, "Measurements the code's defaults rest on").
+REFERENCE = Rates(gpu="NVIDIA H200", matmul_tflops=660.0, h2d_gbs=55.0, d2h_gbs=55.0, h2d_duplex_gbs=49.5,
+                  d2h_duplex_gbs=49.5, gpu_mem_gbs=4000.0, host_copy_gbs=75.0, host_update_gbs=90.0, adamw_gparams=2.7,
+                  adamw_noclip_gparams=3.0, host="16 cores",
+                  measured="reference rates of an H200 box with 16 host cores (run `hf-megatrain probe` on yours)")
+
+
+def cache_file() -> str:
+    root = os.environ.get("HF_MEGATRAIN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hf_megatrain")
+    return os.path.join(root, "rates.json")
+
+
+def _read_cache() -> dict:
+    try:
+        with open(cache_file()) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def save(rates: Rates) -> str:
+    """Keep `rates` as the latest probe of its GPU (written whole, then renamed: never half a file)."""
+    path = cache_file()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    cache = _read_cache()
+    cache[rates.gpu or "cpu"] = asdict(rates)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(cache, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def load(gpu: str | None = None) -> Rates | None:
+    """The cached probe of `gpu` (default: this machine's GPU, or the newest of any without one)."""
+    cache = _read_cache()
+    if gpu is None:
+        gpu = gpu_name()
+    if gpu is None:  # no GPU here: planning for another machine; take the newest probe of a GPU
+        entries = sorted((e for k, e in cache.items() if k != "cpu"), key=lambda e: e.get("measured", ""))
+        entry = entries[-1] if entries else None
+    else:
+        entry = cache.get(gpu)
+    if not entry:
+        return None
+    names = {f.name for f in fields(Rates)}
+    return Rates(**{k: v for k, v in entry.items() if k in names})
+
+
+def rates_for_planning() -> Rates:
+    """The cached probe of this GPU, else the reference rates."""
+    return load() or REFERENCE
+
+
+def gpu_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def host_name() -> str:
+    model = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores".lstrip(", ")
+
+
+# -- measurements --------------------------------------------------------------------------------
+def _best(fn, repeats: int) -> float:
+    """Shortest wall time of `repeats` calls of fn (after one untimed call)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def host_copy_gbs(numel: int = 1 << 28) -> float:
+    """fp32 copy between two host buffers of `numel` elements, (read + written bytes) per second."""
+    import torch
+
+    a, b = torch.ones(numel), torch.empty(numel)
+    b.copy_(a)  # first touch
+    return 2 * 4 * numel / _best(lambda: b.copy_(a), 3) / GB
+
+
+def host_update_gbs(numel: int = 1 << 28) -> float:
+    """fp32 a += b over two host buffers of `numel` elements, (read + written bytes) per second: the
+    access pattern of the AdamW step and of gradient accumulation (in place, no write-allocate)."""
+    import torch
+
+    a, b = torch.ones(numel), torch.ones(numel)
+    return 3 * 4 * numel / _best(lambda: a.add_(b), 3) / GB
+
+
+def host_adamw_gparams(numel: int = 1 << 27, clip: bool = True) -> float:
+    """The engine's host step (optimizer.adamw_tile over OPENMP_TILE tiles, as HostAdamW runs it with
+    OpenMP inside each op) on a store of `numel` parameters, G parameters per second."""
+    import torch
+
+    from .engine import optimizer
+
+    master, grad = torch.randn(numel), torch.randn(numel)
+    m, v, compute = torch.zeros(numel), torch.zeros(numel), torch.empty(numel, dtype=torch.bfloat16)
+    hyper = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    coef = torch.tensor(0.5) if clip else None
+    step = torch.tensor(1.0)
+    tile = optimizer.OPENMP_TILE
+
+    def run():
+        for a in range(0, numel, tile):
+            b = min(a + tile, numel)
+            optimizer.adamw_tile(master[a:b], grad[a:b], m[a:b], v[a:b], compute[a:b], hyper, coef, step)
+
+    return numel / _best(run, 3) / GB
+
+
+def matmul_tflops(seconds: float) -> float:
+    """bf16 8192^3 matmuls: the rate after `seconds` of load (the sustained, power-capped one)."""
+    import torch
+
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+
+    def rate(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            a @ b
+        torch.cuda.synchronize()
+        return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
+
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        rate(50)
+    return rate(200)
+
+
+def pcie_gbs(nbytes: int = 1 << 30) -> tuple[float, float, float, float]:
+    """(h2d alone, d2h alone, h2d while d2h runs, d2h while h2d runs) in GB/s, pinned host memory."""
+    import torch
+
+    host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_in = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev_out = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def timed(pairs, repeats=3):
+        """Seconds per copy on each stream, the copies of all pairs running at once."""
+        events = []
+        torch.cuda.synchronize()
+        for stream, dst, src in pairs:
+            with torch.cuda.stream(stream):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(repeats):
+                    dst.copy_(src, non_blocking=True)
+                end.record()
+                events.append((start, end))
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) / 1e3 / repeats for s, e in events]
+
+    h2d, d2h = (up, dev_in, host_in), (down, host_out, dev_out)
+    timed([h2d, d2h], 1)  # warm both directions
+    alone_up, = timed([h2d])
+    alone_down, = timed([d2h])
+    both_up, both_down = timed([h2d, d2h])
+    return tuple(nbytes / t / GB for t in (alone_up, alone_down, both_up, both_down))
+
+
+def gpu_mem_gbs(nbytes: int = 4 << 30) -> float:
+    import torch
+
+    a = torch.ones(nbytes // 4, device="cuda")
+    b = torch.empty_like(a)
+
+    def copy():
+        b.copy_(a)
+        torch.cuda.synchronize()
+
+    return 2 * nbytes / _best(copy, 5) / GB
+
+
+def measure(seconds: float = 5.0, progress=print) -> Rates:
+    """Probe this machine: about `seconds` of matmul load plus a few seconds of copies and steps."""
+    import torch
+
+    progress("host DRAM copy and in-place add ...")
+    copy, update = host_copy_gbs(), host_update_gbs()
+    progress("host AdamW (the engine's step) ...")
+    adamw, adamw_noclip = host_adamw_gparams(clip=True), host_adamw_gparams(clip=False)
+    gpu, matmul, pcie, device_mem = "", 0.0, (0.0, 0.0, 0.0, 0.0), 0.0
+    if torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name()
+        progress("PCIe, pinned, each way and both ways at once ...")
+        pcie = pcie_gbs()
+        progress("GPU memory copy ...")
+        device_mem = gpu_mem_gbs()
+        progress(f"bf16 matmul, {seconds:g} s of load ...")
+        matmul = matmul_tflops(seconds)
+        torch.cuda.empty_cache()
+    return Rates(gpu=gpu, matmul_tflops=round(matmul, 1), h2d_gbs=round(pcie[0], 2), d2h_gbs=round(pcie[1], 2),
+                 h2d_duplex_gbs=round(pcie[2], 2), d2h_duplex_gbs=round(pcie[3], 2), gpu_mem_gbs=round(device_mem, 1),
+                 host_copy_gbs=round(copy, 2), host_update_gbs=round(update, 2), adamw_gparams=round(adamw, 3), adamw_noclip_gparams=round(adamw_noclip, 3),
+                 host=host_name(), measured=time.strftime("probed %Y-%m-%d %H:%M UTC", time.gmtime()))

@@ -1,0 +1,205 @@
+"""The step-time model: how long a step should take on this machine, and what bounds it.
+
+A step keeps four lanes busy: the GPU's compute, PCIe in (weights of the streamed layers, offloaded
+layer inputs), PCIe out (their fp32 gradients) and the host AdamW over the streamed units. From
+the plan (which units stream, the tokens a step holds, how its micro-batches run) and the machine's
+measured rates (probe.py), `predict` walks one steady-state step unit by unit with the engine's own
+dependencies:
+
+- backward, last unit first: a streamed unit's weights come in, its recompute and backward run once
+  they are in and the previous unit's backward is done, its gradient goes out after them;
+- host AdamW of the streamed units: with exact clipping, only once the whole backward is done (the
+  global norm scales every gradient) and then unit by unit in forward order; without clipping, each
+  unit as soon as its gradient has landed;
+- next forward, first unit first: a streamed unit's weights come in after its AdamW has refreshed
+  them, and its forward runs after they are in.
+
+Compute is FLOPs at a fixed fraction of the measured bf16 matmul rate (GPU_EFFICIENCY): matmuls
+8 x active parameters x tokens per decoder layer (forward, the backward's recompute, the backward),
+6 x for the head, plus causal attention. The bound is the lane whose unlimited speed would shorten
+the step most. What the model leaves out: DRAM contention between DMA and the host AdamW, CPU-side
+launch gaps, and padding (it counts every token as real).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from .engine.layout import mark_resident
+
+# The fraction of the sustained bf16 matmul rate a decoder layer's compute reaches on the GPU
+# (matmuls, attention, norms, activations, casts together), from the compute lane's busy time in
+# measured runs (BENCHMARKS.md, "Measurements the code's defaults rest on").
+GPU_EFFICIENCY = 0.68
+ATTENTION_BACKWARD = 2.5  # flash attention's backward, in forward FLOPs
+
+
+@dataclass
+class StepTime:
+    step_s: float
+    tokens: int
+    bound: str  # "compute", "PCIe in", "PCIe out", "host AdamW", "host AdamW after the backward"
+    lanes: dict = field(default_factory=dict)  # busy seconds per step: compute, h2d, d2h, host_adamw
+    gains: dict = field(default_factory=dict)  # seconds a step would lose if that lane were free
+    measured: str = ""  # where the rates came from
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+    def busy(self) -> dict:
+        return {k: v / self.step_s for k, v in self.lanes.items()}
+
+    def describe(self) -> str:
+        busy = ", ".join(f"{k} {v:.0%}" for k, v in self.busy().items() if v > 0.005)
+        return (f"{self.step_s:.2f} s/step, {self.tokens_per_s:,.0f} tokens/s; bound: {self.bound} "
+                f"(busy: {busy}); rates: {self.measured}")
+
+    def as_dict(self) -> dict:
+        return {"step_s": round(self.step_s, 4), "tokens_per_s": round(self.tokens_per_s, 1), "bound": self.bound,
+                "lanes_s": {k: round(v, 4) for k, v in self.lanes.items()},
+                "gains_s": {k: round(v, 4) for k, v in self.gains.items()}, "rates": self.measured}
+
+
+def routed_per_layer(config) -> dict[int, tuple[int, float]]:
+    """{layer: (routed expert parameters, fraction active per token)} from a meta copy of the model:
+    a routed expert's weights (named `.experts.`, HF v5's fused tensors) count top_k / experts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not experts:
+        return {}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    out: dict[int, tuple[int, float]] = {}
+    for name, p in model.named_parameters():
+        if ".experts." in name and ".layers." in name:
+            layer = int(name.split(".layers.", 1)[1].split(".", 1)[0])
+            n, _ = out.get(layer, (0, 0.0))
+            out[layer] = (n + p.numel(), config.num_experts_per_tok / experts)
+    return out
+
+
+def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 1, together: bool = True,
+            clip: bool = True, shapes=None, routed=None) -> StepTime:
+    """The step time of `micro_batches` micro-batches of `rows` x `seq` tokens per optimizer step.
+
+    engine: the EngineConfig the run is built with, placements settled (memory.resolve_placement).
+    together: the micro-batches run through each layer together (one weight pass per step); else
+    one at a time, each re-streaming the weights and adding its gradient into the host accumulator.
+    clip: exact gradient clipping (max_grad_norm > 0): the host AdamW waits for the whole backward."""
+    from .memory import model_shapes
+
+    s = shapes or model_shapes(config)
+    units = copy.deepcopy(s.units)
+    mark_resident(units, engine.resident_layers or 0, engine.lean_resident)
+    routed = routed_per_layer(config) if routed is None else routed
+    cbytes = engine.compute_dtype.itemsize
+    n = max(1, micro_batches)
+    passes = 1 if together else n  # weight passes per step
+    tokens = rows * seq * n
+    flops_rate = rates.matmul_tflops * 1e12 * GPU_EFFICIENCY
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    attention_fwd = 2 * rows * n * seq * seq * heads * head_dim  # causal QK^T and PV, one layer
+    offload = min(engine.offload_activations or 0, s.layers)
+    layer_input = rows * seq * s.hidden * cbytes * n  # bytes, all micro-batches
+
+    def active(u) -> float:
+        if u.kind != "layer":
+            return u.numel
+        expert, frac = routed.get(u.layer, (0, 1.0))
+        return u.numel - expert + expert * frac
+
+    fwd, bwd, h2d, d2h, adam = [], [], [], [], []  # per unit, in forward order
+    for u in units:
+        if u.kind == "layer":
+            f = 2 * active(u) * tokens + attention_fwd
+            b = 6 * active(u) * tokens + (1 + ATTENTION_BACKWARD) * attention_fwd
+        elif u.kind == "head":
+            f, b = 6 * s.vocab * s.hidden * tokens, 0.0  # the chunked loss: logits and their gradients at once
+        else:
+            f = b = 0.0  # the embedding: a gather
+        streamed = not u.resident
+        fwd.append(f / flops_rate)
+        bwd.append(b / flops_rate)
+        h2d.append(u.numel * cbytes if streamed else 0)
+        d2h.append(u.n_train * 4 if streamed else 0)
+        adam.append(u.n_train / (rates.adamw_gparams if clip else rates.adamw_noclip_gparams) / 1e9 if streamed else 0)
+    layer_units = [i for i, u in enumerate(units) if u.kind == "layer"]
+    acts = {i: layer_input for i in layer_units[s.layers - offload:]} if offload else {}
+    # resident units step on the GPU: read master, m, v, grad and write them and the compute copy
+    gpu_adam = sum(u.n_train for u in units if u.resident) * 30 / (rates.gpu_mem_gbs * 1e9)
+    accumulate = 0.0
+    if passes > 1:  # one at a time: each later micro-batch's gradient is added on the host (read 2, write 1)
+        accumulate = (passes - 1) * sum(d2h) * 3 / (rates.host_update_gbs * 1e9)
+
+    depth = max(1, engine.prefetch_depth)  # weight slots: a load waits for the slot `depth` units back
+
+    def simulate(compute_scale=1.0, pcie_scale=1.0, adam_scale=1.0) -> float:
+        """One step's seconds: a pass of the step's tokens (together), or one pass per micro-batch."""
+        up1, up2 = rates.h2d_gbs * 1e9 / pcie_scale, rates.h2d_duplex_gbs * 1e9 / pcie_scale
+        down2 = rates.d2h_duplex_gbs * 1e9 / pcie_scale
+
+        def backward() -> tuple[float, dict]:
+            """From t = 0 (the forward's end), last unit first: (end, when each gradient landed)."""
+            load = gpu = out = 0.0
+            landed, finished = {}, []
+            for i in reversed(range(len(units))):
+                if h2d[i] or i in acts:
+                    free = finished[-depth] if len(finished) >= depth else 0.0
+                    load = max(load, free) + (h2d[i] + acts.get(i, 0) / passes) / up2
+                    gpu = max(gpu, load)
+                gpu += bwd[i] * compute_scale / passes
+                finished.append(gpu)
+                out = max(out, gpu) + d2h[i] / down2
+                landed[i] = out
+            return max(gpu, out), landed
+
+        def forward(start: float, done: dict) -> float:
+            """From `start`, first unit first, each streamed one loaded once its AdamW is `done`."""
+            load, gpu, finished = start, start, []
+            for i in range(len(units)):
+                if h2d[i]:
+                    free = finished[-depth] if len(finished) >= depth else 0.0
+                    load = max(load, free, done.get(i, 0.0)) + h2d[i] / up1
+                    gpu = max(gpu, load)
+                gpu += fwd[i] * compute_scale / passes
+                finished.append(gpu)
+            return gpu
+
+        end, landed = backward()
+        done, host = {}, end  # host AdamW of the streamed units
+        if clip:  # after the whole backward, in forward order
+            for i in range(len(units)):
+                if adam[i]:
+                    host += adam[i] * adam_scale
+                    done[i] = host
+        else:  # each unit once its gradient has landed
+            host = 0.0
+            for i in reversed(range(len(units))):
+                if adam[i]:
+                    host = max(host, landed[i]) + adam[i] * adam_scale
+                    done[i] = host
+        # the next forward, after the backward and the GPU's own AdamW of the resident units
+        step = forward(end + gpu_adam * compute_scale, done)
+        if passes > 1:  # one at a time: the earlier micro-batches, weights streamed again, no AdamW between
+            step += (passes - 1) * (forward(0.0, {}) + backward()[0])
+        return max(step, accumulate)
+
+    step = simulate()
+    lanes = {"compute": sum(fwd) + sum(bwd) + gpu_adam,
+             "h2d": (sum(h2d) * 2 * passes + sum(acts.values())) / (rates.h2d_gbs * 1e9),
+             "d2h": (sum(d2h) * passes + sum(acts.values())) / (rates.d2h_gbs * 1e9),
+             "host_adamw": sum(adam)}
+    if accumulate:
+        lanes["accumulate"] = accumulate
+    gains = {"compute": step - simulate(compute_scale=1e-9),
+             "PCIe": step - simulate(pcie_scale=1e-9),
+             "host AdamW": step - simulate(adam_scale=1e-9)}
+    bound = max(gains, key=gains.get)
+    if bound == "host AdamW" and clip:
+        bound = "host AdamW after the backward (exact clipping)"
+    return StepTime(step, tokens, bound, lanes, gains, rates.measured)
