@@ -98,6 +98,9 @@ def main():
     ap.add_argument("--tiles", type=int, nargs="+", default=[None],
                     help="log2 of the OpenMP step's tile (default: the engine's)")
     ap.add_argument("--before", action="store_true", help="also time the step as it was before issue 20")
+    ap.add_argument("--where", nargs="+", default=["main", "thread"], choices=["main", "thread"],
+                    help="the main thread, a worker thread (as in training), or both")
+    ap.add_argument("--repeat", type=int, default=1, help="measure each row this many times (the spread)")
     a = ap.parse_args()
     print("VERSIONS " + versions_line(versions()), flush=True)
     copy, update = host_copy_gbs(), host_update_gbs()
@@ -119,7 +122,7 @@ def main():
                 step_unit = partial(_step_before, opt) if kind == "before" else \
                     (lambda i, h, c, k, s_: opt.step_unit(i, h, c, k, s_))
                 for clip in (None, torch.tensor(0.5)):
-                    for where in ("main", "thread"):
+                    for where in [w for w in a.where for _ in range(a.repeat)]:
                         def one():
                             t0 = time.perf_counter()
                             for u in engine.store.units:

@@ -143,6 +143,17 @@ O)
     --tiles 18 19 20 21 23 --before
   part 320 mixtral_4l python3 benchmarks/bench.py --shape mixtral-8x7b --layers 4 --tokens 16384 65536 --clip 1.0 \
     --systems megatrain:0 --steps 4 --warmup 2 --from_disk /tmp/ckpt --out "$OUT/mixtral" ;;
+O2)  # O again where it was noisy: the worker thread's host AdamW three times per row; Mixtral with 2^23 tiles
+  part 60 probe python3 -m hf_megatrain.cli probe
+  part 100 optimizer python3 benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4 --threads 0 \
+    --tiles 20 21 23 --before --where thread --repeat 3
+  HF_MEGATRAIN_ADAMW_TILE=23 part 200 mixtral_4l_tile23 python3 benchmarks/bench.py --shape mixtral-8x7b --layers 4 \
+    --tokens 16384 65536 --clip 1.0 --systems megatrain:0 --steps 4 --warmup 2 --skip_peak --from_disk /tmp/ckpt \
+    --out "$OUT/mixtral23"
+  part 110 3b_64x1 python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 65536 --clip 1.0 --systems megatrain:0 \
+    --steps 5 --warmup 2 --skip_peak --out "$OUT/64x1"
+  part 110 3b_16x4 python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 65536 --clip 1.0 --systems megatrain:0 \
+    --mega_micro 16 --layer_major true --steps 5 --warmup 2 --skip_peak --out "$OUT/16x4" ;;
 P)
   part 60 probe python3 -m hf_megatrain.cli probe
   part 110 3b_64x1 python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 65536 --clip 1.0 --systems megatrain:0 \

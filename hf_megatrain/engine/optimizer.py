@@ -26,6 +26,7 @@ step multiplies each gradient tile by min(1, max_norm / (norm + 1e-6)).
 
 from __future__ import annotations
 
+import os
 import threading
 from functools import partial
 
@@ -46,7 +47,8 @@ SPAN = 1 << 21
 # and bf16 copy (22 B per element) stay in cache between its ops, each core's share in its L2 (torch
 # splits every op of a tile the same way across the team); large enough that each op's OpenMP
 # fork and join is small beside it (BENCHMARKS.md, "Measurements the code's defaults rest on").
-OPENMP_TILE = 1 << 20
+# HF_MEGATRAIN_ADAMW_TILE=N sets it to 2**N (benchmarks compare tile sizes in training with it).
+OPENMP_TILE = 1 << int(os.environ.get("HF_MEGATRAIN_ADAMW_TILE", "20"))
 
 _scratch = threading.local()
 
