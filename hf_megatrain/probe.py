@@ -167,7 +167,32 @@ def host_update_gbs(numel: int = 1 << 28) -> float:
 
 def host_adamw_gparams(numel: int = 1 << 27, clip: bool = True) -> float:
     """The engine's host step (optimizer.adamw_tile over OPENMP_TILE tiles, as HostAdamW runs it with
-    OpenMP inside each op) on a store of `numel` parameters, G parameters per second."""
+    OpenMP inside each op) on a store of `numel` parameters, G parameters per second, stepped from a
+    worker thread with the caller's OpenMP thread count, as in training (from a worker thread it ran
+    up to 20% slower than from the main thread on the H200 box: BENCHMARKS.md, run 14)."""
+    import threading
+
+    import torch
+
+    result: list = []
+    threads = torch.get_num_threads()
+
+    def work():
+        try:
+            torch.set_num_threads(threads)
+            result.append(_adamw_rate(numel, clip))
+        except BaseException as e:  # re-raised on the caller's thread
+            result.append(e)
+
+    worker = threading.Thread(target=work, name="megatrain-probe-adamw")
+    worker.start()
+    worker.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def _adamw_rate(numel: int, clip: bool) -> float:
     import torch
 
     from .engine import optimizer

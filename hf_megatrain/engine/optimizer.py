@@ -10,11 +10,11 @@ cores' caches between the three ops on them (clip, AdamW, the bf16 copy), each o
 cores by OpenMP; `host_threads=n` instead cuts it into spans that n single-core threads step in
 parallel, each span clipped, updated and copied into the compute copy back to back.
 
-The host step is bound by DRAM bandwidth, so it is written to move each byte once: read the
-master, both moments and the gradient, write the master, both moments and the bf16 copy (30 B per
-parameter). The clipped gradient goes to a per-thread scratch tile, which stays in cache, rather
-than back over the accumulator (that would write 4 B per parameter more, and read them again), and
-the bf16 copy reads the master the AdamW kernel has just written, from cache.
+The host step is bound by DRAM bandwidth: at the least it reads the master, both moments and the
+gradient and writes the master, both moments and the bf16 copy (30 B per parameter). Three torch
+ops per tile cannot fuse that, but they come near it: the clipped gradient goes to a per-thread
+scratch tile rather than back over the accumulator (which would write 4 B per parameter more), and
+the bf16 copy reads the master the AdamW kernel has just written, while the tile is in cache.
 The moments live here, in the store's flat layout, not in `self.state`: `state_dict()` stays
 small (accelerate copies it to the GPU when it wraps an optimizer), and the checkpoint module
 saves the moments as safetensors.
@@ -43,12 +43,13 @@ from .worker import SpanPool, Worker
 # body, and the reference (a per-tensor step) has no tail where a span boundary is.
 SPAN = 1 << 21
 # host_threads=0 (the default): no pool; the calling thread steps tiles this large, each op
-# spread over the cores by OpenMP. Small enough that a tile's gradient, scratch, master, moments
-# and bf16 copy (22 B per element) stay in cache between its ops, each core's share in its L2 (torch
-# splits every op of a tile the same way across the team); large enough that each op's OpenMP
-# fork and join is small beside it (BENCHMARKS.md, "Measurements the code's defaults rest on").
+# spread over the cores by OpenMP. Smaller tiles keep more of a tile's gradient, scratch, master,
+# moments and bf16 copy (22 B per element) in cache between its three ops (torch splits every op of
+# a tile the same way across the team); larger ones pay fewer OpenMP forks and joins, which cost
+# more from a worker thread. Measured from a worker thread with clipping, 2^20 to 2^23 are within
+# the run-to-run spread, 2^20 below it (BENCHMARKS.md, "Measurements the code's defaults rest on").
 # HF_MEGATRAIN_ADAMW_TILE=N sets it to 2**N (benchmarks compare tile sizes in training with it).
-OPENMP_TILE = 1 << int(os.environ.get("HF_MEGATRAIN_ADAMW_TILE", "20"))
+OPENMP_TILE = 1 << int(os.environ.get("HF_MEGATRAIN_ADAMW_TILE", "21"))
 
 _scratch = threading.local()
 
