@@ -167,6 +167,16 @@ Q)
   part 300 bench_7b_16k python3 benchmarks/bench.py --shape qwen2.5-7b --tokens 16384 --clip 1.0 \
     --systems megatrain:auto,stock --stock_micro 2 --steps 5 --warmup 2 --from_disk /tmp/ckpt --out "$OUT"
   part 210 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py ;;
-*) echo "unknown group $1 (A to Q)"; exit 2 ;;
+R)  # issue 20's closing measurements on the final code: O's Mixtral, P's 3B rows
+  part 60 probe python3 -m hf_megatrain.cli probe
+  part 200 mixtral_4l python3 benchmarks/bench.py --shape mixtral-8x7b --layers 4 --tokens 16384 65536 --clip 1.0 \
+    --systems megatrain:0 --steps 4 --warmup 2 --skip_peak --from_disk /tmp/ckpt --out "$OUT/mixtral"
+  part 100 3b_64x1 python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 65536 --clip 1.0 --systems megatrain:0 \
+    --steps 5 --warmup 2 --skip_peak --out "$OUT/64x1"
+  part 100 3b_16x4 python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 65536 --clip 1.0 --systems megatrain:0 \
+    --mega_micro 16 --layer_major true --steps 5 --warmup 2 --skip_peak --out "$OUT/16x4"
+  part 150 bench_3b_16k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip 1.0 \
+    --systems stock,megatrain:auto --steps 6 --warmup 2 --out "$OUT/16k" ;;
+*) echo "unknown group $1 (A to R)"; exit 2 ;;
 esac
 for f in "${names[@]}"; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done
