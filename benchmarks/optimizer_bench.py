@@ -1,15 +1,14 @@
 """Time HostAdamW.step_unit itself (the engine's real code path) on a model-shaped store.
 
     python benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4 --threads 0 15 --spans 19 21 \
-        --tiles 18 20 23 --before
+        --tiles 18 20 23 --where thread --repeat 3
 
 For each of: store pinned (cudaHostRegister, as on a GPU) or pageable; clipping on or off; the
 main thread or the optimizer's worker thread; the host step's threads and span sizes (2**N
 elements; --tiles: the tile of the default OpenMP step): G params/s of one full step, and the GB/s
 that is at the 30 bytes per parameter the step must move (read master, m, v, gradient; write
 master, m, v, bf16 copy), beside the host's fp32 copy bandwidth measured first (bytes read +
-written per second, as hf-megatrain probe measures it). --before adds the step as it was before
-issue 20 (gradient clipped in place, 8M-element tiles), for comparison. Compare with
+written per second, as hf-megatrain probe measures it, and an in-place add). Compare with
 benchmarks/adam_bench.py (the bare kernel) to see what the engine adds. The first line printed
 states the versions it ran on (benchmarks/versions.py).
 """
@@ -21,7 +20,6 @@ import os
 import sys
 import threading
 import time
-from functools import partial
 from contextlib import nullcontext
 
 import torch
@@ -70,24 +68,6 @@ def build(shape, layers, pin, threads):
     return engine, HostAdamW(engine, lr=1e-4, weight_decay=0.1, host_threads=threads)
 
 
-def _step_before(opt, index, hyper, clip, count, step):
-    """The host step before issue 20: clip the accumulator in place, then AdamW, then the bf16 copy
-    re-reading the master, on 8M-element tiles (what optimizer.adamw_tile replaced)."""
-    store = opt.store
-    master, grad, compute = store.master[index], store.grad[index], store.compute[index]
-    step_t = torch.tensor(float(step))
-    for start, end, group in opt.segments[index]:
-        for a in range(start, end, 1 << 23):
-            b = min(a + (1 << 23), end)
-            g = grad[a:b]
-            if clip is not None:
-                g.mul_(clip)
-            torch._fused_adamw_([master[a:b]], [g], [opt.exp_avg[index][a:b]], [opt.exp_avg_sq[index][a:b]], [],
-                                [step_t], amsgrad=False, maximize=False, **hyper[group])
-            if compute is not None and compute is not master:
-                compute[a:b].copy_(master[a:b])
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.2-1b")
@@ -97,7 +77,6 @@ def main():
     ap.add_argument("--spans", type=int, nargs="+", default=[None], help="log2 of the pool's span size (default: the engine's)")
     ap.add_argument("--tiles", type=int, nargs="+", default=[None],
                     help="log2 of the OpenMP step's tile (default: the engine's)")
-    ap.add_argument("--before", action="store_true", help="also time the step as it was before issue 20")
     ap.add_argument("--where", nargs="+", default=["main", "thread"], choices=["main", "thread"],
                     help="the main thread, a worker thread (as in training), or both")
     ap.add_argument("--repeat", type=int, default=1, help="measure each row this many times (the spread)")
@@ -114,13 +93,11 @@ def main():
             engine, opt = build(a.shape, a.layers, pin, threads)
             n = sum(u.n_train for u in engine.store.units)
             hyper = opt.hyperparameters()
-            variants = [("pool", s_, None) for s_ in a.spans] if threads > 0 else \
-                [("openmp", None, t) for t in a.tiles] + ([("before", None, 23)] if a.before else [])
+            variants = [("pool", s_, None) for s_ in a.spans] if threads > 0 else [("openmp", None, t) for t in a.tiles]
             for kind, span, tile in variants:
                 optimizer_module.SPAN = default_span if span is None else 1 << span
                 optimizer_module.OPENMP_TILE = default_tile if tile is None else 1 << tile
-                step_unit = partial(_step_before, opt) if kind == "before" else \
-                    (lambda i, h, c, k, s_: opt.step_unit(i, h, c, k, s_))
+                step_unit = opt.step_unit
                 for clip in (None, torch.tensor(0.5)):
                     for where in [w for w in a.where for _ in range(a.repeat)]:
                         def one():
@@ -145,7 +122,7 @@ def main():
                             t.start()
                             t.join()
                         size = optimizer_module.SPAN if kind == "pool" else optimizer_module.OPENMP_TILE
-                        label = {"pool": f"pool of {opt.host_threads}", "openmp": "OpenMP", "before": "before"}[kind]
+                        label = f"pool of {opt.host_threads}" if kind == "pool" else "OpenMP"
                         gbs = ADAMW_BYTES * res["r"]
                         table.append((pin, label, size.bit_length() - 1, clip is not None, where, res["r"], gbs))
                         print(f"pinned={pin!s:5} {label:<11} span=2^{size.bit_length() - 1:<3}"

@@ -28,7 +28,7 @@
 # N: issue 20's closing check: the GPU tests, and the 3B shape at 16K tokens/step beside stock
 # O, P, Q: issue 20's step-time model and host AdamW. Each call first runs `hf-megatrain probe` (its rates,
 #    cached under $OUT/rates, are what every hf_megatrain row's prediction uses: "x model" in the tables).
-#    O: the host AdamW's tile sizes against the step before (optimizer_bench --before), Mixtral-8x7B width
+#    O: the host AdamW's tile sizes (run 14 also timed a variant since removed), Mixtral-8x7B width
 #    (4 layers, all streamed) at 16K and 64K. P: the 3B shape all streamed at 64K as 64x1 and 16x4 together,
 #    and at 16K default placement beside stock. Q: the 7B shape at 16K beside stock, every gpu-marked test.
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
@@ -140,13 +140,13 @@ N)  # issue 20, the closing check: every gpu-marked test on the final code, and 
 O)
   part 60 probe python3 -m hf_megatrain.cli probe
   part 150 optimizer python3 benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4 --threads 0 \
-    --tiles 18 19 20 21 23 --before
+    --tiles 18 19 20 21 23
   part 320 mixtral_4l python3 benchmarks/bench.py --shape mixtral-8x7b --layers 4 --tokens 16384 65536 --clip 1.0 \
     --systems megatrain:0 --steps 4 --warmup 2 --from_disk /tmp/ckpt --out "$OUT/mixtral" ;;
 O2)  # O again where it was noisy: the worker thread's host AdamW three times per row; Mixtral with 2^23 tiles
   part 60 probe python3 -m hf_megatrain.cli probe
   part 100 optimizer python3 benchmarks/optimizer_bench.py --shape llama-3.2-1b --layers 4 --threads 0 \
-    --tiles 20 21 23 --before --where thread --repeat 3
+    --tiles 20 21 23 --where thread --repeat 3
   HF_MEGATRAIN_ADAMW_TILE=23 part 200 mixtral_4l_tile23 python3 benchmarks/bench.py --shape mixtral-8x7b --layers 4 \
     --tokens 16384 65536 --clip 1.0 --systems megatrain:0 --steps 4 --warmup 2 --skip_peak --from_disk /tmp/ckpt \
     --out "$OUT/mixtral23"

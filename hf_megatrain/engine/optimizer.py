@@ -5,16 +5,15 @@ usual: `param_groups` hold the decay and no-decay segments of each unit's master
 `step()` reads lr / betas / eps / weight_decay from them at the moment it is called.
 
 The math is torch's own fused AdamW kernel (`torch._fused_adamw_`, what Trainer's default
-`adamw_torch_fused` runs). On the host a unit is stepped in tiles small enough to stay in the
-cores' caches between the three ops on them (clip, AdamW, the bf16 copy), each op spread over the
-cores by OpenMP; `host_threads=n` instead cuts it into spans that n single-core threads step in
-parallel, each span clipped, updated and copied into the compute copy back to back.
+`adamw_torch_fused` runs). On the host a unit is stepped in 8M-element tiles, each op spread over
+the cores by OpenMP; `host_threads=n` instead cuts it into spans that n single-core threads step
+in parallel, each span clipped, updated and copied into the compute copy back to back.
 
 The host step is bound by DRAM bandwidth: at the least it reads the master, both moments and the
 gradient and writes the master, both moments and the bf16 copy (30 B per parameter). Three torch
-ops per tile cannot fuse that, but they come near it: the clipped gradient goes to a per-thread
-scratch tile rather than back over the accumulator (which would write 4 B per parameter more), and
-the bf16 copy reads the master the AdamW kernel has just written, while the tile is in cache.
+ops per tile (clip, AdamW, copy) move more than that; `benchmarks/optimizer_bench.py` shows the
+GB/s it reaches against the host's copy bandwidth.
+
 The moments live here, in the store's flat layout, not in `self.state`: `state_dict()` stays
 small (accelerate copies it to the GPU when it wraps an optimizer), and the checkpoint module
 saves the moments as safetensors.
@@ -27,7 +26,6 @@ step multiplies each gradient tile by min(1, max_norm / (norm + 1e-6)).
 from __future__ import annotations
 
 import os
-import threading
 from functools import partial
 
 import torch
@@ -43,38 +41,20 @@ from .worker import SpanPool, Worker
 # body, and the reference (a per-tensor step) has no tail where a span boundary is.
 SPAN = 1 << 21
 # host_threads=0 (the default): no pool; the calling thread steps tiles this large, each op
-# spread over the cores by OpenMP. Smaller tiles keep more of a tile's gradient, scratch, master,
-# moments and bf16 copy (22 B per element) in cache between its three ops (torch splits every op of
-# a tile the same way across the team); larger ones pay fewer OpenMP forks and joins, which cost
-# more from a worker thread. Measured from a worker thread with clipping, 2^20 to 2^23 are within
-# the run-to-run spread, 2^20 below it (BENCHMARKS.md, "Measurements the code's defaults rest on").
+# spread over the cores by OpenMP. Smaller tiles keep more of a tile in cache between its three ops;
+# larger ones pay fewer OpenMP forks and joins, which cost more from a worker thread. Measured from a
+# worker thread with clipping, 2^21 to 2^23 are within the run-to-run spread and 2^20 below it
+# (BENCHMARKS.md, "Measurements the code's defaults rest on").
 # HF_MEGATRAIN_ADAMW_TILE=N sets it to 2**N (benchmarks compare tile sizes in training with it).
-OPENMP_TILE = 1 << int(os.environ.get("HF_MEGATRAIN_ADAMW_TILE", "21"))
-
-_scratch = threading.local()
-
-
-def _scratch_tile(numel: int) -> torch.Tensor:
-    """This thread's fp32 scratch of at least `numel` elements (the clipped gradient of a tile)."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < numel:
-        buf = _scratch.buf = torch.empty(numel, dtype=torch.float32)
-    return buf[:numel]
+OPENMP_TILE = 1 << int(os.environ.get("HF_MEGATRAIN_ADAMW_TILE", "23"))
 
 
 def adamw_tile(master, grad, exp_avg, exp_avg_sq, compute, hyper: dict, clip, step_t) -> None:
-    """One tile of the step: clip, AdamW, refresh the compute copy (None: there is none).
-
-    On the host the clipped gradient goes to a scratch tile and the accumulator is only read; on a
-    GPU (a resident unit) it is clipped in place, as torch's clip_grad_norm_ does. The same values
-    either way: one multiply by the same 0-dim tensor."""
-    g = grad
+    """One tile of the step: clip the gradient in place (as torch's clip_grad_norm_ leaves .grad),
+    AdamW, refresh the compute copy (None: there is none) from the master."""
     if clip is not None:
-        if grad.device.type == "cpu":
-            g = torch.mul(grad, clip, out=_scratch_tile(grad.numel()))
-        else:
-            g.mul_(clip)
-    torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], [step_t],
+        grad.mul_(clip)
+    torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step_t],
                         amsgrad=False, maximize=False, **hyper)
     if compute is not None:
         compute.copy_(master)

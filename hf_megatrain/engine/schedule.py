@@ -314,8 +314,8 @@ class StreamingEngine(nn.Module):
     def named_grads(self):
         """(name, fp32 CPU gradient) for every parameter of the original model.
 
-        Waits for every pending host job that reads or writes gradients: accumulation, and a
-        step still running (a resident unit's gradients are clipped in place, as torch does)."""
+        Waits for every pending host job that writes gradients: accumulation, and a step that
+        is still clipping them in place."""
         self.synchronize()
         grads = [self.store.grad_or_zeros(u.index) for u in self.units]
         yield from self.store.named([self.store.full(grads, u.index) for u in self.units])

@@ -13,7 +13,7 @@ from tests.support.tiny import make_batch, make_model
 @pytest.mark.parametrize("span,threads", [(None, 0), (256, 0), (256, 3), (None, 2)])
 def test_adamw_clipping_and_scheduler_match_torch(span, threads, monkeypatch):
     """(None, 0), the default: no pool, OpenMP inside each op; (256, 0): the same on tiles of 256
-    elements, hundreds per unit, each clipped into the scratch tile; (256, 3): every unit cut into
+    elements, hundreds per unit; (256, 3): every unit cut into
     hundreds of spans stepped by three threads at once; (None, 2): the pool at its own span."""
     if span is not None:
         monkeypatch.setattr("hf_megatrain.engine.optimizer.SPAN", span)
