@@ -61,10 +61,10 @@ class Rates:
 ADAMW_BYTES = 30
 
 # An H200 box's rates, for planning on a machine that has not been probed (or has no GPU): the
-# device machine's measurements (BENCHMARKS.md, "Measurements the code's defaults rest on").
-REFERENCE = Rates(gpu="NVIDIA H200", matmul_tflops=660.0, h2d_gbs=55.0, d2h_gbs=55.0, h2d_duplex_gbs=49.5,
-                  d2h_duplex_gbs=49.5, gpu_mem_gbs=4000.0, host_copy_gbs=75.0, host_update_gbs=90.0, adamw_gparams=2.7,
-                  adamw_noclip_gparams=3.0, host="16 cores",
+# device machine's probe of 2026-12-04 17:29 UTC (BENCHMARKS.md, run 14, call d).
+REFERENCE = Rates(gpu="NVIDIA H200", matmul_tflops=669.0, h2d_gbs=55.5, d2h_gbs=55.4, h2d_duplex_gbs=52.0,
+                  d2h_duplex_gbs=50.8, gpu_mem_gbs=4240.0, host_copy_gbs=77.7, host_update_gbs=129.4,
+                  adamw_gparams=2.55, adamw_noclip_gparams=2.74, host="16 cores",
                   measured="reference rates of an H200 box with 16 host cores (run `hf-megatrain probe` on yours)")
 
 
@@ -169,7 +169,7 @@ def host_adamw_gparams(numel: int = 1 << 27, clip: bool = True) -> float:
     """The engine's host step (optimizer.adamw_tile over OPENMP_TILE tiles, as HostAdamW runs it with
     OpenMP inside each op) on a store of `numel` parameters, G parameters per second, stepped from a
     worker thread with the caller's OpenMP thread count, as in training (from a worker thread it ran
-    up to 20% slower than from the main thread on the H200 box: BENCHMARKS.md, run 14)."""
+    about 20% slower than from the main thread on the H200 box: BENCHMARKS.md, run 14)."""
     import threading
 
     import torch
