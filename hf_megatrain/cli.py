@@ -349,7 +349,7 @@ def _probe(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="hf-megatrain probe",
         description="Measure this machine's rates (bf16 matmul under sustained load, pinned PCIe each way and both "
-                    "ways at once, GPU memory, host DRAM, the engine's host AdamW) in about 15 seconds, and cache "
+                    "ways at once, GPU memory, host DRAM, the engine's host AdamW) in about 20 seconds, and cache "
                     "them for `hf-megatrain estimate` and the trainer's step-time model.",
     )
     p.add_argument("--seconds", type=float, default=5.0, help="seconds of matmul load before the rate is taken")

@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -11,6 +13,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the step-time model's rate cache (hf_megatrain/probe.py): the tests' own, never the user's
 os.environ["HF_MEGATRAIN_CACHE"] = tempfile.mkdtemp(prefix="hf_megatrain-cache-")
+atexit.register(shutil.rmtree, os.environ["HF_MEGATRAIN_CACHE"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
