@@ -6,8 +6,9 @@ the same layout the engine builds (units, flat buffers, ring slots, activations,
 would make it fit, instead of letting the OOM killer end a run halfway through loading.
 
 Per parameter on the host: fp32 master 4 B, bf16 compute copy 2 B (0 in fp32 mode: the master
-streams), fp32 gradient 4 B, Adam moments 8 B: 18 B, i.e. 1.26 TB for a 70B model. A resident
-parameter costs the same on the GPU, or 16 B when lean (no compute copy; cast per use).
+streams), fp32 gradient 4 B, Adam moments 8 B: 18 B, i.e. 1.26 TB for a 70B model; 16 B with
+lean_streamed (the master streams and the GPU casts it). A resident parameter costs the same on the
+GPU, or 16 B when lean (no compute copy; cast per use).
 
 Data parallel over W ranks (engine/distributed.py): each rank holds the whole compute copy but
 only 1/W of the master, gradient and moments, so the host entries are per rank, and a host
@@ -74,6 +75,7 @@ class MemoryPlan:
     offload_activations: int = 0
     world_size: int = 1  # data-parallel ranks in all
     local_ranks: int = 1  # of them on this host: each holds the `host` entries
+    lean_streamed_saving: float = 0.0  # host bytes lean_streamed would save (0: on already, or it cannot)
 
     @property
     def host_total(self) -> float:
@@ -148,7 +150,8 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     world = max(1, world_size)
     # data parallel streams every layer (residency is not combined with sharding yet)
     units = s.units
-    resident_layers = mark_resident(units, 0 if world > 1 else eng.resident_layers or 0, eng.lean_resident)
+    resident_layers = mark_resident(units, 0 if world > 1 else eng.resident_layers or 0, eng.lean_resident,
+                                    eng.lean_streamed and world == 1)
     offload = max(0, min(eng.offload_activations or 0, s.layers)) if cuda else 0
     layer_input = tokens * s.hidden * cbytes  # one saved [batch, seq, hidden] layer input
     on_gpu = sum(u.numel for u in units if u.resident)
@@ -161,7 +164,11 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     plan.host["fp32 master weights"] = 4 * owned
     # fp32 compute in one process streams the master itself; a rank holds only a slice of the master
     # but streams every weight, so it keeps a whole compute copy of its own
-    plan.host["compute copy (streamed)"] = cbytes * streamed if cbytes == 2 or world > 1 else 0
+    lean_streamed = sum(u.numel for u in units if u.lean and not u.resident)  # their fp32 master streams
+    plan.host["compute copy (streamed)"] = cbytes * (streamed - lean_streamed) if cbytes == 2 or world > 1 else 0
+    if cuda and cbytes == 2 and world == 1:  # what lean_streamed would take off (mark_resident's rule)
+        plan.lean_streamed_saving = cbytes * sum(u.numel for u in units if u.kind == "layer" and not u.resident
+                                                 and not u.lean and u.n_train == u.numel)
     plan.host["fp32 gradient accumulator"] = 4 * owned
     plan.host["Adam moments (fp32 x2)"] = 8 * owned
     if world > 1:
@@ -187,8 +194,10 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     chunk = min(loss_chunk(s.vocab, eng.device.type, eng.loss_chunk_tokens), tokens)
     plan.gpu["weight ring (prefetch slots)"] = eng.prefetch_depth * cbytes * ring_numel(units)
     plan.gpu["embedding + head buffers"] = cbytes * fixed_buffer_numel(units)
+    if lean_streamed:  # torch lands the fp32 master on the GPU, then casts it into the slot
+        plan.gpu["fp32 landing of a lean streamed layer"] = 4 * max(u.numel for u in units if u.lean and not u.resident)
     plan.gpu["gradient ring (fp32)"] = eng.grad_slots * 4 * grad_slot_numel(units)
-    lean = sum(u.numel for u in units if u.lean)
+    lean = sum(u.numel for u in units if u.lean and u.resident)
     if lean:
         plan.gpu["resident units (weights, master, grad, Adam)"] = (cbytes + 16) * (on_gpu - lean)
         plan.gpu["lean resident layers (master, grad, Adam)"] = 16 * lean
@@ -463,6 +472,11 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
         if not residency_planned and plan.world_size == 1:
             fixes += ["gpu_resident_layers > 0 to keep some layers' state on the GPU instead" if not plan.resident_layers
                       else f"more than {plan.resident_layers} gpu_resident_layers, if the GPU has room for them"]
+        if plan.lean_streamed_saving and not shortfalls(
+                replace(plan, host={**plan.host, "lean": -plan.lean_streamed_saving}), host_free, gpu_free, margin):
+            fixes.insert(0, f"lean_streamed=True: the streamed layers keep no bf16 copy in host RAM "
+                            f"({plan.lean_streamed_saving / GiB:.1f} GiB less; their fp32 master crosses PCIe "
+                            f"instead, twice the bytes of their weights)")
         fixes += ["a host with more RAM (18 bytes per parameter: fp32 master, gradient and Adam states)",
                   "LoRA (peft_config) instead of full fine-tuning: about 2 bytes per frozen parameter"]
     raise MegaTrainError(

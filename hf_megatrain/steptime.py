@@ -94,7 +94,7 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
 
     s = shapes or model_shapes(config)
     units = copy.deepcopy(s.units)
-    mark_resident(units, engine.resident_layers or 0, engine.lean_resident)
+    mark_resident(units, engine.resident_layers or 0, engine.lean_resident, engine.lean_streamed)
     routed = routed_per_layer(config) if routed is None else routed
     cbytes = engine.compute_dtype.itemsize
     n = max(1, micro_batches)
@@ -125,7 +125,7 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
         streamed = not u.resident
         fwd.append(f / flops_rate)
         bwd.append(b / flops_rate)
-        h2d.append(u.numel * cbytes if streamed else 0)
+        h2d.append(u.numel * (4 if u.lean else cbytes) if streamed else 0)  # a lean streamed unit: its fp32 master
         d2h.append(u.n_train * 4 if streamed else 0)
         adam.append(u.n_train / (rates.adamw_gparams if clip else rates.adamw_noclip_gparams) / 1e9 if streamed else 0)
     layer_units = [i for i, u in enumerate(units) if u.kind == "layer"]

@@ -215,8 +215,8 @@ def _read_tensor(store, reader, e, u: int, slot, index: tuple, target: str) -> i
 
 
 def _read_lean(store, reader, e, u: int, slot, index: tuple, target: str) -> int:
-    """_read_tensor for a lean resident unit (every slot trained, no data parallel): the master is
-    the only copy."""
+    """_read_tensor for a lean unit, resident or streamed (every slot trained, no data parallel):
+    the master is the only copy."""
     dest = _landing(store.master[u][slot.offset : slot.offset + slot.numel], slot, index, e, target)
     reader.read_into(e, dest.reshape(-1))  # an exact upcast of what is on disk, to the master's device
     return dest.numel()

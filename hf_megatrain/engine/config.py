@@ -74,6 +74,11 @@ class EngineConfig:
         resident parameter costs 16 bytes instead of 18, what stock Trainer's fp32 AdamW costs.
         None: auto (the planner takes it when it makes more layers resident). Ignored in fp32
         compute, where the master itself is what the GPU reads.
+    lean_streamed: streamed decoder layers keep no compute-dtype copy in host RAM: their fp32
+        master crosses PCIe (pinned) and the GPU casts it into the ring slot (the same rounding the
+        copy would hold), so a streamed parameter costs 16 bytes of host RAM instead of 18, for
+        twice the PCIe bytes of its weights. Ignored in fp32 compute (the master already streams);
+        not combined with data parallel.
     prefetch_depth: GPU weight slots of the ring that streams decoder layers (>= 2).
     grad_slots: GPU slots of fp32 layer gradients on their way to the host (>= 1).
     staging_slabs: pinned slabs for gradient contributions after a step's first (>= 1).
@@ -91,6 +96,7 @@ class EngineConfig:
     resident_layers: int | None = 0
     offload_activations: int | None = 0
     lean_resident: bool | None = False
+    lean_streamed: bool = False
     prefetch_depth: int = 2
     grad_slots: int = 2
     staging_slabs: int = 2
@@ -107,6 +113,8 @@ class EngineConfig:
         set_(self, "offload_activations", parse_count(self.offload_activations, "offload_activations"))
         lean = parse_switch(self.lean_resident, "lean_resident")
         set_(self, "lean_resident", False if self.compute_dtype == torch.float32 else lean)
+        streamed = parse_switch(self.lean_streamed, "lean_streamed")
+        set_(self, "lean_streamed", bool(streamed) and self.compute_dtype != torch.float32)
         if self.background_host_jobs is None:
             set_(self, "background_host_jobs", device.type == "cuda")
         for name, low in (("prefetch_depth", 2), ("grad_slots", 1), ("staging_slabs", 1),

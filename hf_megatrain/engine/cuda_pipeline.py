@@ -13,7 +13,10 @@ own and stay resident for the whole step (a tied head reads the embedding's buff
 A lean resident layer (EngineConfig.lean_resident) passes through the ring like a streamed one,
 but its "load" is a cast of its fp32 master, already on the GPU, into the slot, on the H2D
 stream: no PCIe traffic, one elementwise kernel beside the compute. The cast waits for an event
-recorded at `start()`, after every optimizer step queued on the compute stream.
+recorded at `start()`, after every optimizer step queued on the compute stream. A lean streamed
+layer (EngineConfig.lean_streamed) loads its pinned fp32 master instead of a compute copy: torch
+copies it to a transient fp32 buffer on the H2D stream and casts it into the slot there (a
+non-blocking copy converts on the GPU), the same rounding as the host's copy.
 
 Ordering is by CUDA events only. The host waits in two places, both data dependencies: before
 loading a unit whose optimizer step is still running (its `ready` flag), and in `finish()`,
@@ -146,13 +149,14 @@ class CudaPipeline(Pipeline):
                 break  # in order: a later load never overtakes an earlier one
             if e.load:
                 self.store.ready[e.unit].wait()  # its optimizer step must be finished (raises if it failed)
-                lean = self.store.units[e.unit].lean
-                src = self.store.master[e.unit] if lean else self.store.compute[e.unit]
+                unit = self.store.units[e.unit]
+                cast = unit.lean and unit.resident  # a master already on the GPU: no PCIe
+                src = self.store.master[e.unit] if unit.lean else self.store.compute[e.unit]
                 with torch.cuda.stream(self.h2d):
                     self.h2d.wait_event(e.buffer.released)
-                    if lean:
+                    if cast:
                         self.h2d.wait_event(self._masters)
-                    with self.span("cast" if lean else "h2d", self.h2d):  # busy from here: waits excluded
+                    with self.span("cast" if cast else "h2d", self.h2d):  # busy from here: waits excluded
                         self._shake()
                         e.buffer.data[: src.numel()].copy_(src, non_blocking=True)
                         e.buffer.ready.record(self.h2d)

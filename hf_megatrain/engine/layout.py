@@ -28,19 +28,21 @@ def loss_chunk(vocab: int, device_type: str, asked: int | None = None) -> int:
     return max(1, LOSS_CHUNK_BYTES.get(device_type, 1 << 30) // (vocab * 4 * LOSS_CHUNK_COPIES))
 
 
-def mark_resident(units, layers: int, lean: bool = False) -> int:
+def mark_resident(units, layers: int, lean: bool = False, lean_streamed: bool = False) -> int:
     """Mark the embedding, the head and the first `layers` decoder layers resident (none if 0).
 
     The first layers are the ones the next forward needs first: while the GPU runs them the
     host optimizer can work on the streamed ones behind them. With `lean`, the resident decoder
     layers whose parameters are all trained keep no compute copy (EngineConfig.lean_resident);
-    a layer with frozen parts keeps one, since the master does not cover those. Returns the
-    number of resident layers."""
+    with `lean_streamed`, the streamed ones (EngineConfig.lean_streamed). A layer with frozen
+    parts keeps its copy, since the master does not cover those. Returns the number of resident
+    layers."""
     decoder = [u for u in units if u.kind == "layer"]
     layers = max(0, min(int(layers or 0), len(decoder)))
     for u in units:
         u.resident = bool(layers) and (u.kind != "layer" or u.layer < layers)
-        u.lean = bool(lean) and u.resident and u.kind == "layer" and u.n_train == u.numel
+        wanted = bool(lean) if u.resident else bool(lean_streamed)
+        u.lean = wanted and u.kind == "layer" and u.n_train == u.numel
     return layers
 
 

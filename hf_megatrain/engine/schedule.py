@@ -144,9 +144,14 @@ class StreamingEngine(nn.Module):
         if decay_names is None:
             decay_names = [n for n, _ in model.named_parameters()]
         self.units = build_units(model, self.spec, decay_names)
-        self.resident_layers = mark_resident(self.units, config.resident_layers, config.lean_resident)
+        if sharding is not None and config.lean_streamed:
+            raise MegaTrainError("lean_streamed is not combined with data parallel yet: each rank holds only a "
+                                 "slice of the fp32 master, so the master cannot be what streams; leave it off.")
+        self.resident_layers = mark_resident(self.units, config.resident_layers, config.lean_resident,
+                                             config.lean_streamed)
         self.engine_config = replace(config, resident_layers=self.resident_layers,
-                                     lean_resident=any(u.lean for u in self.units))
+                                     lean_resident=any(u.lean and u.resident for u in self.units),
+                                     lean_streamed=any(u.lean and not u.resident for u in self.units))
         pin = self.device.type == "cuda"
         if load_weights is None:
             self.store = HostStore.from_model(model, self.units, self.compute_dtype, pin=pin, device=self.device,

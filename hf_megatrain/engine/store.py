@@ -60,8 +60,9 @@ class Unit:
     # Resident: the unit's weights, fp32 master, gradient and Adam moments live on the compute
     # device and it is stepped there; it never crosses PCIe during training.
     resident: bool = False
-    # Lean (resident layers only): no compute copy; the GPU casts the master into a ring slot
-    # for each use (EngineConfig.lean_resident). store.compute[index] is None.
+    # Lean: no compute copy; each use casts the fp32 master into a ring slot, on the GPU
+    # (EngineConfig.lean_resident for resident layers, lean_streamed for streamed ones, whose
+    # master then crosses PCIe). store.compute[index] is None.
     lean: bool = False
     # Only for the head of a tied model: its lm_head weight is the embedding unit's weight.
     tied_local: str | None = None
@@ -154,8 +155,8 @@ class HostStore:
         self.pin = pin
         self.device = torch.device(device or "cpu")
         self.sharding = sharding
-        if sharding is not None and any(u.resident for u in units):
-            raise ValueError("GPU residency and data parallel sharding cannot be combined yet")
+        if sharding is not None and any(u.resident or u.lean for u in units):
+            raise ValueError("GPU residency and lean streaming cannot be combined with data parallel sharding yet")
         # Data parallel: this rank's fp32 state covers [lo, hi) of each trainable prefix.
         self.bounds = [sharding.bounds(u.n_train) if sharding else (0, u.n_train) for u in units]
         self._arenas = []
@@ -167,12 +168,17 @@ class HostStore:
         self.aliased = compute_dtype == torch.float32 and all(u.n_train == u.numel for u in units) \
             and sharding is None
         # Only what crosses PCIe is page-locked: the streamed copy (H2D) and the gradient
-        # accumulator (the D2H lands in it). The master never leaves the host.
-        self.master = self._alloc(trained, torch.float32, pin=pin and self.aliased)
+        # accumulator (the D2H lands in it). The master leaves the host only when it is what
+        # streams (fp32 compute, or lean streamed layers).
+        streams_master = self.aliased or any(u.lean and not u.resident for u in units)
+        self.master = self._alloc(trained, torch.float32, pin=pin and streams_master)
         if self.aliased:
             self.compute = list(self.master)
         else:
-            self.compute = self._alloc([0 if u.resident else u.numel for u in units], compute_dtype)
+            self.compute = self._alloc([0 if u.resident or u.lean else u.numel for u in units], compute_dtype)
+            for u in units:
+                if u.lean:
+                    self.compute[u.index] = None
         self.grad = self._alloc(trained, torch.float32)
         # Resident units: master, gradient and compute copy on the device (the compute copy is the
         # master itself in fp32 compute mode; a lean unit has none).
@@ -273,7 +279,7 @@ class HostStore:
         if unit.resident:
             if not unit.lean and self.compute[index] is not self.master[index]:
                 self.compute[index][: unit.n_train].copy_(self.master[index])
-        elif not self.aliased:
+        elif not self.aliased and not unit.lean:
             lo, hi = self.bounds[index]
             self.compute[index][lo:hi].copy_(self.master[index])
             self.gather_compute(index)

@@ -300,6 +300,41 @@ def test_lean_residency_is_bit_identical_on_gpu(clip):
             assert torch.equal(got[name], ref[name]), (resident, name)
 
 
+@pytest.mark.parametrize("clip", [1e-2, 0.0])
+def test_lean_streamed_is_bit_identical_on_gpu(clip):
+    """Lean streamed layers (the pinned fp32 master crosses PCIe and is cast into the ring slot on the
+    H2D stream, with random GPU sleeps on the copy streams) equal streamed layers with a host bf16
+    copy, bit for bit, with gradient accumulation, with clipping and with steps during the backward,
+    beside resident layers."""
+
+    def run(lean):
+        model = make_model("mixtral", num_hidden_layers=4, seed=8)
+        engine = StreamingEngine(model, device=DEV, compute_dtype=torch.bfloat16, resident_layers=1,
+                                 lean_streamed=lean).train()
+        engine.pipeline.chaos = random.Random(5)
+        opt = HostAdamW(engine, lr=1e-3, weight_decay=0.1)
+        losses = []
+        for step in range(4):
+            batches = [make_batch(seed=10 * step + m) for m in range(2)]
+            if not clip:
+                assert opt.step_during_backward()
+            losses += [float(x) for x in engine.forward_backward_many(batches, None, 0.5)]
+            if clip:
+                losses.append(float(opt.clip_grad_norm_(clip)))
+            opt.step()
+            engine.zero_grad()
+        assert engine.engine_config.lean_streamed == lean
+        assert [engine.store.compute[u.index] is None for u in engine.units if u.kind == "layer"] == \
+            [False, lean, lean, lean]
+        return losses, dict(engine.named_master_params())
+
+    ref_losses, ref = run(False)
+    losses, got = run(True)
+    assert losses == ref_losses
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+
+
 def test_micro_batches_together_are_bit_identical_on_gpu():
     """A step's micro-batches through each layer together (forward_backward_many: the gradient summed
     in the ring slot from a scratch buffer, sent to the host once) equal one at a time, bit for bit:

@@ -136,3 +136,15 @@ def test_estimate_prints_the_step_time_with_its_bound(tmp_path):
              env={"HF_MEGATRAIN_CACHE": str(tmp_path)})
     timing = json.loads(j.stdout)["step_time"]
     assert timing["bound"] == "host AdamW" and timing["step_s"] > timing["lanes_s"]["host_adamw"] > 0
+
+
+def test_lean_streamed_layers_cross_pcie_in_fp32():
+    """lean_streamed: a streamed layer's weights cross as its fp32 master, twice the bf16 bytes."""
+    cfg = make_config("llama")
+    s = model_shapes(cfg)
+    layers = sum(u.numel for u in s.units if u.kind == "layer")
+    base = predict(cfg, 4, 128, gpu(resident_layers=0), RATES)
+    lean = predict(cfg, 4, 128, gpu(resident_layers=0, lean_streamed=True), RATES)
+    # two passes (forward, backward) of every streamed layer's 2 extra bytes per parameter
+    assert lean.lanes["h2d"] - base.lanes["h2d"] == pytest.approx(2 * 2 * layers / (RATES.h2d_gbs * 1e9))
+    assert lean.lanes["d2h"] == base.lanes["d2h"] and lean.step_s >= base.step_s
