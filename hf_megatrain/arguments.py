@@ -76,11 +76,12 @@ class MegaTrainArguments(TrainingArguments):
                   "casts the fp32 master for each use (the same rounding), so a resident parameter costs 16 bytes "
                   "of GPU memory instead of 18. auto: when that keeps more layers on the GPU."},
     )
-    lean_streamed: bool = field(
-        default=False,
-        metadata={"help": "Streamed decoder layers keep no bf16 copy in host RAM: their fp32 master crosses PCIe "
-                  "and the GPU casts it (the same rounding), so a streamed parameter costs 16 bytes of host RAM "
-                  "instead of 18, for twice the PCIe bytes of its weights. Not with data parallel."},
+    lean_streamed: str = field(
+        default="auto",
+        metadata={"help": "auto | true | false. Streamed decoder layers keep no bf16 copy in host RAM: their fp32 "
+                  "master crosses PCIe and the GPU casts it (the same rounding), so a streamed parameter costs 16 "
+                  "bytes of host RAM instead of 18, for twice the PCIe bytes of its weights. auto: when the host "
+                  "RAM does not suffice without it and does with it. Not with data parallel."},
     )
     layer_major_accumulation: str = field(
         default="auto",
@@ -228,7 +229,7 @@ def engine_config(args, device: torch.device) -> EngineConfig:
         resident_layers=parse_count(args.gpu_resident_layers, "gpu_resident_layers"),
         offload_activations=parse_count(args.offload_activations, "offload_activations"),
         lean_resident=parse_switch(args.lean_resident, "lean_resident"),
-        lean_streamed=args.lean_streamed,
+        lean_streamed=parse_switch(args.lean_streamed, "lean_streamed"),
         prefetch_depth=args.prefetch_depth,
         host_threads=args.host_threads,
         background_host_jobs=args.background_host_jobs,

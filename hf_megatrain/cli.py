@@ -72,7 +72,7 @@ training (Trainer's flags):
 memory and speed (hf_megatrain):
   --gpu_resident_layers auto|N   layers kept entirely on the GPU (default: as many as fit)
   --lean_resident auto|true|false   resident layers without a bf16 copy (default: when it keeps more)
-  --lean_streamed true|false   streamed layers without a bf16 copy in host RAM (16 instead of 18 B/param)
+  --lean_streamed auto|true|false   streamed layers without a bf16 copy in host RAM (default: when the host needs it)
   --offload_activations auto|N   layer inputs kept in pinned host memory (long context)
   --layer_major_accumulation auto|true|false   a step's micro-batches through each layer together
   --compute_dtype auto|bfloat16|float32   --save_dtype auto|float32|bfloat16
@@ -202,9 +202,10 @@ def _estimate(argv: list[str]) -> int:
     p.add_argument("--lean_resident", default=None,
                    help="resident layers keep no bf16 copy (cast from the fp32 master per use): true, false or "
                         "auto; default false, or auto with --gpu_gib")
-    p.add_argument("--lean_streamed", action="store_true",
-                   help="streamed layers keep no bf16 copy in host RAM: the fp32 master streams (16 instead of "
-                        "18 bytes per parameter, twice the PCIe bytes)")
+    p.add_argument("--lean_streamed", default=None,
+                   help="streamed layers keep no bf16 copy in host RAM, the fp32 master streams (16 instead of 18 "
+                        "bytes per parameter, twice the PCIe bytes): true, false or auto; default false, or auto "
+                        "with --gpu_gib and --host_gib")
     p.add_argument("--mlp_tile_tokens", type=int, default=None,
                    help="MLP sequence tile (default: 16384 for rows longer than 32K tokens, as the trainer)")
     p.add_argument("--gpu_gib", type=float, default=None,
@@ -235,16 +236,21 @@ def _estimate(argv: list[str]) -> int:
     config = _config_of(a.model)
     resident, offload = count(a.gpu_resident_layers, "gpu_resident_layers"), count(a.offload_activations,
                                                                                   "offload_activations")
-    try:
-        lean = parse_switch(a.lean_resident, "lean_resident")
-    except MegaTrainError:
-        raise SystemExit(f"hf-megatrain estimate: --lean_resident takes true, false or auto, not {a.lean_resident!r}")
+    switches = {}
+    for name in ("lean_resident", "lean_streamed"):
+        try:
+            switches[name] = parse_switch(getattr(a, name), name)
+        except MegaTrainError:
+            raise SystemExit(f"hf-megatrain estimate: --{name} takes true, false or auto, not {getattr(a, name)!r}")
+    lean, streamed = switches["lean_resident"], switches["lean_streamed"]
     if a.gpu_gib is None:  # no machine to place for: what is not given stays off
-        if "auto" in (a.gpu_resident_layers, a.offload_activations, a.lean_resident):
+        if "auto" in (a.gpu_resident_layers, a.offload_activations, a.lean_resident, a.lean_streamed):
             raise SystemExit("hf-megatrain estimate: 'auto' places layers for a machine: give its --gpu_gib")
-        resident, offload, lean = resident or 0, offload or 0, bool(lean)
+        resident, offload, lean, streamed = resident or 0, offload or 0, bool(lean), bool(streamed)
+    elif a.host_gib is None and streamed is None:
+        streamed = False  # auto weighs the host RAM: without --host_gib there is none to weigh
     engine = EngineConfig(device=a.device, compute_dtype=a.compute_dtype, resident_layers=resident,
-                          offload_activations=offload, lean_resident=lean, lean_streamed=a.lean_streamed,
+                          offload_activations=offload, lean_resident=lean, lean_streamed=streamed,
                           mlp_tile_tokens=mlp_tile(a.seq, a.mlp_tile_tokens))
     ranks = dict(world_size=a.world_size, local_ranks=a.local_ranks)
     shapes = model_shapes(config)

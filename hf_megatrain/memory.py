@@ -328,28 +328,47 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
 
     Data parallel streams every layer, whatever was asked for. Off a GPU nothing is placed.
     gpu_free: the GPU's free bytes (default: measured now); host_free: the host's available bytes,
-    for moving layers onto the GPU when the host side would not fit (None: not considered);
-    micro_batches: how many run through each layer together (estimate)."""
+    for moving layers onto the GPU when the host side would not fit, and for an 'auto' lean_streamed,
+    taken only when the host side fits with it and not without (None: not considered; lean_streamed
+    auto is then off); micro_batches: how many run through each layer together (estimate)."""
     resident, offload, lean = engine.resident_layers, engine.offload_activations, engine.lean_resident
+    streamed = engine.lean_streamed
     if world_size > 1 and resident != 0:
         if resident:
             logger.info("data parallel: GPU residency is not combined with sharding yet; streaming all layers")
         resident = 0
     planned = resident is None and engine.device.type == "cuda"
     if engine.device.type != "cuda":
-        resident, offload, lean = resident or 0, offload or 0, bool(lean)
-    elif resident is None or offload is None or lean is None:
+        resident, offload, lean, streamed = resident or 0, offload or 0, bool(lean), bool(streamed)
+    elif resident is None or offload is None or lean is None or streamed is None:
         gpu_free = gpu_available(engine.device) if gpu_free is None else gpu_free
-        resident, offload, lean = place_layers(config, batch, seq, gpu_free, engine=engine, resident_layers=resident,
-                                               offload_activations=offload, host_free=host_free,
-                                               world_size=world_size, local_ranks=local_ranks,
-                                               micro_batches=micro_batches)
-        logger.info("memory plan: %d of %s resident on the GPU%s, %s offloaded (%.0f GiB free)",
+        ranks = dict(world_size=world_size, local_ranks=local_ranks, micro_batches=micro_batches)
+
+        def place(lean_streamed: bool):
+            return place_layers(config, batch, seq, gpu_free, engine=replace(engine, lean_streamed=lean_streamed),
+                                resident_layers=resident, offload_activations=offload, host_free=host_free, **ranks)
+
+        def host_short(placed, lean_streamed: bool) -> bool:
+            plan = estimate(config, batch, seq, replace(engine, resident_layers=placed[0], offload_activations=placed[1],
+                                                        lean_resident=placed[2], lean_streamed=lean_streamed), **ranks)
+            return plan.host_per_host > host_free * (1 - ADMIT_MARGIN)
+
+        placed = place(bool(streamed))
+        if streamed is None:  # auto: only when the host RAM does not suffice without it, and does with it
+            streamed = False
+            if world_size == 1 and host_free is not None and host_short(placed, False):
+                lean_placed = place(True)
+                if not host_short(lean_placed, True):
+                    placed, streamed = lean_placed, True
+        resident, offload, lean = placed
+        logger.info("memory plan: %d of %s resident on the GPU%s, %s offloaded (%.0f GiB free)%s",
                     resident, counted(config.num_hidden_layers, "layer"),
                     " (lean: cast from the fp32 master per use)" if lean else "",
-                    counted(offload, "layer input"), gpu_free / GiB)
+                    counted(offload, "layer input"), gpu_free / GiB,
+                    "; lean_streamed: the streamed layers keep no bf16 copy in host RAM (without it the host is "
+                    "short)" if streamed and engine.lean_streamed is None else "")
     return Placement(replace(engine, resident_layers=resident, offload_activations=offload,
-                             lean_resident=bool(lean) and bool(resident)), planned)
+                             lean_resident=bool(lean) and bool(resident), lean_streamed=bool(streamed)), planned)
 
 
 class StepSplit(NamedTuple):

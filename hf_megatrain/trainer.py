@@ -119,7 +119,7 @@ class MegaTrainTrainer(Trainer):
         if world > 1:  # data parallel runs its micro-batches one at a time, as asked
             if asked:
                 raise MegaTrainError("layer_major_accumulation is not combined with data parallel yet; leave it on auto.")
-            if args.lean_streamed:
+            if parse_switch(args.lean_streamed, "lean_streamed"):
                 raise MegaTrainError("lean_streamed is not combined with data parallel yet: each rank holds only a "
                                      "slice of the fp32 master, which therefore cannot be what streams; leave it off.")
             self._split, self._together = 1, 0

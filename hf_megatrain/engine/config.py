@@ -78,7 +78,8 @@ class EngineConfig:
         master crosses PCIe (pinned) and the GPU casts it into the ring slot (the same rounding the
         copy would hold), so a streamed parameter costs 16 bytes of host RAM instead of 18, for
         twice the PCIe bytes of its weights. Ignored in fp32 compute (the master already streams);
-        not combined with data parallel.
+        not combined with data parallel. None: auto (the planner takes it when the host RAM does
+        not suffice without it and does with it).
     prefetch_depth: GPU weight slots of the ring that streams decoder layers (>= 2).
     grad_slots: GPU slots of fp32 layer gradients on their way to the host (>= 1).
     staging_slabs: pinned slabs for gradient contributions after a step's first (>= 1).
@@ -96,7 +97,7 @@ class EngineConfig:
     resident_layers: int | None = 0
     offload_activations: int | None = 0
     lean_resident: bool | None = False
-    lean_streamed: bool = False
+    lean_streamed: bool | None = False
     prefetch_depth: int = 2
     grad_slots: int = 2
     staging_slabs: int = 2
@@ -114,7 +115,7 @@ class EngineConfig:
         lean = parse_switch(self.lean_resident, "lean_resident")
         set_(self, "lean_resident", False if self.compute_dtype == torch.float32 else lean)
         streamed = parse_switch(self.lean_streamed, "lean_streamed")
-        set_(self, "lean_streamed", bool(streamed) and self.compute_dtype != torch.float32)
+        set_(self, "lean_streamed", False if self.compute_dtype == torch.float32 else streamed)
         if self.background_host_jobs is None:
             set_(self, "background_host_jobs", device.type == "cuda")
         for name, low in (("prefetch_depth", 2), ("grad_slots", 1), ("staging_slabs", 1),
@@ -132,7 +133,7 @@ class EngineConfig:
     def planned(self) -> bool:
         """Every placement is settled (nothing left for the planner to decide)."""
         return self.resident_layers is not None and self.offload_activations is not None \
-            and self.lean_resident is not None
+            and self.lean_resident is not None and self.lean_streamed is not None
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

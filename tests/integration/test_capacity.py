@@ -4,16 +4,23 @@ lean_streamed: streamed decoder layers keep no bf16 copy in host RAM; each use c
 (on a GPU, after it crosses PCIe). Bit for bit against the default path on the CPU in bf16 compute:
 losses, clipping norms and masters, for Llama, a tied Llama and Mixtral (load-balancing loss), with
 gradient accumulation one at a time and together, with clipping and with steps during the backward;
-through the trainer, the saved model loads back with from_pretrained equal to the default's.
+through the trainer, the saved model loads back with from_pretrained equal to the default's. The
+planner counts it, takes it on auto only when the host needs it, and a refusal names it.
 """
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
 
 import datasets
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, default_data_collator
 
-from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainTrainer, StreamingEngine
-from hf_megatrain.memory import GiB, estimate, model_shapes
+from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
+from hf_megatrain.engine.config import EngineConfig
+from hf_megatrain.memory import GiB, admit, estimate, model_shapes, resolve_placement, shortfalls
 from hf_megatrain.shapes import make_config
 from tests.support.tiny import make_batch, make_model
 
@@ -118,9 +125,6 @@ def test_a_refusal_names_lean_streamed_when_it_would_fit():
     """13B, 19 layers resident: 117 GiB of host. On a 112 GiB host lean_streamed fits (the 21 streamed
     layers' bf16 copies are 12.4 GiB) and the refusal says so first; on 100 GiB it would not, and
     the refusal does not offer it."""
-    from hf_megatrain import MegaTrainError
-    from hf_megatrain.memory import admit
-
     cfg = make_config("llama-2-13b")
     plan = estimate(cfg, 16, 1024, resident_layers=19, lean_resident=True)
     assert plan.lean_streamed_saving == 2 * 21 * model_shapes(cfg).layer
@@ -132,3 +136,32 @@ def test_a_refusal_names_lean_streamed_when_it_would_fit():
         admit(plan, host_free=100 * GiB, gpu_free=139 * GiB)
     assert "lean_streamed" not in str(short.value)
     assert estimate(cfg, 16, 1024, resident_layers=19, lean_streamed=True).lean_streamed_saving == 0
+
+
+def test_the_planner_takes_lean_streamed_only_when_the_host_needs_it():
+    """lean_streamed auto (the trainer's default): off while the host RAM suffices, also when moving
+    more layers onto the GPU makes it suffice (that costs no speed); on when only it makes the plan
+    fit; off when even it does not. The estimate command says the same."""
+    cfg = make_config("llama-2-13b")
+    auto = EngineConfig(device="cuda", resident_layers=None, offload_activations=None, lean_resident=None,
+                        lean_streamed=None)
+
+    def placed(host_gib):
+        return resolve_placement(cfg, 16, 1024, auto, gpu_free=139 * GiB, host_free=host_gib * GiB).engine
+
+    assert placed(125).lean_streamed is False
+    more_resident = placed(112)  # 21 layers resident instead of 19 and the host suffices
+    assert more_resident.lean_streamed is False and more_resident.resident_layers > 19
+    tight = placed(100)
+    assert tight.lean_streamed is True
+    assert not shortfalls(estimate(cfg, 16, 1024, tight), 100 * GiB, 139 * GiB)
+    assert shortfalls(estimate(cfg, 16, 1024, resolve_placement(
+        cfg, 16, 1024, replace(auto, lean_streamed=False), gpu_free=139 * GiB, host_free=100 * GiB).engine),
+        100 * GiB, 139 * GiB)  # without it, no placement fits
+    assert placed(70).lean_streamed is False  # short either way: the refusal says what would fit
+    assert resolve_placement(cfg, 16, 1024, auto, gpu_free=139 * GiB).engine.lean_streamed is False  # no host given
+    r = subprocess.run([sys.executable, "-m", "hf_megatrain.cli", "estimate", "llama-2-13b", "--batch", "16", "--seq",
+                        "1024", "--gpu_gib", "139", "--host_gib", "100", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["verdict"] == "fits" and out["host"]["compute copy (streamed)"] < 2 * GiB  # embedding and head only
