@@ -83,6 +83,13 @@ class MegaTrainArguments(TrainingArguments):
                   "bytes of host RAM instead of 18, for twice the PCIe bytes of its weights. auto: when the host "
                   "RAM does not suffice without it and does with it. Not with data parallel."},
     )
+    transient_grads: bool = field(
+        default=False,
+        metadata={"help": "Streamed layers keep no fp32 gradient accumulator: each gradient lands in one of a few "
+                  "shared buffers and is stepped as soon as it is final (4 bytes per parameter less of host RAM; "
+                  "the same numbers). Needs max_grad_norm=0 and, with gradient accumulation, the micro-batches "
+                  "through each layer together. Not with data parallel."},
+    )
     layer_major_accumulation: str = field(
         default="auto",
         metadata={"help": "auto | true | false. With gradient accumulation, run a step's micro-batches through each "
@@ -230,6 +237,7 @@ def engine_config(args, device: torch.device) -> EngineConfig:
         offload_activations=parse_count(args.offload_activations, "offload_activations"),
         lean_resident=parse_switch(args.lean_resident, "lean_resident"),
         lean_streamed=parse_switch(args.lean_streamed, "lean_streamed"),
+        transient_grads=args.transient_grads,
         prefetch_depth=args.prefetch_depth,
         host_threads=args.host_threads,
         background_host_jobs=args.background_host_jobs,

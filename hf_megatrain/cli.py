@@ -73,6 +73,7 @@ memory and speed (hf_megatrain):
   --gpu_resident_layers auto|N   layers kept entirely on the GPU (default: as many as fit)
   --lean_resident auto|true|false   resident layers without a bf16 copy (default: when it keeps more)
   --lean_streamed auto|true|false   streamed layers without a bf16 copy in host RAM (default: when the host needs it)
+  --transient_grads true|false   no fp32 gradient accumulator for streamed layers (needs --max_grad_norm 0)
   --offload_activations auto|N   layer inputs kept in pinned host memory (long context)
   --layer_major_accumulation auto|true|false   a step's micro-batches through each layer together
   --compute_dtype auto|bfloat16|float32   --save_dtype auto|float32|bfloat16

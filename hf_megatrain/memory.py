@@ -169,7 +169,13 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     if cuda and cbytes == 2 and world == 1:  # what lean_streamed would take off (mark_resident's rule)
         plan.lean_streamed_saving = cbytes * sum(u.numel for u in units if u.kind == "layer" and not u.resident
                                                  and not u.lean and u.n_train == u.numel)
-    plan.host["fp32 gradient accumulator"] = 4 * owned
+    if eng.transient_grads and world == 1:  # a few shared buffers of the largest streamed unit
+        from .engine.store import TRANSIENT_GRAD_BUFFERS
+
+        largest = max((u.n_train for u in units if not u.resident), default=0)
+        plan.host[f"fp32 gradient buffers (transient, {TRANSIENT_GRAD_BUFFERS})"] = 4 * TRANSIENT_GRAD_BUFFERS * largest
+    else:
+        plan.host["fp32 gradient accumulator"] = 4 * owned
     plan.host["Adam moments (fp32 x2)"] = 8 * owned
     if world > 1:
         # Transient, one unit at a time: the all-gather of updated weights (own slice + the whole
@@ -181,7 +187,7 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
         plan.host["data-parallel exchange (one unit)"] = max(gather, reduce)
         plan.notes.append(f"data parallel: {world} ranks, {plan.local_ranks} on this host; each rank holds the "
                           f"whole compute copy and 1/{world} of the fp32 master, gradient and Adam moments.")
-    if cuda:
+    if cuda and not eng.transient_grads:
         plan.host["pinned staging slabs"] = eng.staging_slabs * 4 * slab_numel(units)
     group = max(1, micro_batches)
     if offload:

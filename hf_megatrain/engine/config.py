@@ -80,6 +80,12 @@ class EngineConfig:
         twice the PCIe bytes of its weights. Ignored in fp32 compute (the master already streams);
         not combined with data parallel. None: auto (the planner takes it when the host RAM does
         not suffice without it and does with it).
+    transient_grads: streamed units keep no persistent fp32 gradient accumulator: each unit's
+        gradient lands in one of TRANSIENT_GRAD_BUFFERS pinned buffers (store.py) and the host
+        AdamW steps it from there as soon as it is final, 4 bytes per streamed parameter less of
+        host RAM. Exact only when every backward steps its units as they finish: no clipping
+        (HostAdamW.step_during_backward before each backward), a step's micro-batches run together,
+        background host jobs; anything else is refused. Not with data parallel.
     prefetch_depth: GPU weight slots of the ring that streams decoder layers (>= 2).
     grad_slots: GPU slots of fp32 layer gradients on their way to the host (>= 1).
     staging_slabs: pinned slabs for gradient contributions after a step's first (>= 1).
@@ -98,6 +104,7 @@ class EngineConfig:
     offload_activations: int | None = 0
     lean_resident: bool | None = False
     lean_streamed: bool | None = False
+    transient_grads: bool = False
     prefetch_depth: int = 2
     grad_slots: int = 2
     staging_slabs: int = 2
@@ -118,6 +125,9 @@ class EngineConfig:
         set_(self, "lean_streamed", False if self.compute_dtype == torch.float32 else streamed)
         if self.background_host_jobs is None:
             set_(self, "background_host_jobs", device.type == "cuda")
+        if self.transient_grads and not self.background_host_jobs:
+            raise MegaTrainError("transient_grads steps each unit on the host optimizer's worker as its gradient "
+                                 "lands: it needs background_host_jobs (on by default on a GPU).")
         for name, low in (("prefetch_depth", 2), ("grad_slots", 1), ("staging_slabs", 1),
                           ("activation_lookahead", 1), ("host_threads", 0)):
             value = getattr(self, name)

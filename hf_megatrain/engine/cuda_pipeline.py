@@ -97,7 +97,9 @@ class CudaPipeline(Pipeline):
         g, n = grad_slot_numel(store.units), slab_numel(store.units)
         self.grad_ring = [_Buffer(torch.empty(g, dtype=torch.float32, device=device)) for _ in range(grad_slots if g else 0)]
         self._grad_next = 0
-        self.slabs = [torch.empty(n, dtype=torch.float32, pin_memory=True) for _ in range(staging_slabs if n else 0)]
+        # (transient gradients take no later contributions: no slabs)
+        slabs = 0 if store.transient or not n else staging_slabs
+        self.slabs = [torch.empty(n, dtype=torch.float32, pin_memory=True) for _ in range(slabs)]
         self._slab_free = [True] * len(self.slabs)
         self.accumulator = Worker("megatrain-accumulate")
         self._pending: list[torch.cuda.Event] = []

@@ -74,6 +74,8 @@ class HostPipeline(Pipeline):
         self.timeline = None
         self.on_final_grad = None  # set through StreamingEngine.listen
         self.accumulator = Worker("megatrain-accumulate") if asynchronous else None
+        # Transient gradients are gone once stepped: their per-parameter norms are taken as they land.
+        self.norms: list[torch.Tensor | None] = [None] * len(store.units)
 
     def span(self, lane: str, stream=None):
         """A busy span (compute etc.) for the timeline; host work is timed on the host clock."""
@@ -105,18 +107,41 @@ class HostPipeline(Pipeline):
             grad = store.sharding.reduce(grad.float(), store.units[index].n_train)
         first = store.count_grad(index)
         landed = _landed
+        add = partial(self._add_grad, index, grad, first)
         if self.accumulator is None:
-            store.add_grad(index, grad, first)
+            add()
         else:  # `grad` is a fresh tensor (grad_buffer), so the job may hold it
-            landed = self.accumulator.later(partial(store.add_grad, index, grad, first),
-                                            f"gradient accumulation of {store.units[index].label}")
+            landed = self.accumulator.later(add, f"gradient accumulation of {store.units[index].label}")
         if self.on_final_grad is not None:
             self.on_final_grad(index, landed)
+
+    def _add_grad(self, index: int, grad: torch.Tensor, first: bool) -> None:
+        store = self.store
+        store.add_grad(index, grad, first)
+        if store.transient and not store.units[index].resident:  # as stock would take them, before the step
+            acc = store.grad[index]
+            views = [acc[s.offset : s.offset + s.numel] for s in store.units[index].train_slots]
+            self.norms[index] = torch.stack(torch._foreach_norm(views, 2))
 
     def finish(self) -> None:
         """Block until every emitted gradient is in the host accumulators."""
         if self.accumulator is not None:
             self.accumulator.drain()
 
-    def grad_norms(self) -> None:
-        return None  # the engine takes the norms from the accumulators, as stock does
+    def grad_norms(self) -> list[torch.Tensor] | None:
+        """None: the engine takes the norms from the accumulators, as stock does. With transient
+        gradients, the per-parameter norms taken as each landed (the same values)."""
+        if not self.store.transient:
+            return None
+        self.finish()
+        out = []
+        for u in self.store.units:
+            if self.store.grad_count[u.index] == 0:
+                out.append(torch.zeros(len(u.train_slots)))
+            elif u.resident or self.norms[u.index] is None:  # a resident unit keeps its gradient
+                acc = self.store.grad[u.index]
+                out.append(torch.stack(torch._foreach_norm([acc[s.offset : s.offset + s.numel]
+                                                            for s in u.train_slots], 2)))
+            else:
+                out.append(self.norms[u.index])
+        return out

@@ -144,6 +144,9 @@ class StreamingEngine(nn.Module):
         if decay_names is None:
             decay_names = [n for n, _ in model.named_parameters()]
         self.units = build_units(model, self.spec, decay_names)
+        if sharding is not None and config.transient_grads:
+            raise MegaTrainError("transient_grads is not combined with data parallel yet: the ranks' gradients are "
+                                 "summed before each step; leave it off.")
         if sharding is not None and config.lean_streamed:
             raise MegaTrainError("lean_streamed is not combined with data parallel yet: each rank holds only a "
                                  "slice of the fp32 master, so the master cannot be what streams; leave it off.")
@@ -155,9 +158,10 @@ class StreamingEngine(nn.Module):
         pin = self.device.type == "cuda"
         if load_weights is None:
             self.store = HostStore.from_model(model, self.units, self.compute_dtype, pin=pin, device=self.device,
-                                              sharding=sharding)
+                                              sharding=sharding, transient_grads=config.transient_grads)
         else:  # a meta skeleton: its weights come from the loader
-            self.store = HostStore(self.units, self.compute_dtype, pin=pin, device=self.device, sharding=sharding)
+            self.store = HostStore(self.units, self.compute_dtype, pin=pin, device=self.device, sharding=sharding,
+                                   transient_grads=config.transient_grads)
             load_weights(self.store)
             self.store.bind(model)
         self._templates = self._build_templates(model)
@@ -526,6 +530,10 @@ class StreamingEngine(nn.Module):
 
     def _forward_backward(self, batches: list[dict], num_items_in_batch, scale: float,
                           aux_scale: float) -> list[torch.Tensor]:
+        if self.store.transient and self.training and self._listener is None:
+            raise MegaTrainError("transient_grads keeps each gradient only until its step, so every backward must "
+                                 "step its units as they finish: call HostAdamW.step_during_backward() before it "
+                                 "(no clipping), with the step's micro-batches together in one call.")
         preps = [self._prepare(b) for b in batches]
         if any(labels is None for _, _, labels, _, _, _ in preps):
             raise MegaTrainError(f"the batch has no 'labels'; training needs them (use {IGNORE_INDEX} to ignore a token).")

@@ -28,8 +28,13 @@ import torch
 from torch import nn
 
 from ..patcher.specs import ArchSpec
+from ..errors import MegaTrainError
 from .pinned import arena_tensors
 from .worker import Signal
+
+# transient_grads (EngineConfig): the shared gradient buffers of the streamed units. One is being
+# filled while the host steps the units of the others; a third gives the step slack.
+TRANSIENT_GRAD_BUFFERS = 3
 
 
 @dataclass(frozen=True)
@@ -149,14 +154,16 @@ def build_units(model: nn.Module, spec: ArchSpec, decay_names) -> list[Unit]:
 class HostStore:
     """Flat host buffers for every unit (see module docstring)."""
 
-    def __init__(self, units: list[Unit], compute_dtype: torch.dtype, pin: bool, device=None, sharding=None):
+    def __init__(self, units: list[Unit], compute_dtype: torch.dtype, pin: bool, device=None, sharding=None,
+                 transient_grads: bool = False):
         self.units = units
         self.compute_dtype = compute_dtype
         self.pin = pin
         self.device = torch.device(device or "cpu")
         self.sharding = sharding
-        if sharding is not None and any(u.resident or u.lean for u in units):
-            raise ValueError("GPU residency and lean streaming cannot be combined with data parallel sharding yet")
+        if sharding is not None and (transient_grads or any(u.resident or u.lean for u in units)):
+            raise ValueError("GPU residency, lean streaming and transient gradients cannot be combined with data "
+                             "parallel sharding yet")
         # Data parallel: this rank's fp32 state covers [lo, hi) of each trainable prefix.
         self.bounds = [sharding.bounds(u.n_train) if sharding else (0, u.n_train) for u in units]
         self._arenas = []
@@ -179,7 +186,18 @@ class HostStore:
             for u in units:
                 if u.lean:
                     self.compute[u.index] = None
-        self.grad = self._alloc(trained, torch.float32)
+        # transient_grads: a streamed unit's gradient lives in one of a few shared buffers from its
+        # first contribution until its step has run (claim_grad), instead of a buffer of its own.
+        self.transient = transient_grads
+        self.grad = self._alloc([0 if transient_grads else n for n in trained], torch.float32)
+        self._grad_buffers, self._grad_owner, self._claims = [], [], 0
+        if transient_grads:
+            size = max((hi - lo for u, (lo, hi) in zip(units, self.bounds) if not u.resident), default=0)
+            self._grad_buffers = self._alloc([size] * (TRANSIENT_GRAD_BUFFERS if size else 0), torch.float32)
+            self._grad_owner = [None] * len(self._grad_buffers)
+            for u in units:
+                if not u.resident:
+                    self.grad[u.index] = None
         # Resident units: master, gradient and compute copy on the device (the compute copy is the
         # master itself in fp32 compute mode; a lean unit has none).
         for u in units:
@@ -206,14 +224,14 @@ class HostStore:
 
     @classmethod
     def from_model(cls, model: nn.Module, units: list[Unit], compute_dtype: torch.dtype, pin: bool = False,
-                   device=None, sharding=None):
+                   device=None, sharding=None, transient_grads: bool = False):
         """Copy a loaded model into flat buffers, unit by unit, and re-point its parameters.
 
         After this the model's parameters are views of the compute buffers (so the model
         object stays a usable, savable skeleton) and its original storage is freed as we go:
         peak memory is the store plus one unit of the original.
         """
-        store = cls(units, compute_dtype, pin, device, sharding)
+        store = cls(units, compute_dtype, pin, device, sharding, transient_grads)
         params = dict(model.named_parameters())
         for unit in units:
             master, compute = store.master[unit.index], store.compute[unit.index]
@@ -298,9 +316,32 @@ class HostStore:
 
     # -- gradients --------------------------------------------------------------------------
     def count_grad(self, index: int) -> bool:
-        """Count one more contribution to unit `index` (training thread); True for the step's first."""
+        """Count one more contribution to unit `index` (training thread); True for the step's first.
+        With transient gradients the first claims a buffer for it (claim_grad) and a second is refused."""
         self.grad_count[index] += 1
-        return self.grad_count[index] == 1
+        first = self.grad_count[index] == 1
+        if self.transient and not self.units[index].resident:
+            if not first:
+                raise MegaTrainError(
+                    f"transient_grads: {self.units[index].label} got a second gradient in one optimizer step; its "
+                    f"first has no buffer of its own to be added to. Run the step's micro-batches together "
+                    f"(layer_major_accumulation) or leave transient_grads off.")
+            self.claim_grad(index)
+        return first
+
+    def claim_grad(self, index: int) -> None:
+        """Give unit `index` a transient gradient buffer (training thread). Buffers are taken in turn;
+        one still held by an earlier unit is free once that unit's step has run, which is when its
+        `ready` signal is set (with the step's failure, which this then raises: nothing waits
+        forever for a step that a failed worker skipped)."""
+        k = self._claims % len(self._grad_buffers)
+        self._claims += 1
+        owner = self._grad_owner[k]
+        if owner is not None:
+            self.ready[owner].wait()
+            self.grad[owner] = None  # its gradient is gone with its step
+        self._grad_owner[k] = index
+        self.grad[index] = self._grad_buffers[k][: self.bounds[index][1] - self.bounds[index][0]]
 
     def add_grad(self, index: int, grad: torch.Tensor, first: bool) -> None:
         """Write a counted contribution into the accumulator: the first is copied in (nothing is
@@ -312,6 +353,9 @@ class HostStore:
             acc.copy_(grad)
 
     def grad_or_zeros(self, index: int) -> torch.Tensor:
+        if self.transient:
+            raise MegaTrainError("transient_grads keeps no gradient once its step has run: there is none to read "
+                                 "(named_grads, grad_norm); leave transient_grads off to inspect gradients.")
         lo, hi = self.bounds[index]
         if self.grad_count[index] == 0:
             return torch.zeros(hi - lo, dtype=torch.float32)

@@ -6,19 +6,27 @@ losses, clipping norms and masters, for Llama, a tied Llama and Mixtral (load-ba
 gradient accumulation one at a time and together, with clipping and with steps during the backward;
 through the trainer, the saved model loads back with from_pretrained equal to the default's. The
 planner counts it, takes it on auto only when the host needs it, and a refusal names it.
+
+transient_grads: streamed units keep no fp32 gradient accumulator; each gradient lands in one of a few
+shared buffers and is stepped as soon as it is final. Bit for bit against the default with steps
+during the backward; refused wherever a gradient would have to persist; a failed step never leaves
+the next buffer claim waiting.
 """
 
 import json
 import subprocess
 import sys
+import threading
 from dataclasses import replace
+
+import copy
 
 import datasets
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, default_data_collator
 
-from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
+from hf_megatrain import HostAdamW, HostJobError, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
 from hf_megatrain.engine.config import EngineConfig
 from hf_megatrain.memory import GiB, admit, estimate, model_shapes, resolve_placement, shortfalls
 from hf_megatrain.shapes import make_config
@@ -165,3 +173,128 @@ def test_the_planner_takes_lean_streamed_only_when_the_host_needs_it():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["verdict"] == "fits" and out["host"]["compute copy (streamed)"] < 2 * GiB  # embedding and head only
+
+
+# -- transient gradients --------------------------------------------------------------------------
+def train_early(kind, ga, steps=3, **engine):
+    """Steps during every backward (no clipping), a step's micro-batches together."""
+    engine = StreamingEngine(make_model(kind, seed=4), compute_dtype=torch.bfloat16, background_host_jobs=True,
+                             **engine).train()
+    opt = HostAdamW(engine, lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        batches = [make_batch(batch=2, seq=10 + 2 * m, seed=10 * step + m, pad_rows=m % 2) for m in range(ga)]
+        assert opt.step_during_backward()
+        losses += [float(x) for x in engine.forward_backward_many(batches, None, 1.0 / ga)]
+        opt.step()
+        engine.zero_grad()
+    return engine, opt, losses, dict(engine.named_master_params())
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "mixtral"])
+@pytest.mark.parametrize("ga,lean,resident", [(1, False, 0), (2, False, 0), (2, True, 0), (2, True, 1)])
+def test_transient_grads_are_bit_identical(kind, ga, lean, resident):
+    """With lean_streamed too, a streamed parameter costs 12 bytes of host RAM (master and moments)."""
+    _, _, ref_losses, ref = train_early(kind, ga, resident_layers=resident)
+    engine, _, losses, got = train_early(kind, ga, resident_layers=resident, lean_streamed=lean, transient_grads=True)
+    store = engine.store
+    streamed = [u for u in engine.units if not u.resident]
+    assert len(store._grad_buffers) == 3 and all(store.grad[u.index] is None or any(
+        store.grad[u.index].data_ptr() == b.data_ptr() for b in store._grad_buffers) for u in streamed)
+    assert losses == ref_losses
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+
+
+def test_transient_grads_refuse_what_would_need_a_persistent_gradient(tmp_path):
+    engine, opt, _, _ = train_early("llama", 2, steps=1, transient_grads=True)
+    with pytest.raises(MegaTrainError, match="step_during_backward"):  # a backward that does not step as it goes
+        engine.forward_backward(make_batch())
+    assert opt.step_during_backward()
+    with pytest.raises(MegaTrainError, match="second gradient in one optimizer step"):  # micro-batches one at a time
+        engine.forward_backward(make_batch(seed=1), None, 0.5)
+        engine.forward_backward(make_batch(seed=2), None, 0.5)
+    with pytest.raises(MegaTrainError, match="keeps no gradient"):
+        dict(engine.named_grads())
+    with pytest.raises(MegaTrainError, match="background_host_jobs"):
+        StreamingEngine(make_model("llama"), compute_dtype=torch.bfloat16, transient_grads=True)
+    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], compute_dtype="bfloat16",
+                  background_host_jobs=True, transient_grads=True)
+    with pytest.raises(MegaTrainError, match="needs max_grad_norm=0"):  # Trainer's default clipping is 1.0
+        MegaTrainTrainer(make_model("llama"), MegaTrainArguments(**common), train_dataset=rows(4, 0))
+    with pytest.raises(MegaTrainError, match="layer_major_accumulation=true"):
+        MegaTrainTrainer(make_model("llama"), MegaTrainArguments(**common, max_grad_norm=0,
+                                                                 gradient_accumulation_steps=2),
+                         train_dataset=rows(4, 0))
+
+
+def test_a_failed_step_fails_the_next_buffer_claim_instead_of_hanging(monkeypatch):
+    """The step of an early unit fails on the host worker: the worker skips the later steps, whose
+    buffers are then never freed by a step. The training thread, claiming one of them, gets the
+    failure (the unit's ready signal carries it) and does not wait forever."""
+    engine = StreamingEngine(make_model("llama", num_hidden_layers=4, seed=4), compute_dtype=torch.bfloat16,
+                             background_host_jobs=True, transient_grads=True).train()
+    opt = HostAdamW(engine, lr=1e-2)
+    last = engine.units[-1].index  # the head: its gradient comes first, so its step is the first to run
+    original = HostAdamW.step_unit
+
+    def failing(self, index, *args):
+        if index == last:
+            raise RuntimeError("injected step failure")
+        original(self, index, *args)
+
+    monkeypatch.setattr(HostAdamW, "step_unit", failing)
+    errors = []
+
+    def run():
+        try:
+            for step in range(2):
+                opt.step_during_backward()
+                engine.forward_backward_many([make_batch(seed=step)], None, 1.0)
+                opt.step()
+                engine.zero_grad()
+        except BaseException as e:  # handed to the test
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "the training thread hangs on a gradient buffer"
+    assert errors and isinstance(errors[0], (HostJobError, RuntimeError)), errors
+    assert "injected step failure" in str(errors[0])
+
+
+def test_trainer_with_transient_grads_and_lean_streamed_equals_the_default(tmp_path):
+    """Through MegaTrainTrainer: no clipping, GA 2 together, bf16 compute on host workers: the same
+    logged losses and gradient norms (taken as each transient gradient landed) and the same weights
+    with both modes on and off."""
+    data, model = rows(16, 0), make_model("mixtral", seed=3)
+    results = {}
+    for on in (False, True):
+        args = MegaTrainArguments(output_dir=str(tmp_path / str(on)), per_device_train_batch_size=2,
+                                  gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-2, max_grad_norm=0,
+                                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+                                  compute_dtype="bfloat16", background_host_jobs=True,
+                                  layer_major_accumulation="true", lean_streamed=str(on).lower(), transient_grads=on)
+        trainer = MegaTrainTrainer(copy.deepcopy(model), args, train_dataset=data,
+                                   data_collator=default_data_collator)
+        assert trainer.engine.store.transient == on
+        trainer.train()
+        results[on] = ([(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h],
+                       dict(trainer.engine.named_master_params()))
+    assert results[True][0] == results[False][0] and len(results[True][0]) == 4
+    for name, t in results[False][1].items():
+        assert torch.equal(results[True][1][name], t), name
+
+
+def test_the_plan_counts_12_bytes_per_streamed_parameter_with_both_modes():
+    cfg = make_config("llama-3.1-70b")
+    shapes = model_shapes(cfg)
+    both = estimate(cfg, 16, 1024, shapes=shapes, lean_streamed=True, transient_grads=True)
+    default = estimate(cfg, 16, 1024, shapes=shapes)
+    assert "fp32 gradient accumulator" not in both.host and "pinned staging slabs" not in both.host
+    assert both.host["fp32 gradient buffers (transient, 3)"] == 4 * 3 * shapes.head  # the largest streamed unit
+    state = (both.host["fp32 master weights"] + both.host["Adam moments (fp32 x2)"]) / shapes.params
+    assert state == 12
+    # 70B: 807 GiB, which a 1 TB host (931 GiB) holds, against 1,194 GiB by default
+    assert both.host_total / GiB < 820 and default.host_total / GiB > 1150
