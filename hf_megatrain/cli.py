@@ -207,6 +207,9 @@ def _estimate(argv: list[str]) -> int:
                    help="streamed layers keep no bf16 copy in host RAM, the fp32 master streams (16 instead of 18 "
                         "bytes per parameter, twice the PCIe bytes): true, false or auto; default false, or auto "
                         "with --gpu_gib and --host_gib")
+    p.add_argument("--transient_grads", action="store_true",
+                   help="streamed layers keep no fp32 gradient accumulator; each gradient is stepped as it lands "
+                        "(needs --max_grad_norm 0)")
     p.add_argument("--mlp_tile_tokens", type=int, default=None,
                    help="MLP sequence tile (default: 16384 for rows longer than 32K tokens, as the trainer)")
     p.add_argument("--gpu_gib", type=float, default=None,
@@ -234,6 +237,9 @@ def _estimate(argv: list[str]) -> int:
         except MegaTrainError:
             raise SystemExit(f"hf-megatrain estimate: --{name} takes a number of layers or 'auto', not {value!r}")
 
+    if a.transient_grads and a.max_grad_norm > 0:
+        raise SystemExit("hf-megatrain estimate: --transient_grads needs --max_grad_norm 0 (exact clipping needs every "
+                         "gradient kept until the global norm is known)")
     config = _config_of(a.model)
     resident, offload = count(a.gpu_resident_layers, "gpu_resident_layers"), count(a.offload_activations,
                                                                                   "offload_activations")
@@ -252,6 +258,7 @@ def _estimate(argv: list[str]) -> int:
         streamed = False  # auto weighs the host RAM: without --host_gib there is none to weigh
     engine = EngineConfig(device=a.device, compute_dtype=a.compute_dtype, resident_layers=resident,
                           offload_activations=offload, lean_resident=lean, lean_streamed=streamed,
+                          transient_grads=a.transient_grads,
                           mlp_tile_tokens=mlp_tile(a.seq, a.mlp_tile_tokens))
     ranks = dict(world_size=a.world_size, local_ranks=a.local_ranks)
     shapes = model_shapes(config)
@@ -282,20 +289,34 @@ def _estimate(argv: list[str]) -> int:
         except MegaTrainError as e:
             lines = str(e).splitlines()  # the verdict, and the longest row that fits when there is one
             verdict = lines[0] + "".join(f"\n{ln}" for ln in lines[1:] if ln.startswith("max_seq_length="))
-    timing = None
+    timing, modes = None, []
     if a.device == "cuda" and a.world_size == 1:
+        from .memory import mode_plans, shortfalls, state_bytes_per_parameter
         from .probe import rates_for_planning
         from .steptime import predict
 
-        timing = predict(config, batch, a.seq, placement.engine, rates_for_planning(),
-                         micro_batches=a.grad_accum * step.split, together=bool(step.together) or
-                         a.grad_accum * step.split == 1, clip=a.max_grad_norm > 0, shapes=shapes)
+        rates, n = rates_for_planning(), a.grad_accum * step.split
+        together = bool(step.together) or n == 1
+
+        def timed(eng, clip):
+            return predict(config, batch, a.seq, eng, rates, micro_batches=n, together=together, clip=clip,
+                           shapes=shapes)
+
+        timing = timed(placement.engine, a.max_grad_norm > 0)
+        for name, eng, mode_plan in mode_plans(config, batch, a.seq, placement.engine, shapes=shapes,
+                                               micro_batches=step.together or 1):
+            clip = a.max_grad_norm > 0 and not eng.transient_grads
+            fits = None if host_free is None else not shortfalls(mode_plan, host_free, gpu_free or float("inf"))
+            modes.append(dict(mode=name, state_bytes_per_parameter=round(state_bytes_per_parameter(mode_plan,
+                                                                                                 shapes.params), 2),
+                              host_gib=round(mode_plan.host_per_host / GiB, 1), gpu_gib=round(mode_plan.gpu_total / GiB, 1),
+                              step_s=round(timed(eng, clip).step_s, 2), clipping=clip, fits=fits))
     if a.json:
         import json
 
         print(json.dumps({**plan.as_dict(), "verdict": verdict, "rows_per_micro_batch": batch,
                           "micro_batches": a.grad_accum * step.split, "together": bool(step.together),
-                          "step_time": timing.as_dict() if timing else None}, indent=1))
+                          "step_time": timing.as_dict() if timing else None, "modes": modes}, indent=1))
     else:
         from .errors import counted, parameter_count
 
@@ -309,6 +330,13 @@ def _estimate(argv: list[str]) -> int:
         if timing is not None:
             clipping = f"clipping at {a.max_grad_norm:g}" if a.max_grad_norm > 0 else "no clipping"
             print(f"\nstep time (model, {clipping}): {timing.describe()}")
+        if modes:
+            print(f"\nmemory modes at this placement     {'host B/param':>13} {'host GiB':>9} {'GPU GiB':>8} "
+                  f"{'step s (model)':>14}" + ("  on this host" if host_free is not None else ""))
+            for m in modes:
+                print(f"  {m['mode']:32} {m['state_bytes_per_parameter']:13.1f} {m['host_gib']:9.1f} {m['gpu_gib']:8.1f} "
+                      f"{m['step_s']:8.2f} {'clip' if m['clipping'] else 'no clip':>5}"
+                      + ("" if m["fits"] is None else f"  {'fits' if m['fits'] else 'short'}"))
         if verdict is not None:
             machine = " + ".join(f"{v:g} GiB {k}" for k, v in (("GPU", a.gpu_gib), ("host", a.host_gib)) if v)
             print(f"\non {machine}: {verdict}")

@@ -76,6 +76,7 @@ class MemoryPlan:
     world_size: int = 1  # data-parallel ranks in all
     local_ranks: int = 1  # of them on this host: each holds the `host` entries
     lean_streamed_saving: float = 0.0  # host bytes lean_streamed would save (0: on already, or it cannot)
+    transient_saving: float = 0.0  # host bytes transient_grads would save (0: on already, or it cannot)
 
     @property
     def host_total(self) -> float:
@@ -169,13 +170,15 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     if cuda and cbytes == 2 and world == 1:  # what lean_streamed would take off (mark_resident's rule)
         plan.lean_streamed_saving = cbytes * sum(u.numel for u in units if u.kind == "layer" and not u.resident
                                                  and not u.lean and u.n_train == u.numel)
-    if eng.transient_grads and world == 1:  # a few shared buffers of the largest streamed unit
-        from .engine.store import TRANSIENT_GRAD_BUFFERS
+    from .engine.store import TRANSIENT_GRAD_BUFFERS
 
-        largest = max((u.n_train for u in units if not u.resident), default=0)
-        plan.host[f"fp32 gradient buffers (transient, {TRANSIENT_GRAD_BUFFERS})"] = 4 * TRANSIENT_GRAD_BUFFERS * largest
+    buffers = 4 * TRANSIENT_GRAD_BUFFERS * max((u.n_train for u in units if not u.resident), default=0)
+    if eng.transient_grads and world == 1:  # a few shared buffers of the largest streamed unit
+        plan.host[f"fp32 gradient buffers (transient, {TRANSIENT_GRAD_BUFFERS})"] = buffers
     else:
         plan.host["fp32 gradient accumulator"] = 4 * owned
+        if cuda and world == 1 and owned:  # the accumulator and the staging slabs, for the buffers
+            plan.transient_saving = 4 * owned + eng.staging_slabs * 4 * slab_numel(units) - buffers
     plan.host["Adam moments (fp32 x2)"] = 8 * owned
     if world > 1:
         # Transient, one unit at a time: the all-gather of updated weights (own slice + the whole
@@ -233,6 +236,27 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     plan.gpu["[embedding] embedding gradient (fp32)"] = 4 * s.embed + held + grad_x
     plan.gpu["runtime (CUDA context, cuBLAS)"] = GPU_RUNTIME
     return plan
+
+
+MODES = (("default", {}), ("lean_streamed", dict(lean_streamed=True)),
+         ("lean_streamed + transient_grads", dict(lean_streamed=True, transient_grads=True)))
+
+
+def state_bytes_per_parameter(plan: MemoryPlan, params: int) -> float:
+    """Host bytes of the training state (master, compute copy, gradients, moments) per parameter."""
+    keys = ("fp32 master", "compute copy", "fp32 gradient", "Adam moments")
+    return sum(v for k, v in plan.host.items() if k.startswith(keys)) / params  # resident ones: 0 here
+
+
+def mode_plans(config, batch: int, seq: int, engine: EngineConfig, *, shapes: Shapes | None = None,
+               micro_batches: int = 1) -> list[tuple[str, EngineConfig, MemoryPlan]]:
+    """The plan of each memory mode (MODES) at `engine`'s placement: what `estimate` shows side by side."""
+    shapes = shapes or model_shapes(config)
+    out = []
+    for name, fields in MODES:
+        eng = replace(engine, **{"lean_streamed": False, "transient_grads": False, **fields})
+        out.append((name, eng, estimate(config, batch, seq, eng, shapes=shapes, micro_batches=micro_batches)))
+    return out
 
 
 def _share(n: int, world: int) -> int:
@@ -497,11 +521,19 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
         if not residency_planned and plan.world_size == 1:
             fixes += ["gpu_resident_layers > 0 to keep some layers' state on the GPU instead" if not plan.resident_layers
                       else f"more than {plan.resident_layers} gpu_resident_layers, if the GPU has room for them"]
-        if plan.lean_streamed_saving and not shortfalls(
-                replace(plan, host={**plan.host, "lean": -plan.lean_streamed_saving}), host_free, gpu_free, margin):
+        def fits_with(saving):
+            return not shortfalls(replace(plan, host={**plan.host, "saved": -saving}), host_free, gpu_free, margin)
+
+        if plan.lean_streamed_saving and fits_with(plan.lean_streamed_saving):
             fixes.insert(0, f"lean_streamed=True: the streamed layers keep no bf16 copy in host RAM "
                             f"({plan.lean_streamed_saving / GiB:.1f} GiB less; their fp32 master crosses PCIe "
                             f"instead, twice the bytes of their weights)")
+        elif plan.transient_saving and fits_with(plan.lean_streamed_saving + plan.transient_saving):
+            both = plan.lean_streamed_saving + plan.transient_saving
+            fixes.insert(0, f"{'lean_streamed=True and ' if plan.lean_streamed_saving else ''}transient_grads=True "
+                            f"with max_grad_norm=0, i.e. no clipping ({both / GiB:.1f} GiB less: the streamed "
+                            f"layers keep no fp32 gradient accumulator, each gradient is stepped as it lands; "
+                            f"`hf-megatrain estimate` shows the step time of each mode)")
         fixes += ["a host with more RAM (18 bytes per parameter: fp32 master, gradient and Adam states)",
                   "LoRA (peft_config) instead of full fine-tuning: about 2 bytes per frozen parameter"]
     raise MegaTrainError(

@@ -131,8 +131,8 @@ def test_the_plan_counts_16_bytes_per_streamed_parameter():
 
 def test_a_refusal_names_lean_streamed_when_it_would_fit():
     """13B, 19 layers resident: 117 GiB of host. On a 112 GiB host lean_streamed fits (the 21 streamed
-    layers' bf16 copies are 12.4 GiB) and the refusal says so first; on 100 GiB it would not, and
-    the refusal does not offer it."""
+    layers' bf16 copies are 12.4 GiB) and the refusal says so first; on 100 GiB only with
+    transient_grads too, which it then names; on 80 GiB neither, and it offers neither."""
     cfg = make_config("llama-2-13b")
     plan = estimate(cfg, 16, 1024, resident_layers=19, lean_resident=True)
     assert plan.lean_streamed_saving == 2 * 21 * model_shapes(cfg).layer
@@ -140,9 +140,13 @@ def test_a_refusal_names_lean_streamed_when_it_would_fit():
         admit(plan, host_free=112 * GiB, gpu_free=139 * GiB)
     fixes = str(fits.value).split("Would fit with: ", 1)[1]
     assert fixes.startswith("lean_streamed=True: the streamed layers keep no bf16 copy in host RAM (12.4 GiB less")
-    with pytest.raises(MegaTrainError) as short:
+    with pytest.raises(MegaTrainError) as both:  # lean_streamed alone is short; with transient_grads it fits
         admit(plan, host_free=100 * GiB, gpu_free=139 * GiB)
-    assert "lean_streamed" not in str(short.value)
+    assert str(both.value).split("Would fit with: ", 1)[1].startswith(
+        "lean_streamed=True and transient_grads=True with max_grad_norm=0")
+    with pytest.raises(MegaTrainError) as short:
+        admit(plan, host_free=80 * GiB, gpu_free=139 * GiB)
+    assert "lean_streamed" not in str(short.value) and "transient_grads" not in str(short.value)
     assert estimate(cfg, 16, 1024, resident_layers=19, lean_streamed=True).lean_streamed_saving == 0
 
 
@@ -298,3 +302,32 @@ def test_the_plan_counts_12_bytes_per_streamed_parameter_with_both_modes():
     assert state == 12
     # 70B: 807 GiB, which a 1 TB host (931 GiB) holds, against 1,194 GiB by default
     assert both.host_total / GiB < 820 and default.host_total / GiB > 1150
+
+
+def test_estimate_shows_each_mode_and_a_refusal_names_the_one_that_fits(tmp_path):
+    """70B on one H200 and a host with 953 GiB available: the default (1,100 GiB) and lean_streamed
+    (978) are short, lean_streamed + transient_grads (739, no clipping) fits; the modes table says so
+    with each mode's host bytes per parameter and modelled step time, and admission's refusal names
+    the combination first."""
+    r = subprocess.run([sys.executable, "-m", "hf_megatrain.cli", "estimate", "llama-3.1-70b", "--batch", "16",
+                        "--seq", "1024", "--gpu_gib", "139", "--host_gib", "953", "--json"], capture_output=True,
+                       text=True)
+    assert r.returncode == 1, r.stderr  # does not fit as asked
+    modes = {m["mode"]: m for m in json.loads(r.stdout)["modes"]}
+    default, lean, both = (modes[k] for k in ("default", "lean_streamed", "lean_streamed + transient_grads"))
+    assert default["host_gib"] > lean["host_gib"] > 950 > both["host_gib"]
+    assert default["state_bytes_per_parameter"] - lean["state_bytes_per_parameter"] == pytest.approx(1.8, abs=0.1)
+    assert lean["state_bytes_per_parameter"] - both["state_bytes_per_parameter"] == pytest.approx(3.6, abs=0.2)
+    assert (default["fits"], lean["fits"], both["fits"]) == (False, False, True)
+    assert default["clipping"] and not both["clipping"] and both["step_s"] > 0
+    cfg = make_config("llama-3.1-70b")
+    placed = resolve_placement(cfg, 16, 1024, EngineConfig(device="cuda", resident_layers=None, offload_activations=None,
+                                                          lean_resident=None, lean_streamed=None),
+                               gpu_free=139 * GiB, host_free=953 * GiB).engine
+    with pytest.raises(MegaTrainError) as refused:
+        admit(estimate(cfg, 16, 1024, placed), host_free=953 * GiB, gpu_free=139 * GiB)
+    fixes = str(refused.value).split("Would fit with: ", 1)[1]
+    assert fixes.startswith("lean_streamed=True and transient_grads=True with max_grad_norm=0, i.e. no clipping")
+    bad = subprocess.run([sys.executable, "-m", "hf_megatrain.cli", "estimate", "llama-3.1-70b", "--transient_grads"],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "--transient_grads needs --max_grad_norm 0" in bad.stderr
