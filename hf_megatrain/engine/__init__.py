@@ -27,6 +27,11 @@ H2D and D2H. "Waits on" is what orders a reader after the writer.
                       (T on the CPU without background   ready[i] (no step still clipping it). The
                       jobs); scaled in place by the      next step's first contribution follows
                       clipped step (A)                   unit i's forward, which waited on ready[i]
+  transient gradient  (transient_grads) taken in turn by   unit i's step (A) after its `landed()`; the
+  buffer k            T for unit i's first contribution,  buffer is taken again only after ready[i]
+                      after waiting on ready[j] of its    is set, i.e. unit i's step has run (or
+                      previous unit j; then written as    failed: the taker raises); named_grads
+                      grad[i] is (D2H / T / C)            refuses (no gradient outlives its step)
   store.grad_count[i] T only, when a contribution is     T only: "first contribution" decisions
                       emitted (not when it lands)        never race a worker
   store.ready[i]      a Signal: cleared by T when a      every reader above; a failed step sets it
