@@ -429,12 +429,13 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
     and it fits; else the fewest chunks, together, whose plan fits; else as asked (admission then
     says why not). True: together, uncut. False, or off a GPU on auto: as asked.
     splittable: rows may be cut; by default unless `config` is an MoE whose load-balancing loss
-    spans the micro-batch (output_router_logits with a coefficient)."""
+    spans the micro-batch (output_router_logits with a coefficient). An 'auto' lean_streamed is
+    tried only once no split fits without it."""
     if splittable is None:
         splittable = not (getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
 
-    def placed(rows, n=1):
-        return resolve_placement(config, rows, seq, engine, host_free=host_free, gpu_free=gpu_free, micro_batches=n)
+    def placed(rows, n=1, eng=engine):
+        return resolve_placement(config, rows, seq, eng, host_free=host_free, gpu_free=gpu_free, micro_batches=n)
 
     cuda = engine.device.type == "cuda"
     if asked is False or (asked is None and not cuda) or (asked and ga < 2):
@@ -452,12 +453,16 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
     streams = base.engine.resident_layers < config.num_hidden_layers
     if fits(base, batch, 1) and (ga == 1 or not streams):
         return StepSplit(1, 0, base)  # nothing would cross PCIe per micro-batch: as asked
-    for f in [f for f in range(1, batch + 1) if batch % f == 0 and (f == 1 or splittable)]:
-        if ga * f < 2:
-            continue
-        placement = placed(batch // f, ga * f)
-        if fits(placement, batch // f, ga * f):
-            return StepSplit(f, ga * f, placement)
+    # An 'auto' lean_streamed is the last resort: every split without it first (cutting rows costs
+    # smaller matmuls; lean_streamed, twice the PCIe bytes of the streamed weights)
+    engines = [replace(engine, lean_streamed=False), engine] if engine.lean_streamed is None else [engine]
+    for eng in engines:
+        for f in [f for f in range(1, batch + 1) if batch % f == 0 and (f == 1 or splittable)]:
+            if ga * f < 2:
+                continue
+            placement = placed(batch // f, ga * f, eng)
+            if fits(placement, batch // f, ga * f):
+                return StepSplit(f, ga * f, placement)
     return StepSplit(1, 0, base)
 
 
