@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from .engine.config import EngineConfig
-from .engine.layout import (LOSS_CHUNK_COPIES, config_units, fixed_buffer_numel, grad_slot_numel, loss_chunk,
-                            mark_resident, ring_numel, slab_numel)
+from .engine.layout import (LOSS_CHUNK_COPIES, TRANSIENT_GRAD_BUFFERS, config_units, fixed_buffer_numel,
+                            grad_slot_numel, loss_chunk, mark_resident, ring_numel, slab_numel)
 from .errors import counted
 
 logger = logging.getLogger(__name__)
@@ -170,8 +170,6 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     if cuda and cbytes == 2 and world == 1:  # what lean_streamed would take off (mark_resident's rule)
         plan.lean_streamed_saving = cbytes * sum(u.numel for u in units if u.kind == "layer" and not u.resident
                                                  and not u.lean and u.n_train == u.numel)
-    from .engine.store import TRANSIENT_GRAD_BUFFERS
-
     buffers = 4 * TRANSIENT_GRAD_BUFFERS * max((u.n_train for u in units if not u.resident), default=0)
     if eng.transient_grads and world == 1:  # a few shared buffers of the largest streamed unit
         plan.host[f"fp32 gradient buffers (transient, {TRANSIENT_GRAD_BUFFERS})"] = buffers
@@ -245,7 +243,7 @@ MODES = (("default", {}), ("lean_streamed", dict(lean_streamed=True)),
 def state_bytes_per_parameter(plan: MemoryPlan, params: int) -> float:
     """Host bytes of the training state (master, compute copy, gradients, moments) per parameter."""
     keys = ("fp32 master", "compute copy", "fp32 gradient", "Adam moments")
-    return sum(v for k, v in plan.host.items() if k.startswith(keys)) / params  # resident ones: 0 here
+    return sum(v for k, v in plan.host.items() if k.startswith(keys)) / params  # a resident unit's is on the GPU
 
 
 def mode_plans(config, batch: int, seq: int, engine: EngineConfig, *, shapes: Shapes | None = None,
@@ -526,6 +524,7 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
         if not residency_planned and plan.world_size == 1:
             fixes += ["gpu_resident_layers > 0 to keep some layers' state on the GPU instead" if not plan.resident_layers
                       else f"more than {plan.resident_layers} gpu_resident_layers, if the GPU has room for them"]
+
         def fits_with(saving):
             return not shortfalls(replace(plan, host={**plan.host, "saved": -saving}), host_free, gpu_free, margin)
 

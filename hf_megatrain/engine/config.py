@@ -81,7 +81,7 @@ class EngineConfig:
         not combined with data parallel. None: auto (the planner takes it when the host RAM does
         not suffice without it and does with it).
     transient_grads: streamed units keep no persistent fp32 gradient accumulator: each unit's
-        gradient lands in one of TRANSIENT_GRAD_BUFFERS pinned buffers (store.py) and the host
+        gradient lands in one of TRANSIENT_GRAD_BUFFERS pinned buffers (layout.py) and the host
         AdamW steps it from there as soon as it is final, 4 bytes per streamed parameter less of
         host RAM. Exact only when every backward steps its units as they finish: no clipping
         (HostAdamW.step_during_backward before each backward), a step's micro-batches run together,

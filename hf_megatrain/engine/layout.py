@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import torch
 
+# transient_grads (EngineConfig): the shared gradient buffers of the streamed units. One is being
+# filled while the host steps the units of the others; a third gives the step slack.
+TRANSIENT_GRAD_BUFFERS = 3
+
 # Peak bytes of fp32 logits (+ their grad and softmax: 3 copies) per loss chunk, by device type.
 LOSS_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}
 LOSS_CHUNK_COPIES = 3

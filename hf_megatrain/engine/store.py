@@ -29,12 +29,9 @@ from torch import nn
 
 from ..patcher.specs import ArchSpec
 from ..errors import MegaTrainError
+from .layout import TRANSIENT_GRAD_BUFFERS
 from .pinned import arena_tensors
 from .worker import Signal
-
-# transient_grads (EngineConfig): the shared gradient buffers of the streamed units. One is being
-# filled while the host steps the units of the others; a third gives the step slack.
-TRANSIENT_GRAD_BUFFERS = 3
 
 
 @dataclass(frozen=True)
