@@ -60,28 +60,9 @@ from versions import code_version, describe_code, versions, versions_line  # noq
 
 # -- the matmul peak -------------------------------------------------------------------------
 def _matmul_peak(seconds: float) -> dict:
-    import torch
+    from hf_megatrain.probe import matmul_rates  # what hf-megatrain probe measures
 
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    flop = 2 * n**3
-
-    def rate(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            a @ b
-        torch.cuda.synchronize()
-        return flop * iters / (time.perf_counter() - t0) / 1e12
-
-    for _ in range(3):
-        a @ b
-    burst = rate(60)  # ~0.1 s
-    t_end = time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        rate(100)
-    sustained = rate(400)
+    burst, sustained = matmul_rates(seconds)
     return {"burst_tflops": round(burst, 1), "sustained_tflops": round(sustained, 1)}
 
 

@@ -300,67 +300,41 @@ def test_lean_residency_is_bit_identical_on_gpu(clip):
             assert torch.equal(got[name], ref[name]), (resident, name)
 
 
-@pytest.mark.parametrize("clip", [1e-2, 0.0])
-def test_lean_streamed_is_bit_identical_on_gpu(clip):
-    """Lean streamed layers (the pinned fp32 master crosses PCIe and is cast into the ring slot on the
-    H2D stream, with random GPU sleeps on the copy streams) equal streamed layers with a host bf16
-    copy, bit for bit, with gradient accumulation, with clipping and with steps during the backward,
-    beside resident layers."""
+@pytest.mark.parametrize("modes,clip", [(dict(lean_streamed=True), 1e-2), (dict(lean_streamed=True), 0.0),
+                                        (dict(lean_streamed=True, transient_grads=True), 0.0)])
+def test_host_memory_modes_are_bit_identical_on_gpu(modes, clip):
+    """lean_streamed (the pinned fp32 master crosses PCIe and is cast into the ring slot on the H2D
+    stream) and transient_grads (each gradient in one of three shared pinned buffers, stepped during
+    the backward): with random GPU sleeps on the copy streams, beside a resident layer, with
+    micro-batches together, with clipping and with steps during the backward, equal to the default
+    bit for bit, losses, gradient norms and masters."""
 
-    def run(lean):
+    def run(**fields):
         model = make_model("mixtral", num_hidden_layers=4, seed=8)
-        engine = StreamingEngine(model, device=DEV, compute_dtype=torch.bfloat16, resident_layers=1,
-                                 lean_streamed=lean).train()
+        engine = StreamingEngine(model, device=DEV, compute_dtype=torch.bfloat16, resident_layers=1, **fields).train()
         engine.pipeline.chaos = random.Random(5)
         opt = HostAdamW(engine, lr=1e-3, weight_decay=0.1)
-        losses = []
+        record = []
         for step in range(4):
             batches = [make_batch(seed=10 * step + m) for m in range(2)]
             if not clip:
                 assert opt.step_during_backward()
-            losses += [float(x) for x in engine.forward_backward_many(batches, None, 0.5)]
+            record += [float(x) for x in engine.forward_backward_many(batches, None, 0.5)]
             if clip:
-                losses.append(float(opt.clip_grad_norm_(clip)))
+                record.append(float(opt.clip_grad_norm_(clip)))
             opt.step()
+            if not clip:
+                record.append(float(engine.grad_norm()))
             engine.zero_grad()
-        assert engine.engine_config.lean_streamed == lean
+        lean = bool(fields.get("lean_streamed"))
+        assert engine.engine_config.lean_streamed == lean and engine.store.transient == bool(fields.get("transient_grads"))
         assert [engine.store.compute[u.index] is None for u in engine.units if u.kind == "layer"] == \
             [False, lean, lean, lean]
-        return losses, dict(engine.named_master_params())
+        return record, dict(engine.named_master_params())
 
-    ref_losses, ref = run(False)
-    losses, got = run(True)
-    assert losses == ref_losses
-    for name in ref:
-        assert torch.equal(got[name], ref[name]), name
-
-
-def test_transient_grads_are_bit_identical_on_gpu():
-    """transient_grads with lean_streamed (12 bytes of host RAM per streamed parameter): each unit's
-    gradient lands in one of three shared pinned buffers and is stepped from there during the
-    backward; with random GPU sleeps on the copy streams, equal to the default bit for bit, beside a
-    resident layer, and the gradient norms taken on the way equal the default's."""
-
-    def run(on):
-        model = make_model("mixtral", num_hidden_layers=4, seed=8)
-        engine = StreamingEngine(model, device=DEV, compute_dtype=torch.bfloat16, resident_layers=1,
-                                 lean_streamed=on, transient_grads=on).train()
-        engine.pipeline.chaos = random.Random(7)
-        opt = HostAdamW(engine, lr=1e-3, weight_decay=0.1)
-        losses = []
-        for step in range(4):
-            assert opt.step_during_backward()
-            batches = [make_batch(seed=10 * step + m) for m in range(2)]
-            losses += [float(x) for x in engine.forward_backward_many(batches, None, 0.5)]
-            opt.step()
-            losses.append(float(engine.grad_norm()))
-            engine.zero_grad()
-        assert engine.store.transient == on
-        return losses, dict(engine.named_master_params())
-
-    ref_losses, ref = run(False)
-    losses, got = run(True)
-    assert losses == ref_losses
+    ref_record, ref = run()
+    record, got = run(**modes)
+    assert record == ref_record
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
 
