@@ -105,19 +105,17 @@ def build_model(shape: str, layers: int | None, device: str, seq: int, tiny: boo
 
 def active_parameters(config) -> tuple[int, int]:
     """(all, active) parameters of the config's causal LM, counted on a meta copy. A routed expert's
-    weights (named `.experts.`, HF v5's fused tensors) count top_k / num_experts of their size."""
+    weights count top_k / num_experts of their size (the step-time model's rule: routed_per_layer)."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from hf_megatrain.steptime import routed_per_layer
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     total = sum(p.numel() for p in model.parameters())
-    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-    if routed and experts:
-        top_k = config.num_experts_per_tok
-        return total, total - routed + routed * top_k // experts
-    return total, total
+    idle = sum(n * (1 - frac) for n, frac in routed_per_layer(config).values())
+    return total, total - round(idle)
 
 
 def write_random_checkpoint(shape: str, layers: int | None, folder: str, max_positions: int = 131072) -> int:

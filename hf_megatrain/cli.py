@@ -293,14 +293,15 @@ def _estimate(argv: list[str]) -> int:
     if a.device == "cuda" and a.world_size == 1:
         from .memory import mode_plans, shortfalls, state_bytes_per_parameter
         from .probe import rates_for_planning
-        from .steptime import predict
+        from .steptime import predict, routed_per_layer
 
         rates, n = rates_for_planning(), a.grad_accum * step.split
         together = bool(step.together) or n == 1
+        routed = routed_per_layer(config)  # a meta copy of the model: once, for the four predictions
 
         def timed(eng, clip):
             return predict(config, batch, a.seq, eng, rates, micro_batches=n, together=together, clip=clip,
-                           shapes=shapes)
+                           shapes=shapes, routed=routed)
 
         timing = timed(placement.engine, a.max_grad_norm > 0)
         for name, eng, mode_plan in mode_plans(config, batch, a.seq, placement.engine, shapes=shapes,
