@@ -83,12 +83,14 @@ class MegaTrainArguments(TrainingArguments):
                   "bytes of host RAM instead of 18, for twice the PCIe bytes of its weights. auto: when the host "
                   "RAM does not suffice without it and does with it. Not with data parallel."},
     )
-    transient_grads: bool = field(
-        default=False,
-        metadata={"help": "Streamed layers keep no fp32 gradient accumulator: each gradient lands in one of a few "
-                  "shared buffers and is stepped as soon as it is final (4 bytes per parameter less of host RAM; "
-                  "the same numbers). Needs max_grad_norm=0 and, with gradient accumulation, the micro-batches "
-                  "through each layer together. Not with data parallel."},
+    transient_grads: str = field(
+        default="auto",
+        metadata={"help": "auto | true | false. Decoder layers keep no persistent fp32 gradient: a streamed one's "
+                  "lands in one of a few shared host buffers, a resident one's in one shared GPU buffer, and each "
+                  "is stepped as soon as it is final (4 bytes per parameter less; the same numbers). Needs "
+                  "max_grad_norm=0 and, with gradient accumulation, the micro-batches through each layer together. "
+                  "Not with data parallel. auto: on a GPU without clipping, when the host RAM does not suffice "
+                  "without it."},
     )
     layer_major_accumulation: str = field(
         default="auto",
@@ -223,6 +225,15 @@ def save_dtype(args) -> torch.dtype | None:
     return None if args.save_dtype == "auto" else getattr(torch, args.save_dtype)
 
 
+def transient_grads(args, device: torch.device) -> bool | None:
+    """transient_grads as asked; 'auto' stays None (for the planner) only where it could be exact:
+    one GPU process without clipping."""
+    asked = parse_switch(args.transient_grads, "transient_grads")
+    if asked is None and (device.type != "cuda" or args.world_size > 1 or (args.max_grad_norm or 0) > 0):
+        return False
+    return asked
+
+
 def engine_config(args, device: torch.device) -> EngineConfig:
     """The EngineConfig these arguments ask for on `device`; the placements stay None where they
     say 'auto' (memory.resolve_placement decides them)."""
@@ -237,7 +248,7 @@ def engine_config(args, device: torch.device) -> EngineConfig:
         offload_activations=parse_count(args.offload_activations, "offload_activations"),
         lean_resident=parse_switch(args.lean_resident, "lean_resident"),
         lean_streamed=parse_switch(args.lean_streamed, "lean_streamed"),
-        transient_grads=args.transient_grads,
+        transient_grads=transient_grads(args, device),
         prefetch_depth=args.prefetch_depth,
         host_threads=args.host_threads,
         background_host_jobs=args.background_host_jobs,

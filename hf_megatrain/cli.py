@@ -73,7 +73,7 @@ memory and speed (hf_megatrain):
   --gpu_resident_layers auto|N   layers kept entirely on the GPU (default: as many as fit)
   --lean_resident auto|true|false   resident layers without a bf16 copy (default: when it keeps more)
   --lean_streamed auto|true|false   streamed layers without a bf16 copy in host RAM (default: when the host needs it)
-  --transient_grads true|false   no fp32 gradient accumulator for streamed layers (needs --max_grad_norm 0)
+  --transient_grads auto|true|false  no persistent fp32 gradient for decoder layers (needs --max_grad_norm 0)
   --offload_activations auto|N   layer inputs kept in pinned host memory (long context)
   --layer_major_accumulation auto|true|false   a step's micro-batches through each layer together
   --compute_dtype auto|bfloat16|float32   --save_dtype auto|float32|bfloat16
@@ -207,9 +207,10 @@ def _estimate(argv: list[str]) -> int:
                    help="streamed layers keep no bf16 copy in host RAM, the fp32 master streams (16 instead of 18 "
                         "bytes per parameter, twice the PCIe bytes): true, false or auto; default false, or auto "
                         "with --gpu_gib and --host_gib")
-    p.add_argument("--transient_grads", action="store_true",
-                   help="streamed layers keep no fp32 gradient accumulator; each gradient is stepped as it lands "
-                        "(needs --max_grad_norm 0)")
+    p.add_argument("--transient_grads", nargs="?", const="true", default=None,
+                   help="decoder layers keep no persistent fp32 gradient; each is stepped as it lands (needs "
+                        "--max_grad_norm 0): true (the bare flag), false or auto; default false, or auto with "
+                        "--max_grad_norm 0, --gpu_gib and --host_gib")
     p.add_argument("--mlp_tile_tokens", type=int, default=None,
                    help="MLP sequence tile (default: 16384 for rows longer than 32K tokens, as the trainer)")
     p.add_argument("--gpu_gib", type=float, default=None,
@@ -237,7 +238,14 @@ def _estimate(argv: list[str]) -> int:
         except MegaTrainError:
             raise SystemExit(f"hf-megatrain estimate: --{name} takes a number of layers or 'auto', not {value!r}")
 
-    if a.transient_grads and a.max_grad_norm > 0:
+    try:
+        transient = parse_switch(a.transient_grads, "transient_grads")
+    except MegaTrainError:
+        raise SystemExit(f"hf-megatrain estimate: --transient_grads takes true, false or auto, not {a.transient_grads!r}")
+    if transient is None and not (a.max_grad_norm <= 0 and a.gpu_gib and a.host_gib and a.world_size == 1
+                                  and a.device == "cuda"):
+        transient = False  # auto only where it would be exact and there is a machine to weigh it for
+    if transient and a.max_grad_norm > 0:
         raise SystemExit("hf-megatrain estimate: --transient_grads needs --max_grad_norm 0 (exact clipping needs every "
                          "gradient kept until the global norm is known)")
     config = _config_of(a.model)
@@ -258,7 +266,7 @@ def _estimate(argv: list[str]) -> int:
         streamed = False  # auto weighs the host RAM: without --host_gib there is none to weigh
     engine = EngineConfig(device=a.device, compute_dtype=a.compute_dtype, resident_layers=resident,
                           offload_activations=offload, lean_resident=lean, lean_streamed=streamed,
-                          transient_grads=a.transient_grads,
+                          transient_grads=transient,
                           mlp_tile_tokens=mlp_tile(a.seq, a.mlp_tile_tokens))
     ranks = dict(world_size=a.world_size, local_ranks=a.local_ranks)
     shapes = model_shapes(config)

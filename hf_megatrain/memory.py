@@ -205,7 +205,16 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
         plan.gpu["fp32 landing of a lean streamed layer"] = 4 * max(u.numel for u in units if u.lean and not u.resident)
     plan.gpu["gradient ring (fp32)"] = eng.grad_slots * 4 * grad_slot_numel(units)
     lean = sum(u.numel for u in units if u.lean and u.resident)
-    if lean:
+    if eng.transient_grads and resident_layers:  # the resident layers share one gradient buffer
+        full = sum(u.numel for u in units if u.resident and u.kind == "layer" and not u.lean)
+        plan.gpu["resident units (weights, master, grad, Adam)"] = (cbytes + 16) * (on_gpu - lean - full)
+        if full:
+            plan.gpu["resident layers (weights, master, Adam)"] = (cbytes + 12) * full
+        if lean:
+            plan.gpu["lean resident layers (master, Adam)"] = 12 * lean
+        plan.gpu["fp32 gradient of a resident layer (transient, shared)"] = \
+            4 * max(u.n_train for u in units if u.resident and u.kind == "layer")
+    elif lean:
         plan.gpu["resident units (weights, master, grad, Adam)"] = (cbytes + 16) * (on_gpu - lean)
         plan.gpu["lean resident layers (master, grad, Adam)"] = 16 * lean
     else:
@@ -368,35 +377,50 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
     planned = resident is None and engine.device.type == "cuda"
     if engine.device.type != "cuda":
         resident, offload, lean, streamed = resident or 0, offload or 0, bool(lean), bool(streamed)
-    elif resident is None or offload is None or lean is None or streamed is None:
+    elif None in (resident, offload, lean, streamed, engine.transient_grads):
         gpu_free = gpu_available(engine.device) if gpu_free is None else gpu_free
         ranks = dict(world_size=world_size, local_ranks=local_ranks, micro_batches=micro_batches)
 
-        def place(lean_streamed: bool):
-            return place_layers(config, batch, seq, gpu_free, engine=replace(engine, lean_streamed=lean_streamed),
+        def place(modes: dict):
+            return place_layers(config, batch, seq, gpu_free, engine=replace(engine, **modes),
                                 resident_layers=resident, offload_activations=offload, host_free=host_free, **ranks)
 
-        def host_short(placed, lean_streamed: bool) -> bool:
+        def host_short(placed, modes: dict) -> bool:
             plan = estimate(config, batch, seq, replace(engine, resident_layers=placed[0], offload_activations=placed[1],
-                                                        lean_resident=placed[2], lean_streamed=lean_streamed), **ranks)
+                                                        lean_resident=placed[2], **modes), **ranks)
             return plan.host_per_host > host_free * (1 - ADMIT_MARGIN)
 
-        placed = place(bool(streamed))
-        if streamed is None:  # auto: only when the host RAM does not suffice without it, and does with it
-            streamed = False
-            if world_size == 1 and host_free is not None and host_short(placed, False):
-                lean_placed = place(True)
-                if not host_short(lean_placed, True):
-                    placed, streamed = lean_placed, True
+        # The host memory modes left on auto, the cheapest first: none; transient_grads (free of time:
+        # without clipping each unit is stepped as it lands anyway); lean_streamed (twice the PCIe bytes
+        # of the streamed weights); both. The first whose host side fits; the plain one if none does.
+        choices = [dict(transient_grads=t, lean_streamed=s)
+                   for s in ([False, True] if streamed is None else [bool(streamed)])
+                   for t in ([False, True] if engine.transient_grads is None else [bool(engine.transient_grads)])]
+        if world_size > 1 or host_free is None:  # nothing to weigh them against: as asked, auto off
+            choices = choices[:1]
+        modes = choices[0]
+        placed = place(modes)
+        for option in choices[1:] if len(choices) > 1 and host_short(placed, modes) else []:
+            option_placed = place(option)
+            if not host_short(option_placed, option):
+                placed, modes = option_placed, option
+                break
         resident, offload, lean = placed
+        streamed, transient = modes["lean_streamed"], modes["transient_grads"]
+        chosen = [name for name, on, asked in (("lean_streamed", streamed, engine.lean_streamed),
+                                               ("transient_grads", transient, engine.transient_grads))
+                  if on and asked is None]
         logger.info("memory plan: %d of %s resident on the GPU%s, %s offloaded (%.0f GiB free)%s",
                     resident, counted(config.num_hidden_layers, "layer"),
                     " (lean: cast from the fp32 master per use)" if lean else "",
                     counted(offload, "layer input"), gpu_free / GiB,
-                    "; lean_streamed: the streamed layers keep no bf16 copy in host RAM (without it the host is "
-                    "short)" if streamed and engine.lean_streamed is None else "")
+                    f"; {' and '.join(chosen)} (without it the host RAM is short)" if chosen else "")
+        return Placement(replace(engine, resident_layers=resident, offload_activations=offload,
+                                 lean_resident=bool(lean) and bool(resident), lean_streamed=streamed,
+                                 transient_grads=transient), planned)
     return Placement(replace(engine, resident_layers=resident, offload_activations=offload,
-                             lean_resident=bool(lean) and bool(resident), lean_streamed=bool(streamed)), planned)
+                             lean_resident=bool(lean) and bool(resident), lean_streamed=bool(streamed),
+                             transient_grads=bool(engine.transient_grads)), planned)
 
 
 class StepSplit(NamedTuple):
@@ -433,6 +457,8 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
         splittable = not (getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
 
     def placed(rows, n=1, eng=engine):
+        if n == 1 and ga > 1 and eng.transient_grads is None:  # one micro-batch at a time: never exact
+            eng = replace(eng, transient_grads=False)
         return resolve_placement(config, rows, seq, eng, host_free=host_free, gpu_free=gpu_free, micro_batches=n)
 
     cuda = engine.device.type == "cuda"
@@ -453,7 +479,8 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
         return StepSplit(1, 0, base)  # nothing would cross PCIe per micro-batch: as asked
     # An 'auto' lean_streamed is the last resort: every split without it first (cutting rows costs
     # smaller matmuls; lean_streamed, twice the PCIe bytes of the streamed weights)
-    engines = [replace(engine, lean_streamed=False), engine] if engine.lean_streamed is None else [engine]
+    plain = {k: False for k in ("lean_streamed", "transient_grads") if getattr(engine, k) is None}
+    engines = [replace(engine, **plain), engine] if plain else [engine]
     for eng in engines:
         for f in [f for f in range(1, batch + 1) if batch % f == 0 and (f == 1 or splittable)]:
             if ga * f < 2:

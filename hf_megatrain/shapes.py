@@ -24,6 +24,10 @@ SHAPES = {
     "llama-3.1-70b": dict(cls=LlamaConfig, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                           num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
                           rope_theta=500000.0),
+    # the largest dense shape the H200 box (128 GiB host) trains without clipping (issue 21): Llama-style, 18.3 B
+    "dense-18b": dict(cls=LlamaConfig, hidden_size=6144, intermediate_size=16384, num_hidden_layers=46,
+                      num_attention_heads=48, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False,
+                      rope_theta=500000.0),
     # a 120B-class dense shape (Llama-style, 96 layers of width 10240)
     "dense-120b": dict(cls=LlamaConfig, hidden_size=10240, intermediate_size=32768, num_hidden_layers=96,
                        num_attention_heads=80, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,

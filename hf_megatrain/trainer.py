@@ -110,7 +110,7 @@ class MegaTrainTrainer(Trainer):
 
         config = base_model(model).config
         world, local = args.world_size, ranks_on_this_host(args.world_size)
-        if args.transient_grads and args.max_grad_norm and args.max_grad_norm > 0:
+        if parse_switch(args.transient_grads, "transient_grads") and args.max_grad_norm and args.max_grad_norm > 0:
             raise MegaTrainError(f"transient_grads needs max_grad_norm=0 (it is {args.max_grad_norm:g}): exact "
                                  "clipping needs every gradient kept until the global norm is known, which is what "
                                  "transient_grads gives up.")
@@ -123,7 +123,7 @@ class MegaTrainTrainer(Trainer):
         if world > 1:  # data parallel runs its micro-batches one at a time, as asked
             if asked:
                 raise MegaTrainError("layer_major_accumulation is not combined with data parallel yet; leave it on auto.")
-            if args.transient_grads:
+            if wanted.transient_grads:
                 raise MegaTrainError("transient_grads is not combined with data parallel yet: the ranks' gradients "
                                      "are summed before each step; leave it off.")
             if parse_switch(args.lean_streamed, "lean_streamed"):
@@ -138,7 +138,7 @@ class MegaTrainTrainer(Trainer):
             self._split, self._together, placement = step
             if step.together or step.split > 1:
                 logger.info("hf_megatrain step: %s", step.describe(batch, ga))
-            if args.transient_grads and ga * step.split > 1 and not step.together:
+            if placement.engine.transient_grads and ga * step.split > 1 and not step.together:
                 raise MegaTrainError("transient_grads with gradient accumulation needs a step's micro-batches "
                                      "through each layer together (a unit's gradient has no buffer to be added "
                                      "to): set layer_major_accumulation=true, or leave transient_grads off.")

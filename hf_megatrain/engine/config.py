@@ -83,9 +83,12 @@ class EngineConfig:
     transient_grads: streamed units keep no persistent fp32 gradient accumulator: each unit's
         gradient lands in one of TRANSIENT_GRAD_BUFFERS pinned buffers (layout.py) and the host
         AdamW steps it from there as soon as it is final, 4 bytes per streamed parameter less of
-        host RAM. Exact only when every backward steps its units as they finish: no clipping
+        host RAM. Resident decoder layers likewise share one fp32 gradient buffer on the GPU, each
+        stepped right after its backward: 4 bytes per resident layer parameter less of GPU memory. Exact only when every backward steps its units as they finish: no clipping
         (HostAdamW.step_during_backward before each backward), a step's micro-batches run together,
-        background host jobs; anything else is refused. Not with data parallel.
+        background host jobs; anything else is refused. Not with data parallel. None: auto (the
+        planner takes it when the host RAM does not suffice without it; only offered where it is
+        exact: see arguments.engine_config).
     prefetch_depth: GPU weight slots of the ring that streams decoder layers (>= 2).
     grad_slots: GPU slots of fp32 layer gradients on their way to the host (>= 1).
     staging_slabs: pinned slabs for gradient contributions after a step's first (>= 1).
@@ -104,7 +107,7 @@ class EngineConfig:
     offload_activations: int | None = 0
     lean_resident: bool | None = False
     lean_streamed: bool | None = False
-    transient_grads: bool = False
+    transient_grads: bool | None = False
     prefetch_depth: int = 2
     grad_slots: int = 2
     staging_slabs: int = 2
@@ -123,6 +126,7 @@ class EngineConfig:
         set_(self, "lean_resident", False if self.compute_dtype == torch.float32 else lean)
         streamed = parse_switch(self.lean_streamed, "lean_streamed")
         set_(self, "lean_streamed", False if self.compute_dtype == torch.float32 else streamed)
+        set_(self, "transient_grads", parse_switch(self.transient_grads, "transient_grads"))
         if self.background_host_jobs is None:
             set_(self, "background_host_jobs", device.type == "cuda")
         if self.transient_grads and not self.background_host_jobs:
@@ -143,7 +147,7 @@ class EngineConfig:
     def planned(self) -> bool:
         """Every placement is settled (nothing left for the planner to decide)."""
         return self.resident_layers is not None and self.offload_activations is not None \
-            and self.lean_resident is not None and self.lean_streamed is not None
+            and self.lean_resident is not None and self.lean_streamed is not None and self.transient_grads is not None
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

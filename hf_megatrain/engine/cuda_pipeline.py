@@ -65,6 +65,10 @@ class _Entry:
     released: bool = False
 
 
+def _landed() -> None:
+    """A gradient on the device, in the stream order of its step, has landed already."""
+
+
 class CudaPipeline(Pipeline):
     """The `Pipeline` of a GPU run: streams units through a ring of `depth` GPU weight slots,
     sends gradients back through `grad_slots` GPU slots and `staging_slabs` pinned slabs.
@@ -197,6 +201,8 @@ class CudaPipeline(Pipeline):
     def grad_buffer(self, index: int) -> torch.Tensor:
         unit = self.store.units[index]
         numel = unit.n_train
+        if self.store.transient_on_device(unit):
+            return self.store.device_grad(index)  # shared by the resident layers (count_grad refuses a second)
         if unit.resident and self.store.grad_count[index] == 0:
             return self.store.grad[index]  # the first gradient is written straight into place
         if unit.kind != "layer" or unit.resident:
@@ -228,6 +234,10 @@ class CudaPipeline(Pipeline):
             acc = store.grad[index]
             views = [acc[s.offset : s.offset + s.numel] for s in unit.train_slots]
             self.norms[index] = torch.stack(torch._foreach_norm(views, 2))
+            if self.on_final_grad is not None and store.transient_on_device(unit):
+                # its step must read the shared buffer before the next layer's backward writes it:
+                # queued now, on this stream, it does
+                self.on_final_grad(index, _landed)
             return
         if first and store.sharding is None:  # sliced gradients: the engine sums squares over ranks
             views = [grad[s.offset : s.offset + s.numel] for s in unit.train_slots]

@@ -212,8 +212,11 @@ class HostAdamW(torch.optim.Optimizer):
         until that gradient is in the host accumulator (and raises if adding it failed)."""
         e = self._eager
         e["done"].add(index)
-        self.store.ready[index].clear()
         count = self.store.grad_count[index]
+        if self.store.master[index].device.type != "cpu":  # a resident unit: queued now on the device's stream
+            self.step_unit(index, e["hyper"], None, count, e["step"])
+            return
+        self.store.ready[index].clear()
 
         def job():
             landed()

@@ -97,7 +97,8 @@ class HostPipeline(Pipeline):
         pass
 
     def grad_buffer(self, index: int) -> torch.Tensor:
-        if self.store.units[index].resident and self.store.grad_count[index] == 0:
+        unit = self.store.units[index]
+        if unit.resident and self.store.grad_count[index] == 0 and not self.store.transient_on_host(unit):
             return self.store.grad[index]  # the first gradient is written straight into place
         return torch.empty(self.store.units[index].n_train, dtype=self.store.compute_dtype, device=self.device)
 
@@ -118,7 +119,7 @@ class HostPipeline(Pipeline):
     def _add_grad(self, index: int, grad: torch.Tensor, first: bool) -> None:
         store = self.store
         store.add_grad(index, grad, first)
-        if store.transient and not store.units[index].resident:  # as stock would take them, before the step
+        if store.transient_on_host(store.units[index]):  # as stock would take them, before the step
             acc = store.grad[index]
             views = [acc[s.offset : s.offset + s.numel] for s in store.units[index].train_slots]
             self.norms[index] = torch.stack(torch._foreach_norm(views, 2))
@@ -138,7 +139,7 @@ class HostPipeline(Pipeline):
         for u in self.store.units:
             if self.store.grad_count[u.index] == 0:
                 out.append(torch.zeros(len(u.train_slots)))
-            elif u.resident or self.norms[u.index] is None:  # a resident unit keeps its gradient
+            elif not self.store.transient_on_host(u) or self.norms[u.index] is None:  # it keeps its gradient
                 acc = self.store.grad[u.index]
                 out.append(torch.stack(torch._foreach_norm([acc[s.offset : s.offset + s.numel]
                                                             for s in u.train_slots], 2)))

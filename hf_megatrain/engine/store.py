@@ -185,22 +185,31 @@ class HostStore:
                     self.compute[u.index] = None
         # transient_grads: a streamed unit's gradient lives in one of a few shared buffers from its
         # first contribution until its step has run (claim_grad), instead of a buffer of its own.
+        # So does a resident decoder layer's: on a GPU in one device buffer that they all share
+        # (each is stepped on the compute stream right after its backward, before the next layer's
+        # backward writes the buffer: stream order is the whole protocol), on the CPU in the host
+        # buffers. A resident embedding and head keep theirs (not layers: stepped after the backward).
         self.transient = transient_grads
         self.grad = self._alloc([0 if transient_grads else n for n in trained], torch.float32)
         self._grad_buffers, self._grad_owner, self._claims = [], [], 0
+        self._device_grad = None
         if transient_grads:
-            size = max((hi - lo for u, (lo, hi) in zip(units, self.bounds) if not u.resident), default=0)
+            on_host = [u for u in units if self.transient_on_host(u)]
+            size = max((self.bounds[u.index][1] - self.bounds[u.index][0] for u in on_host), default=0)
             self._grad_buffers = self._alloc([size] * (TRANSIENT_GRAD_BUFFERS if size else 0), torch.float32)
             self._grad_owner = [None] * len(self._grad_buffers)
-            for u in units:
-                if not u.resident:
-                    self.grad[u.index] = None
+            for u in on_host:
+                self.grad[u.index] = None
+            size = max((u.n_train for u in units if self.transient_on_device(u)), default=0)
+            if size:
+                self._device_grad = torch.empty(size, dtype=torch.float32, device=self.device)
         # Resident units: master, gradient and compute copy on the device (the compute copy is the
         # master itself in fp32 compute mode; a lean unit has none).
         for u in units:
             if u.resident:
                 self.master[u.index] = torch.empty(u.n_train, dtype=torch.float32, device=self.device)
-                self.grad[u.index] = torch.empty(u.n_train, dtype=torch.float32, device=self.device)
+                if not (self.transient_on_host(u) or self.transient_on_device(u)):
+                    self.grad[u.index] = torch.empty(u.n_train, dtype=torch.float32, device=self.device)
                 if self.aliased:
                     self.compute[u.index] = self.master[u.index]
                 elif u.lean:
@@ -213,6 +222,19 @@ class HostStore:
         # step on it is pending, so nothing streams a half-updated unit to the GPU.
         self.ready = [Signal() for _ in units]
         self.order = [s.name for s in sorted((s for u in units for s in u.train_slots), key=lambda s: s.order)]
+
+    def transient_on_host(self, unit: Unit) -> bool:
+        """transient_grads puts this unit's gradient in the shared host buffers (claim_grad): every
+        streamed unit; on the CPU, where the host is the device, a resident decoder layer too."""
+        return self.transient and (not unit.resident or (unit.kind == "layer" and self.device.type == "cpu"))
+
+    def transient_on_device(self, unit: Unit) -> bool:
+        """transient_grads puts this resident decoder layer's gradient in the one shared device buffer."""
+        return self.transient and unit.resident and unit.kind == "layer" and self.device.type != "cpu"
+
+    def device_grad(self, index: int) -> torch.Tensor:
+        """The shared device buffer, as resident layer `index`'s gradient (transient_on_device)."""
+        return self._device_grad[: self.units[index].n_train]
 
     def _alloc(self, numels: list[int], dtype: torch.dtype, pin: bool | None = None) -> list[torch.Tensor]:
         arena, tensors = arena_tensors(numels, dtype, self.pin if pin is None else pin)
@@ -317,13 +339,17 @@ class HostStore:
         With transient gradients the first claims a buffer for it (claim_grad) and a second is refused."""
         self.grad_count[index] += 1
         first = self.grad_count[index] == 1
-        if self.transient and not self.units[index].resident:
-            if not first:
-                raise MegaTrainError(
-                    f"transient_grads: {self.units[index].label} got a second gradient in one optimizer step; its "
-                    f"first has no buffer of its own to be added to. Run the step's micro-batches together "
-                    f"(layer_major_accumulation) or leave transient_grads off.")
+        unit = self.units[index]
+        on_host, on_device = self.transient_on_host(unit), self.transient_on_device(unit)
+        if (on_host or on_device) and not first:
+            raise MegaTrainError(
+                f"transient_grads: {unit.label} got a second gradient in one optimizer step; its first has no "
+                f"buffer of its own to be added to. Run the step's micro-batches together "
+                f"(layer_major_accumulation) or leave transient_grads off.")
+        if on_host:
             self.claim_grad(index)
+        elif on_device:
+            self.grad[index] = self.device_grad(index)
         return first
 
     def claim_grad(self, index: int) -> None:

@@ -301,17 +301,19 @@ def test_lean_residency_is_bit_identical_on_gpu(clip):
 
 
 @pytest.mark.parametrize("modes,clip", [(dict(lean_streamed=True), 1e-2), (dict(lean_streamed=True), 0.0),
-                                        (dict(lean_streamed=True, transient_grads=True), 0.0)])
+                                        (dict(lean_streamed=True, transient_grads=True), 0.0),
+                                        (dict(lean_streamed=True, transient_grads=True, lean_resident=True), 0.0)])
 def test_host_memory_modes_are_bit_identical_on_gpu(modes, clip):
     """lean_streamed (the pinned fp32 master crosses PCIe and is cast into the ring slot on the H2D
     stream) and transient_grads (each gradient in one of three shared pinned buffers, stepped during
-    the backward): with random GPU sleeps on the copy streams, beside a resident layer, with
+    the backward; the resident layers then share one device buffer, each stepped on the compute stream
+    right after its backward): with random GPU sleeps on the copy streams, beside two resident layers, with
     micro-batches together, with clipping and with steps during the backward, equal to the default
     bit for bit, losses, gradient norms and masters."""
 
     def run(**fields):
         model = make_model("mixtral", num_hidden_layers=4, seed=8)
-        engine = StreamingEngine(model, device=DEV, compute_dtype=torch.bfloat16, resident_layers=1, **fields).train()
+        engine = StreamingEngine(model, device=DEV, compute_dtype=torch.bfloat16, resident_layers=2, **fields).train()
         engine.pipeline.chaos = random.Random(5)
         opt = HostAdamW(engine, lr=1e-3, weight_decay=0.1)
         record = []
@@ -329,7 +331,9 @@ def test_host_memory_modes_are_bit_identical_on_gpu(modes, clip):
         lean = bool(fields.get("lean_streamed"))
         assert engine.engine_config.lean_streamed == lean and engine.store.transient == bool(fields.get("transient_grads"))
         assert [engine.store.compute[u.index] is None for u in engine.units if u.kind == "layer"] == \
-            [False, lean, lean, lean]
+            [bool(fields.get("lean_resident"))] * 2 + [lean, lean]
+        if fields.get("transient_grads"):  # the two resident layers stepped from one shared device buffer
+            assert engine.store.grad[1].data_ptr() == engine.store.grad[2].data_ptr()
         return record, dict(engine.named_master_params())
 
     ref_record, ref = run()

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, default_data_collator
 
 from hf_megatrain import HostAdamW, HostJobError, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
 from hf_megatrain.engine.config import EngineConfig
-from hf_megatrain.memory import GiB, admit, estimate, model_shapes, resolve_placement, shortfalls
+from hf_megatrain.memory import GiB, admit, estimate, model_shapes, resolve_placement, shortfalls, split_step
 from hf_megatrain.shapes import make_config
 from tests.support.tiny import make_batch, make_model
 
@@ -198,13 +198,16 @@ def train_early(kind, ga, steps=3, **engine):
 @pytest.mark.parametrize("kind", ["llama", "llama_tied", "mixtral"])
 @pytest.mark.parametrize("ga,lean,resident", [(1, False, 0), (2, False, 0), (2, True, 0), (2, True, 1)])
 def test_transient_grads_are_bit_identical(kind, ga, lean, resident):
-    """With lean_streamed too, a streamed parameter costs 12 bytes of host RAM (master and moments)."""
+    """With lean_streamed too, a streamed parameter costs 12 bytes of host RAM (master and moments). A
+    resident decoder layer keeps no gradient of its own either (on the CPU it takes the host buffers;
+    the GPU test covers the shared device buffer); a resident embedding and head keep theirs."""
     _, _, ref_losses, ref = train_early(kind, ga, resident_layers=resident)
     engine, _, losses, got = train_early(kind, ga, resident_layers=resident, lean_streamed=lean, transient_grads=True)
     store = engine.store
-    streamed = [u for u in engine.units if not u.resident]
+    shared = [u for u in engine.units if not u.resident or u.kind == "layer"]
     assert len(store._grad_buffers) == 3 and all(store.grad[u.index] is None or any(
-        store.grad[u.index].data_ptr() == b.data_ptr() for b in store._grad_buffers) for u in streamed)
+        store.grad[u.index].data_ptr() == b.data_ptr() for b in store._grad_buffers) for u in shared)
+    assert all(store.grad[u.index] is not None for u in engine.units if u.resident and u.kind != "layer")
     assert losses == ref_losses
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
@@ -302,6 +305,65 @@ def test_the_plan_counts_12_bytes_per_streamed_parameter_with_both_modes():
     assert state == 12
     # 70B: 807 GiB, which a 1 TB host (931 GiB) holds, against 1,194 GiB by default
     assert both.host_total / GiB < 820 and default.host_total / GiB > 1150
+
+
+def test_the_plan_counts_12_bytes_per_resident_layer_parameter_with_transient_grads():
+    """On the GPU side too: a lean resident layer keeps its master and moments, and the resident layers
+    share one fp32 gradient buffer of the largest; the embedding and head keep their gradients. More
+    layers then fit: 18.3 B parameters (dense-18b) train on one H200 and 122.7 GiB of host without
+    clipping, which neither mode alone allows."""
+    cfg = make_config("dense-18b")
+    shapes = model_shapes(cfg)
+    layer = shapes.units[1].numel
+    kw = dict(shapes=shapes, resident_layers=20, lean_resident=True, lean_streamed=True)
+    plain, both = estimate(cfg, 16, 1024, **kw), estimate(cfg, 16, 1024, transient_grads=True, **kw)
+    assert plain.gpu["lean resident layers (master, grad, Adam)"] == 16 * 20 * layer
+    assert both.gpu["lean resident layers (master, Adam)"] == 12 * 20 * layer
+    assert both.gpu["fp32 gradient of a resident layer (transient, shared)"] == 4 * layer
+    assert both.gpu["resident units (weights, master, grad, Adam)"] == plain.gpu["resident units (weights, master, grad, Adam)"]
+    assert plain.gpu_total - both.gpu_total == 4 * 19 * layer
+    auto = EngineConfig(device="cuda", resident_layers=None, offload_activations=None, lean_resident=None,
+                        lean_streamed=None, transient_grads=True)
+    placed = resolve_placement(cfg, 16, 1024, auto, gpu_free=138.5 * GiB, host_free=122.7 * GiB).engine
+    assert placed.lean_streamed and not shortfalls(estimate(cfg, 16, 1024, placed, shapes=shapes), 122.7 * GiB, 138.5 * GiB)
+    without = resolve_placement(cfg, 16, 1024, replace(auto, transient_grads=False), gpu_free=138.5 * GiB,
+                                host_free=122.7 * GiB).engine
+    assert shortfalls(estimate(cfg, 16, 1024, without, shapes=shapes), 122.7 * GiB, 138.5 * GiB)
+
+
+def test_the_planner_takes_transient_grads_before_lean_streamed_and_only_where_exact():
+    """Auto modes, cheapest first: transient_grads costs no time without clipping (each unit is stepped as
+    it lands anyway), lean_streamed costs PCIe bytes. Qwen2.5-14B at 8K tokens on one H200: 139 GiB of
+    host needs neither; 122.7 GiB takes transient_grads alone (its resident layers are 4 bytes a parameter
+    smaller, so 26 fit instead of 21); 60 GiB fits no mode, and the plan stays the plain one for the
+    refusal. Micro-batches one at a time never get it; together they do. The trainer offers it only on a
+    GPU without clipping."""
+    cfg = make_config("qwen2.5-14b")
+    auto = EngineConfig(device="cuda", resident_layers=None, offload_activations=None, lean_resident=None,
+                        lean_streamed=None, transient_grads=None)
+
+    def placed(host_gib, **kw):
+        return resolve_placement(cfg, 8, 1024, auto, gpu_free=138.5 * GiB, host_free=host_gib * GiB, **kw).engine
+
+    roomy, tight, short = placed(140), placed(122.7), placed(60)
+    assert (roomy.transient_grads, roomy.lean_streamed, roomy.resident_layers) == (False, False, 21)
+    assert (tight.transient_grads, tight.lean_streamed, tight.resident_layers) == (True, False, 26)
+    assert (short.transient_grads, short.lean_streamed) == (False, False)
+    assert placed(122.7, world_size=2).transient_grads is False  # data parallel: never
+    gpu = dict(host_free=122.7 * GiB, gpu_free=138.5 * GiB)
+    together = split_step(cfg, 8, 1024, auto, 2, **gpu)
+    assert together.together == 2 and together.placement.engine.transient_grads
+    apart = split_step(cfg, 8, 1024, auto, 2, asked=False, **gpu)
+    assert not apart.together and not apart.placement.engine.transient_grads and apart.placement.engine.lean_streamed
+    from hf_megatrain.arguments import transient_grads
+
+    def offered(device, clip, asked="auto"):
+        args = MegaTrainArguments(output_dir="unused", use_cpu=True, report_to=[], max_grad_norm=clip,
+                                  transient_grads=asked, background_host_jobs=True)
+        return transient_grads(args, torch.device(device))
+
+    assert offered("cuda", 0.0) is None and offered("cuda", 1.0) is False and offered("cpu", 0.0) is False
+    assert offered("cpu", 0.0, "true") is True
 
 
 def test_estimate_shows_each_mode_and_a_refusal_names_the_one_that_fits(tmp_path):
