@@ -179,13 +179,21 @@ def random_checkpoint(root: str, shape: str, layers: int | None, max_positions: 
 
 
 class TokenRows:
-    """Random token rows (all real tokens; labels = inputs), as a torch Dataset."""
+    """Token rows (all real tokens; labels = inputs), as a torch Dataset: random ones, or with
+    `learnable` a task a model learns in a few steps (each row counts through 64 token ids from a
+    random start with a random stride, so the loss falls from about ln(vocab) as the model finds
+    the 64 ids and then the stride)."""
 
-    def __init__(self, rows: int, seq: int, vocab: int):
+    def __init__(self, rows: int, seq: int, vocab: int, learnable: bool = False):
         import torch
 
         g = torch.Generator().manual_seed(1)
-        self.ids = torch.randint(0, vocab, (rows, seq), generator=g)
+        if learnable:
+            start = torch.randint(0, 64, (rows, 1), generator=g)
+            stride = torch.randint(1, 8, (rows, 1), generator=g)
+            self.ids = min(1000, vocab - 64) + (start + stride * torch.arange(seq)) % 64
+        else:
+            self.ids = torch.randint(0, vocab, (rows, seq), generator=g)
 
     def __len__(self):
         return len(self.ids)

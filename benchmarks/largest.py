@@ -69,6 +69,12 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=0, help="rows per micro-batch (0: the whole step in one)")
     p.add_argument("--layer_major", default="auto", help="layer_major_accumulation: auto | true | false")
     p.add_argument("--skip_all_host", action="store_true", help="do not try the all-host run first")
+    p.add_argument("--clip", type=float, default=1.0, help="max_grad_norm of the training run")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--learnable", action="store_true", help="rows of a task the loss visibly falls on (bench.TokenRows)")
+    p.add_argument("--lean_streamed", default="auto", help="lean_streamed of the training run: auto | true | false")
+    p.add_argument("--transient_grads", default="auto", help="transient_grads of the training run: auto | true | false")
+    p.add_argument("--tag", default="", help="suffix of the record's file name (two runs of one shape in one call)")
     p.add_argument("--dir", default="/tmp/largest")
     p.add_argument("--out", default=os.environ.get("OUT", "largest_out"))
     opts = p.parse_args()
@@ -92,11 +98,12 @@ def main() -> None:
     print("PEAK " + json.dumps(record["peak"]), flush=True)
     micro = min(bs, opts.micro or bs)
     common = dict(per_device_train_batch_size=micro, gradient_accumulation_steps=bs // micro,
-                  layer_major_accumulation=opts.layer_major, max_steps=opts.steps, learning_rate=1e-5, max_grad_norm=1.0,
+                  layer_major_accumulation=opts.layer_major, max_steps=opts.steps, learning_rate=opts.lr,
+                  max_grad_norm=opts.clip, lean_streamed=opts.lean_streamed, transient_grads=opts.transient_grads,
                   lr_scheduler_type="constant", bf16=True, logging_steps=1, save_strategy="no", report_to=[],
                   disable_tqdm=True, dataloader_num_workers=2, max_seq_length=opts.seq, log_pipeline=False,
                   save_dtype="bfloat16")  # the disk check then asks room for bf16 files beside the checkpoint
-    data = TokenRows(bs * (opts.steps + 1), opts.seq, cfg.vocab_size)
+    data = TokenRows(bs * (opts.steps + 1), opts.seq, cfg.vocab_size, learnable=opts.learnable)
 
     try:  # streaming every layer: all state in host RAM. The admission check must say no, cleanly.
         if opts.skip_all_host:
@@ -143,7 +150,7 @@ def main() -> None:
     tps = steps * opts.tokens / dt
     collected = timeline.collect()
     spans = collected["spans"]
-    with open(os.path.join(opts.out, f"trace_largest_{opts.shape}_{cfg.num_hidden_layers}.json"), "w") as f:
+    with open(os.path.join(opts.out, f"trace_largest_{opts.shape}_{cfg.num_hidden_layers}{opts.tag}.json"), "w") as f:
         json.dump({"spans": spans[-6000:], "wall_s": collected["wall_s"]}, f)
     n = cfg.num_hidden_layers
     # the per-layer medians below read one micro-batch per step's spans in order
@@ -162,6 +169,7 @@ def main() -> None:
         step_s=round(dt / steps, 3), tokens_per_s=round(tps, 1), model_tflops=round(6 * params * tps / 1e12, 1),
         mfu=round(6 * params * tps / 1e12 / record["peak"]["sustained_tflops"], 3),
         gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        gpu_reserved_peak_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
         host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         layer_forward_s=round(statistics.median(fwd), 4) if fwd else None,
         layer_backward_s=round(statistics.median(bwd), 4) if bwd else None,
@@ -177,13 +185,16 @@ def main() -> None:
     # peak RSS; GPU: max_memory_allocated, which leaves out the CUDA context the estimate counts)
     from hf_megatrain.memory import estimate
 
-    plan = estimate(cfg, micro // trainer._split, opts.seq, resident_layers=trainer.engine.resident_layers,
-                    offload_activations=trainer.engine.activations.offload, lean_resident=trainer.engine.engine_config.lean_resident,
-                    micro_batches=trainer._together or 1)
-    record.update(estimate_host_gib=round(plan.host_total / GiB, 2), estimate_gpu_gib=round(plan.gpu_total / GiB, 2))
+    eng = trainer.engine.engine_config  # the placement and memory modes the run was built with
+    plan = estimate(cfg, micro // trainer._split, opts.seq, eng, micro_batches=trainer._together or 1)
+    record.update(estimate_host_gib=round(plan.host_total / GiB, 2), estimate_gpu_gib=round(plan.gpu_total / GiB, 2),
+                  host_vs_estimate=round(record["host_peak_gib"] / (plan.host_total / GiB), 3),
+                  gpu_vs_estimate=round(record["gpu_peak_gib"] / (plan.gpu_total / GiB), 3),
+                  clip=opts.clip, lean_resident=eng.lean_resident, lean_streamed=eng.lean_streamed,
+                  transient_grads=eng.transient_grads)
     if trainer.step_time is not None:  # the step-time model's prediction (hf_megatrain/steptime.py)
         record.update(model=trainer.step_time.as_dict(), vs_model=round(tps / trainer.step_time.tokens_per_s, 3))
-    with open(os.path.join(opts.out, f"largest_{opts.shape}_{cfg.num_hidden_layers}.json"), "w") as f:
+    with open(os.path.join(opts.out, f"largest_{opts.shape}_{cfg.num_hidden_layers}{opts.tag}.json"), "w") as f:
         json.dump(record, f, indent=1)
     print("\n" + json.dumps({k: v for k, v in record.items() if k not in ("plans", "loss", "alloc_retries",
                                                                            "host_available_gib")}, indent=1))

@@ -31,6 +31,8 @@
 #    O: the host AdamW's tile sizes (run 14 also timed a variant since removed), Mixtral-8x7B width
 #    (4 layers, all streamed) at 16K and 64K. P: the 3B shape all streamed at 64K as 64x1 and 16x4 together,
 #    and at 16K default placement beside stock. Q: the 7B shape at 16K beside stock, every gpu-marked test.
+# S, T, U: issue 21's memory modes: S the GPU tests and the 13B shape with and without lean_streamed; T the
+#    largest model with clipping (Qwen2.5-14B shape); U the largest without (dense-18b, 18.3 B).
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
 # Every call first writes $OUT/versions.json and prints one VERSIONS line (benchmarks/versions.py:
 # Python, torch, CUDA, transformers, accelerate, peft, GPU and driver, hf_megatrain commit); each
@@ -177,6 +179,28 @@ R)  # issue 20's closing measurements on the final code: O's Mixtral, P's 3B row
     --mega_micro 16 --layer_major true --steps 5 --warmup 2 --skip_peak --out "$OUT/16x4"
   part 150 bench_3b_16k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip 1.0 \
     --systems stock,megatrain:auto --steps 6 --warmup 2 --out "$OUT/16k" ;;
-*) echo "unknown group $1 (A to R)"; exit 2 ;;
+S)  # issue 21: every gpu-marked test (the host memory modes on the GPU), then the 13B shape at 16K tokens/step,
+    # 21 layers resident, with the default host layout and with lean_streamed, one checkpoint for both
+  export LARGEST_KEEP=1
+  part 200 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
+    tests/integration/test_failures.py tests/integration/test_checkpoints.py tests/unit/test_contracts.py
+  for lean in false true; do
+    part 190 13b_16k_lean_$lean python3 benchmarks/largest.py --shape llama-2-13b --tokens 16384 --resident 21 \
+      --lean_streamed $lean --transient_grads false --steps 7 --warmup 2 --skip_all_host --tag _lean_$lean --out "$OUT"
+  done ;;
+T)  # issue 21: the largest model with clipping at 1.0, Qwen2.5-14B shape (14.8 B), 8K tokens/step, the planner's
+    # placement and memory modes, 12 optimizer steps on a learnable task
+  part 560 14b_clip python3 benchmarks/largest.py --shape qwen2.5-14b --tokens 8192 --clip 1.0 --lr 1e-4 --learnable \
+    --steps 12 --warmup 2 --out "$OUT" ;;
+U)  # issue 21: the largest model without clipping, dense-18b (18.3 B), 16K tokens/step (8K if the planner refuses
+    # 16K on this host), the planner's placement and memory modes, 12 optimizer steps on a learnable task
+  export LARGEST_KEEP=1
+  part 400 18b_noclip python3 benchmarks/largest.py --shape dense-18b --tokens 16384 --clip 0 --lr 1e-4 --learnable \
+    --steps 12 --warmup 2 --skip_all_host --out "$OUT"
+  if grep -q "does not fit" "$OUT/18b_noclip.log"; then
+    part 300 18b_noclip_8k python3 benchmarks/largest.py --shape dense-18b --tokens 8192 --clip 0 --lr 1e-4 \
+      --learnable --steps 12 --warmup 2 --skip_all_host --out "$OUT"
+  fi ;;
+*) echo "unknown group $1 (A to U)"; exit 2 ;;
 esac
 for f in "${names[@]}"; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done
