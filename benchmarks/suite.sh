@@ -61,6 +61,9 @@ part() {  # part SECONDS NAME command...: run, keep its log, never stop the suit
   echo "== $name (limit ${limit}s)"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "   exit $?"
 }
+keep_only() {  # a warm machine keeps the checkpoints of earlier calls: free the disk of all but this one
+  find /tmp/largest /tmp/ckpt -mindepth 1 -maxdepth 1 ! -name "$1" -exec rm -rf {} + 2>/dev/null; df -h /tmp | tail -1
+}
 case "${1:-A}" in
 A)
   part 150 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py
@@ -190,11 +193,13 @@ S)  # issue 21: every gpu-marked test (the host memory modes on the GPU), then t
   done ;;
 T)  # issue 21: the largest model with clipping at 1.0, Qwen2.5-14B shape (14.8 B), 8K tokens/step, the planner's
     # placement and memory modes, 12 optimizer steps on a learnable task
-  part 560 14b_clip python3 benchmarks/largest.py --shape qwen2.5-14b --tokens 8192 --clip 1.0 --lr 1e-4 --learnable \
+  keep_only qwen2.5-14b-full
+  part 540 14b_clip python3 benchmarks/largest.py --shape qwen2.5-14b --tokens 8192 --clip 1.0 --lr 1e-4 --learnable \
     --steps 12 --warmup 2 --out "$OUT" ;;
 U)  # issue 21: the largest model without clipping, dense-18b (18.3 B), 16K tokens/step (8K if the planner refuses
     # 16K on this host), the planner's placement and memory modes, 12 optimizer steps on a learnable task
   export LARGEST_KEEP=1
+  keep_only dense-18b-full
   part 400 18b_noclip python3 benchmarks/largest.py --shape dense-18b --tokens 16384 --clip 0 --lr 1e-4 --learnable \
     --steps 12 --warmup 2 --skip_all_host --out "$OUT"
   if grep -q "does not fit" "$OUT/18b_noclip.log"; then
