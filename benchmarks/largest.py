@@ -193,7 +193,8 @@ def main() -> None:
     from hf_megatrain.memory import estimate
 
     eng = trainer.engine.engine_config  # the placement and memory modes the run was built with
-    plan = estimate(cfg, micro // trainer._split, opts.seq, eng, micro_batches=trainer._together or 1)
+    plan = estimate(cfg, micro // trainer._split, opts.seq, eng, micro_batches=trainer._together or 1,
+                    later_contributions=bs // micro * trainer._split > 1 and not trainer._together)
     record.update(estimate_host_gib=round(plan.host_total / GiB, 2), estimate_gpu_gib=round(plan.gpu_total / GiB, 2),
                   host_vs_estimate=round(record["host_peak_gib"] / (plan.host_total / GiB), 3),
                   gpu_vs_estimate=round(record["gpu_peak_gib"] / (plan.gpu_total / GiB), 3),

@@ -32,7 +32,8 @@
 #    (4 layers, all streamed) at 16K and 64K. P: the 3B shape all streamed at 64K as 64x1 and 16x4 together,
 #    and at 16K default placement beside stock. Q: the 7B shape at 16K beside stock, every gpu-marked test.
 # S, T, U: issue 21's memory modes: S the GPU tests and the 13B shape with and without lean_streamed; T the
-#    largest model with clipping (Qwen2.5-14B shape); U the largest without (dense-18b, 18.3 B).
+#    largest model with clipping (Qwen2.5-14B shape); U the largest without (dense-18b, 18.3 B); V the GPU
+#    tests and the 14.8 B shape with clipping at 16K tokens/step (gradients of streamed layers on the GPU).
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
 # Every call first writes $OUT/versions.json and prints one VERSIONS line (benchmarks/versions.py:
 # Python, torch, CUDA, transformers, accelerate, peft, GPU and driver, hf_megatrain commit); each
@@ -206,6 +207,13 @@ U)  # issue 21: the largest model without clipping, dense-18b (18.3 B), 16K toke
     part 300 18b_noclip_8k python3 benchmarks/largest.py --shape dense-18b --tokens 8192 --clip 0 --lr 1e-4 \
       --learnable --steps 12 --warmup 2 --skip_all_host --skip_disk_check --out "$OUT"
   fi ;;
-*) echo "unknown group $1 (A to U)"; exit 2 ;;
+V)  # issue 21, item 3: every gpu-marked test (gradients kept on the GPU among them), then the Qwen2.5-14B shape
+    # with clipping at 16K tokens/step, which fits with the last streamed layers' gradients on the GPU
+  part 200 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
+    tests/integration/test_failures.py tests/integration/test_checkpoints.py tests/unit/test_contracts.py
+  keep_only qwen2.5-14b-full
+  part 330 14b_clip_16k python3 benchmarks/largest.py --shape qwen2.5-14b --tokens 16384 --clip 1.0 --lr 1e-4 \
+    --learnable --steps 12 --warmup 2 --skip_all_host --skip_disk_check --tag _16k --out "$OUT" ;;
+*) echo "unknown group $1 (A to V)"; exit 2 ;;
 esac
 for f in "${names[@]}"; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done

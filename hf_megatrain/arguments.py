@@ -92,6 +92,13 @@ class MegaTrainArguments(TrainingArguments):
                   "Not with data parallel. auto: on a GPU without clipping, when the host RAM does not suffice "
                   "without it."},
     )
+    gpu_grad_layers: str = field(
+        default="auto",
+        metadata={"help": "auto | N. The last N streamed decoder layers keep their fp32 gradient on the GPU instead "
+                  "of in host RAM (4 bytes per parameter moved; each crosses PCIe once, clipped, during its host "
+                  "step; the same numbers). auto: when the host RAM is short and the GPU has room beside its "
+                  "resident layers. Not with transient_grads or data parallel."},
+    )
     layer_major_accumulation: str = field(
         default="auto",
         metadata={"help": "auto | true | false. With gradient accumulation, run a step's micro-batches through each "
@@ -249,6 +256,7 @@ def engine_config(args, device: torch.device) -> EngineConfig:
         lean_resident=parse_switch(args.lean_resident, "lean_resident"),
         lean_streamed=parse_switch(args.lean_streamed, "lean_streamed"),
         transient_grads=transient_grads(args, device),
+        gpu_grad_layers=parse_count(args.gpu_grad_layers, "gpu_grad_layers") if device.type == "cuda" else 0,
         prefetch_depth=args.prefetch_depth,
         host_threads=args.host_threads,
         background_host_jobs=args.background_host_jobs,

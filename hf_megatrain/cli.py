@@ -211,6 +211,9 @@ def _estimate(argv: list[str]) -> int:
                    help="decoder layers keep no persistent fp32 gradient; each is stepped as it lands (needs "
                         "--max_grad_norm 0): true (the bare flag), false or auto; default false, or auto with "
                         "--max_grad_norm 0, --gpu_gib and --host_gib")
+    p.add_argument("--gpu_grad_layers", default=None,
+                   help="the last N streamed layers keep their fp32 gradient on the GPU (4 bytes per parameter "
+                        "moved from the host): N or auto; default 0, or auto with --gpu_gib and --host_gib")
     p.add_argument("--mlp_tile_tokens", type=int, default=None,
                    help="MLP sequence tile (default: 16384 for rows longer than 32K tokens, as the trainer)")
     p.add_argument("--gpu_gib", type=float, default=None,
@@ -245,6 +248,13 @@ def _estimate(argv: list[str]) -> int:
     if transient is None and not (a.max_grad_norm <= 0 and a.gpu_gib and a.host_gib and a.world_size == 1
                                   and a.device == "cuda"):
         transient = False  # auto only where it would be exact and there is a machine to weigh it for
+    if a.gpu_grad_layers is None:  # auto where there is a machine to weigh it for
+        grad_layers = None if a.gpu_gib and a.host_gib and a.device == "cuda" and not transient else 0
+    else:
+        grad_layers = count(a.gpu_grad_layers, "gpu_grad_layers")
+        if grad_layers is None and not (a.gpu_gib and a.host_gib):
+            raise SystemExit("hf-megatrain estimate: --gpu_grad_layers auto weighs the host against the GPU: give "
+                             "--gpu_gib and --host_gib")
     if transient and a.max_grad_norm > 0:
         raise SystemExit("hf-megatrain estimate: --transient_grads needs --max_grad_norm 0 (exact clipping needs every "
                          "gradient kept until the global norm is known)")
@@ -266,7 +276,7 @@ def _estimate(argv: list[str]) -> int:
         streamed = False  # auto weighs the host RAM: without --host_gib there is none to weigh
     engine = EngineConfig(device=a.device, compute_dtype=a.compute_dtype, resident_layers=resident,
                           offload_activations=offload, lean_resident=lean, lean_streamed=streamed,
-                          transient_grads=transient,
+                          transient_grads=transient, gpu_grad_layers=grad_layers,
                           mlp_tile_tokens=mlp_tile(a.seq, a.mlp_tile_tokens))
     ranks = dict(world_size=a.world_size, local_ranks=a.local_ranks)
     shapes = model_shapes(config)
@@ -281,9 +291,11 @@ def _estimate(argv: list[str]) -> int:
                           host_free=host_free)
     else:
         step = StepSplit(1, 0, resolve_placement(config, a.batch, a.seq, engine, gpu_free=gpu_free,
-                                                 host_free=host_free, **ranks))
+                                                 host_free=host_free, later_contributions=a.grad_accum > 1, **ranks))
     placement, batch = step.placement, a.batch // step.split
-    plan = estimate(config, batch, a.seq, placement.engine, shapes=shapes, micro_batches=step.together or 1, **ranks)
+    later = a.grad_accum * step.split > 1 and not step.together  # a unit's gradient gets a second contribution
+    plan = estimate(config, batch, a.seq, placement.engine, shapes=shapes, micro_batches=step.together or 1,
+                    later_contributions=later, **ranks)
     verdict = None
     if a.gpu_gib is not None or a.host_gib is not None:
         try:
@@ -313,7 +325,7 @@ def _estimate(argv: list[str]) -> int:
 
         timing = timed(placement.engine, a.max_grad_norm > 0)
         for name, eng, mode_plan in mode_plans(config, batch, a.seq, placement.engine, shapes=shapes,
-                                               micro_batches=step.together or 1):
+                                               micro_batches=step.together or 1, later_contributions=later):
             clip = a.max_grad_norm > 0 and not eng.transient_grads
             fits = None if host_free is None else not shortfalls(mode_plan, host_free, gpu_free or float("inf"))
             modes.append(dict(mode=name, state_bytes_per_parameter=round(state_bytes_per_parameter(mode_plan,

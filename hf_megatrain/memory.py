@@ -23,8 +23,9 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from .engine.config import EngineConfig
-from .engine.layout import (LOSS_CHUNK_COPIES, TRANSIENT_GRAD_BUFFERS, config_units, fixed_buffer_numel,
-                            grad_slot_numel, loss_chunk, mark_resident, ring_numel, slab_numel)
+from .engine.layout import (GRAD_LANDING_BUFFERS, LOSS_CHUNK_COPIES, TRANSIENT_GRAD_BUFFERS, config_units,
+                            LANDING_TILE, fixed_buffer_numel, grad_slot_numel, loss_chunk, mark_resident,
+                            ring_numel, slab_numel)
 from .errors import counted
 
 logger = logging.getLogger(__name__)
@@ -130,12 +131,15 @@ def planning_config(engine: EngineConfig | None = None, **fields) -> EngineConfi
 
 def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *, world_size: int = 1,
              local_ranks: int | None = None, shapes: Shapes | None = None, micro_batches: int = 1,
-             **engine_fields) -> MemoryPlan:
+             later_contributions: bool = True, **engine_fields) -> MemoryPlan:
     """What training `config` at `batch` x `seq` tokens per micro-batch needs, by component.
 
     micro_batches: how many micro-batches of a step run through each layer together
     (StreamingEngine.forward_backward_many): their layer inputs, the gradients flowing down and
     a tied head's gradients are kept for all of them at once.
+    later_contributions: a unit's gradient may get a second contribution in one step (micro-batches
+    one at a time), which crosses PCIe through the pinned staging slabs; False when every step runs
+    as one micro-batch or its micro-batches together (the pipeline then never allocates the slabs).
 
     engine: the EngineConfig the run will be built with (EngineConfig fields given as keywords
     replace its values; without one, a GPU run with the engine's defaults is planned). Its
@@ -152,7 +156,7 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     # data parallel streams every layer (residency is not combined with sharding yet)
     units = s.units
     resident_layers = mark_resident(units, 0 if world > 1 else eng.resident_layers or 0, eng.lean_resident,
-                                    eng.lean_streamed and world == 1)
+                                    eng.lean_streamed and world == 1, 0 if world > 1 or not cuda else eng.gpu_grad_layers)
     offload = max(0, min(eng.offload_activations or 0, s.layers)) if cuda else 0
     layer_input = tokens * s.hidden * cbytes  # one saved [batch, seq, hidden] layer input
     on_gpu = sum(u.numel for u in units if u.resident)
@@ -174,9 +178,14 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     if eng.transient_grads and world == 1:  # a few shared buffers of the largest streamed unit
         plan.host[f"fp32 gradient buffers (transient, {TRANSIENT_GRAD_BUFFERS})"] = buffers
     else:
-        plan.host["fp32 gradient accumulator"] = 4 * owned
+        on_gpu_grads = sum(u.n_train for u in units if u.grad_on_gpu)
+        plan.host["fp32 gradient accumulator"] = 4 * (owned - on_gpu_grads)
+        if on_gpu_grads:
+            plan.host[f"pinned landing tiles ({GRAD_LANDING_BUFFERS}, gradients kept on the GPU)"] = \
+                4 * GRAD_LANDING_BUFFERS * LANDING_TILE
         if cuda and world == 1 and owned:  # the accumulator and the staging slabs, for the buffers
-            plan.transient_saving = 4 * owned + eng.staging_slabs * 4 * slab_numel(units) - buffers
+            plan.transient_saving = 4 * (owned - on_gpu_grads) - buffers \
+                + (eng.staging_slabs * 4 * slab_numel(units) if later_contributions else 0)
     plan.host["Adam moments (fp32 x2)"] = 8 * owned
     if world > 1:
         # Transient, one unit at a time: the all-gather of updated weights (own slice + the whole
@@ -188,7 +197,7 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
         plan.host["data-parallel exchange (one unit)"] = max(gather, reduce)
         plan.notes.append(f"data parallel: {world} ranks, {plan.local_ranks} on this host; each rank holds the "
                           f"whole compute copy and 1/{world} of the fp32 master, gradient and Adam moments.")
-    if cuda and not eng.transient_grads:
+    if cuda and not eng.transient_grads and later_contributions:
         plan.host["pinned staging slabs"] = eng.staging_slabs * 4 * slab_numel(units)
     group = max(1, micro_batches)
     if offload:
@@ -204,6 +213,8 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     if lean_streamed:  # torch lands the fp32 master on the GPU, then casts it into the slot
         plan.gpu["fp32 landing of a lean streamed layer"] = 4 * max(u.numel for u in units if u.lean and not u.resident)
     plan.gpu["gradient ring (fp32)"] = eng.grad_slots * 4 * grad_slot_numel(units)
+    if any(u.grad_on_gpu for u in units):
+        plan.gpu["fp32 gradients of streamed layers (gpu_grad_layers)"] = 4 * sum(u.n_train for u in units if u.grad_on_gpu)
     lean = sum(u.numel for u in units if u.lean and u.resident)
     if eng.transient_grads and resident_layers:  # the resident layers share one gradient buffer
         full = sum(u.numel for u in units if u.resident and u.kind == "layer" and not u.lean)
@@ -256,13 +267,16 @@ def state_bytes_per_parameter(plan: MemoryPlan, params: int) -> float:
 
 
 def mode_plans(config, batch: int, seq: int, engine: EngineConfig, *, shapes: Shapes | None = None,
-               micro_batches: int = 1) -> list[tuple[str, EngineConfig, MemoryPlan]]:
-    """The plan of each memory mode (MODES) at `engine`'s placement: what `estimate` shows side by side."""
+               micro_batches: int = 1, later_contributions: bool = True) -> list[tuple[str, EngineConfig, MemoryPlan]]:
+    """The plan of each memory mode (MODES) at `engine`'s placement: what `estimate` shows side by side
+    (gradients kept on the GPU stay where they are, except with transient_grads, which keeps none)."""
     shapes = shapes or model_shapes(config)
     out = []
     for name, fields in MODES:
-        eng = replace(engine, **{"lean_streamed": False, "transient_grads": False, **fields})
-        out.append((name, eng, estimate(config, batch, seq, eng, shapes=shapes, micro_batches=micro_batches)))
+        grads = {"gpu_grad_layers": 0} if fields.get("transient_grads") else {}
+        eng = replace(engine, **{"lean_streamed": False, "transient_grads": False, **fields, **grads})
+        out.append((name, eng, estimate(config, batch, seq, eng, shapes=shapes, micro_batches=micro_batches,
+                                        later_contributions=later_contributions)))
     return out
 
 
@@ -359,7 +373,8 @@ class Placement(NamedTuple):
 
 def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, world_size: int = 1,
                       local_ranks: int | None = None, gpu_free: float | None = None,
-                      host_free: float | None = None, micro_batches: int = 1) -> Placement:
+                      host_free: float | None = None, micro_batches: int = 1,
+                      later_contributions: bool = True) -> Placement:
     """The engine config with 'auto' (None) placements replaced by the plan's numbers: the one
     place where the automatic placement is decided, for the trainer and `hf-megatrain estimate`.
 
@@ -377,18 +392,36 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
     planned = resident is None and engine.device.type == "cuda"
     if engine.device.type != "cuda":
         resident, offload, lean, streamed = resident or 0, offload or 0, bool(lean), bool(streamed)
-    elif None in (resident, offload, lean, streamed, engine.transient_grads):
+    elif None in (resident, offload, lean, streamed, engine.transient_grads, engine.gpu_grad_layers):
         gpu_free = gpu_available(engine.device) if gpu_free is None else gpu_free
-        ranks = dict(world_size=world_size, local_ranks=local_ranks, micro_batches=micro_batches)
+        ranks = dict(world_size=world_size, local_ranks=local_ranks, micro_batches=micro_batches,
+                     later_contributions=later_contributions)
 
         def place(modes: dict):
             return place_layers(config, batch, seq, gpu_free, engine=replace(engine, **modes),
                                 resident_layers=resident, offload_activations=offload, host_free=host_free, **ranks)
 
-        def host_short(placed, modes: dict) -> bool:
-            plan = estimate(config, batch, seq, replace(engine, resident_layers=placed[0], offload_activations=placed[1],
-                                                        lean_resident=placed[2], **modes), **ranks)
-            return plan.host_per_host > host_free * (1 - ADMIT_MARGIN)
+        def planned_with(placed, modes: dict, grads: int) -> MemoryPlan:
+            return estimate(config, batch, seq, replace(engine, resident_layers=placed[0], offload_activations=placed[1],
+                                                        lean_resident=placed[2], gpu_grad_layers=grads, **modes),
+                            **ranks)
+
+        def host_short(placed, modes: dict, grads: int = 0) -> bool:
+            return planned_with(placed, modes, grads).host_per_host > host_free * (1 - ADMIT_MARGIN)
+
+        def settle(modes: dict):
+            """The placement for these modes, and gpu_grad_layers: on auto, while the host is short, one
+            more streamed layer's gradient on the GPU as long as the GPU holds it (the room its resident
+            layers leave is less than a layer's state, but may be several layers' gradients)."""
+            placed = place(modes)
+            grads = engine.gpu_grad_layers
+            if grads is None:
+                grads = 0
+                if world_size == 1 and host_free is not None and not modes["transient_grads"]:
+                    while grads < config.num_hidden_layers - placed[0] and host_short(placed, modes, grads) \
+                            and planned_with(placed, modes, grads + 1).gpu_total <= gpu_free * (1 - ADMIT_MARGIN):
+                        grads += 1
+            return placed, grads
 
         # The host memory modes left on auto, the cheapest first: none; transient_grads (free of time:
         # without clipping each unit is stepped as it lands anyway); lean_streamed (twice the PCIe bytes
@@ -399,17 +432,19 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
         if world_size > 1 or host_free is None:  # nothing to weigh them against: as asked, auto off
             choices = choices[:1]
         modes = choices[0]
-        placed = place(modes)
-        for option in choices[1:] if len(choices) > 1 and host_short(placed, modes) else []:
-            option_placed = place(option)
-            if not host_short(option_placed, option):
-                placed, modes = option_placed, option
+        placed, grads = settle(modes)
+        for option in choices[1:] if len(choices) > 1 and host_short(placed, modes, grads) else []:
+            option_placed, option_grads = settle(option)
+            if not host_short(option_placed, option, option_grads):
+                placed, modes, grads = option_placed, option, option_grads
                 break
         resident, offload, lean = placed
         streamed, transient = modes["lean_streamed"], modes["transient_grads"]
         chosen = [name for name, on, asked in (("lean_streamed", streamed, engine.lean_streamed),
                                                ("transient_grads", transient, engine.transient_grads))
                   if on and asked is None]
+        if grads and engine.gpu_grad_layers is None:
+            chosen.append(f"the gradients of the last {counted(grads, 'streamed layer')} on the GPU")
         logger.info("memory plan: %d of %s resident on the GPU%s, %s offloaded (%.0f GiB free)%s",
                     resident, counted(config.num_hidden_layers, "layer"),
                     " (lean: cast from the fp32 master per use)" if lean else "",
@@ -417,10 +452,11 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
                     f"; {' and '.join(chosen)} (without it the host RAM is short)" if chosen else "")
         return Placement(replace(engine, resident_layers=resident, offload_activations=offload,
                                  lean_resident=bool(lean) and bool(resident), lean_streamed=streamed,
-                                 transient_grads=transient), planned)
+                                 transient_grads=transient, gpu_grad_layers=grads), planned)
     return Placement(replace(engine, resident_layers=resident, offload_activations=offload,
                              lean_resident=bool(lean) and bool(resident), lean_streamed=bool(streamed),
-                             transient_grads=bool(engine.transient_grads)), planned)
+                             transient_grads=bool(engine.transient_grads),
+                             gpu_grad_layers=engine.gpu_grad_layers or 0), planned)
 
 
 class StepSplit(NamedTuple):
@@ -459,7 +495,8 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
     def placed(rows, n=1, eng=engine):
         if n == 1 and ga > 1 and eng.transient_grads is None:  # one micro-batch at a time: never exact
             eng = replace(eng, transient_grads=False)
-        return resolve_placement(config, rows, seq, eng, host_free=host_free, gpu_free=gpu_free, micro_batches=n)
+        return resolve_placement(config, rows, seq, eng, host_free=host_free, gpu_free=gpu_free, micro_batches=n,
+                                 later_contributions=n == 1 and ga > 1)
 
     cuda = engine.device.type == "cuda"
     if asked is False or (asked is None and not cuda) or (asked and ga < 2):
@@ -471,7 +508,7 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
     host_free = host_available() if host_free is None else host_free
 
     def fits(placement, rows, n):
-        plan = estimate(config, rows, seq, placement.engine, micro_batches=n)
+        plan = estimate(config, rows, seq, placement.engine, micro_batches=n, later_contributions=n == 1 and ga > 1)
         return not shortfalls(plan, host_free, gpu_free)
 
     streams = base.engine.resident_layers < config.num_hidden_layers
@@ -480,6 +517,8 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
     # An 'auto' lean_streamed is the last resort: every split without it first (cutting rows costs
     # smaller matmuls; lean_streamed, twice the PCIe bytes of the streamed weights)
     plain = {k: False for k in ("lean_streamed", "transient_grads") if getattr(engine, k) is None}
+    if engine.gpu_grad_layers is None:
+        plain["gpu_grad_layers"] = 0
     engines = [replace(engine, **plain), engine] if plain else [engine]
     for eng in engines:
         for f in [f for f in range(1, batch + 1) if batch % f == 0 and (f == 1 or splittable)]:

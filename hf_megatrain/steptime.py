@@ -94,7 +94,8 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
 
     s = shapes or model_shapes(config)
     units = copy.deepcopy(s.units)
-    mark_resident(units, engine.resident_layers or 0, engine.lean_resident, engine.lean_streamed)
+    mark_resident(units, engine.resident_layers or 0, engine.lean_resident, engine.lean_streamed,
+                  engine.gpu_grad_layers or 0)
     routed = routed_per_layer(config) if routed is None else routed
     cbytes = engine.compute_dtype.itemsize
     n = max(1, micro_batches)

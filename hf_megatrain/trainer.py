@@ -131,7 +131,7 @@ class MegaTrainTrainer(Trainer):
                                      "slice of the fp32 master, which therefore cannot be what streams; leave it off.")
             self._split, self._together = 1, 0
             placement = resolve_placement(config, batch, seq, wanted, world_size=world, local_ranks=local,
-                                          host_free=host_free)
+                                          host_free=host_free, later_contributions=args.gradient_accumulation_steps > 1)
         else:
             ga = args.gradient_accumulation_steps
             step = split_step(config, batch, seq, wanted, ga, asked=asked, host_free=host_free)
@@ -144,7 +144,8 @@ class MegaTrainTrainer(Trainer):
                                      "to): set layer_major_accumulation=true, or leave transient_grads off.")
             batch //= step.split
         plan = estimate(config, batch, seq, placement.engine, world_size=world, local_ranks=local,
-                        micro_batches=self._together or 1)
+                        micro_batches=self._together or 1,
+                        later_contributions=args.gradient_accumulation_steps * self._split > 1 and not self._together)
         if batch * seq >= LONG_CONTEXT_TOKENS and args.process_index == 0 and device.type == "cuda":
             tiles = placement.engine.mlp_tile_tokens
             print(f"hf_megatrain memory plan for {batch} x {seq} tokens: "

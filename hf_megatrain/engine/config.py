@@ -89,6 +89,13 @@ class EngineConfig:
         background host jobs; anything else is refused. Not with data parallel. None: auto (the
         planner takes it when the host RAM does not suffice without it; only offered where it is
         exact: see arguments.engine_config).
+    gpu_grad_layers: the last N streamed decoder layers keep their fp32 gradient accumulator on the
+        GPU instead of in host RAM (4 bytes per parameter moved from host to GPU): contributions are
+        added and norms taken there, and each gradient crosses PCIe once, clipped on the GPU, through
+        two pinned landing tiles during its host step. For exact clipping with a host that is
+        short, where the GPU has room left beside its resident layers. None: auto (the planner fills
+        that room when the host needs it). Not with transient_grads (nothing persists to place) or
+        data parallel; 0 on the CPU.
     prefetch_depth: GPU weight slots of the ring that streams decoder layers (>= 2).
     grad_slots: GPU slots of fp32 layer gradients on their way to the host (>= 1).
     staging_slabs: pinned slabs for gradient contributions after a step's first (>= 1).
@@ -108,6 +115,7 @@ class EngineConfig:
     lean_resident: bool | None = False
     lean_streamed: bool | None = False
     transient_grads: bool | None = False
+    gpu_grad_layers: int | None = 0
     prefetch_depth: int = 2
     grad_slots: int = 2
     staging_slabs: int = 2
@@ -127,6 +135,15 @@ class EngineConfig:
         streamed = parse_switch(self.lean_streamed, "lean_streamed")
         set_(self, "lean_streamed", False if self.compute_dtype == torch.float32 else streamed)
         set_(self, "transient_grads", parse_switch(self.transient_grads, "transient_grads"))
+        grads = parse_count(self.gpu_grad_layers, "gpu_grad_layers")
+        if grads is None and self.transient_grads:
+            grads = 0  # nothing persists to place
+        if grads and device.type != "cuda":
+            raise MegaTrainError(f"gpu_grad_layers={grads} keeps gradients on a GPU; this run is on {device.type}.")
+        if grads and self.transient_grads:
+            raise MegaTrainError("gpu_grad_layers and transient_grads exclude each other: with transient_grads no "
+                                 "gradient persists to be placed; choose one.")
+        set_(self, "gpu_grad_layers", 0 if device.type != "cuda" else grads)
         if self.background_host_jobs is None:
             set_(self, "background_host_jobs", device.type == "cuda")
         if self.transient_grads and not self.background_host_jobs:
@@ -147,7 +164,8 @@ class EngineConfig:
     def planned(self) -> bool:
         """Every placement is settled (nothing left for the planner to decide)."""
         return self.resident_layers is not None and self.offload_activations is not None \
-            and self.lean_resident is not None and self.lean_streamed is not None and self.transient_grads is not None
+            and self.lean_resident is not None and self.lean_streamed is not None and self.transient_grads is not None \
+            and self.gpu_grad_layers is not None
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -101,9 +101,12 @@ class CudaPipeline(Pipeline):
         g, n = grad_slot_numel(store.units), slab_numel(store.units)
         self.grad_ring = [_Buffer(torch.empty(g, dtype=torch.float32, device=device)) for _ in range(grad_slots if g else 0)]
         self._grad_next = 0
-        # (transient gradients take no later contributions: no slabs)
+        # (transient gradients take no later contributions: no slabs). Each is allocated at its first
+        # use: a run whose steps are one micro-batch, or their micro-batches together, never has a later
+        # contribution, and the planner does not count slabs for it (memory.estimate).
         slabs = 0 if store.transient or not n else staging_slabs
-        self.slabs = [torch.empty(n, dtype=torch.float32, pin_memory=True) for _ in range(slabs)]
+        self._slab_numel = n
+        self.slabs: list[torch.Tensor | None] = [None] * slabs
         self._slab_free = [True] * len(self.slabs)
         self.accumulator = Worker("megatrain-accumulate")
         self._pending: list[torch.cuda.Event] = []
@@ -203,9 +206,9 @@ class CudaPipeline(Pipeline):
         numel = unit.n_train
         if self.store.transient_on_device(unit):
             return self.store.device_grad(index)  # shared by the resident layers (count_grad refuses a second)
-        if unit.resident and self.store.grad_count[index] == 0:
+        if self.store.grad_on_device(unit) and self.store.grad_count[index] == 0:
             return self.store.grad[index]  # the first gradient is written straight into place
-        if unit.kind != "layer" or unit.resident:
+        if unit.kind != "layer" or self.store.grad_on_device(unit):
             return torch.empty(numel, dtype=torch.float32, device=self.device)
         slot = self.grad_ring[self._grad_next]
         self._grad_next = (self._grad_next + 1) % len(self.grad_ring)
@@ -229,14 +232,17 @@ class CudaPipeline(Pipeline):
         if store.sharding is not None:  # data parallel: sum over ranks, keep this rank's slice
             grad = store.sharding.reduce(grad, unit.n_train)
         first = store.count_grad(index)
-        if unit.resident:  # accumulate and take norms where it lives; nothing crosses PCIe
+        if store.grad_on_device(unit):  # accumulate and take norms where it lives; nothing crosses PCIe now
             store.add_grad(index, grad, first)
             acc = store.grad[index]
             views = [acc[s.offset : s.offset + s.numel] for s in unit.train_slots]
             self.norms[index] = torch.stack(torch._foreach_norm(views, 2))
-            if self.on_final_grad is not None and store.transient_on_device(unit):
-                # its step must read the shared buffer before the next layer's backward writes it:
-                # queued now, on this stream, it does
+            if unit.grad_on_gpu:  # its host step brings it over once this is done (HostAdamW._land)
+                store.grad_event[index] = torch.cuda.Event()
+                store.grad_event[index].record(compute)
+            if self.on_final_grad is not None and (unit.grad_on_gpu or store.transient_on_device(unit)):
+                # a resident layer's step must read the shared buffer before the next layer's backward
+                # writes it: queued now, on this stream, it does
                 self.on_final_grad(index, _landed)
             return
         if first and store.sharding is None:  # sliced gradients: the engine sums squares over ranks
@@ -286,6 +292,8 @@ class CudaPipeline(Pipeline):
             for i, free in enumerate(self._slab_free):
                 if free:
                     self._slab_free[i] = False
+                    if self.slabs[i] is None:
+                        self.slabs[i] = torch.empty(self._slab_numel, dtype=torch.float32, pin_memory=True)
                     return i
             self.accumulator.drain()  # all slabs in use: let the host catch up
 

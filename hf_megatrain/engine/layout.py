@@ -19,6 +19,12 @@ import torch
 # transient_grads (EngineConfig): the shared gradient buffers of the streamed units. One is being
 # filled while the host steps the units of the others; a third gives the step slack.
 TRANSIENT_GRAD_BUFFERS = 3
+# gpu_grad_layers (EngineConfig): a gradient kept on the GPU comes over for its host step tile by
+# tile, through two pinned tiles of LANDING_TILE elements (the next one's copy runs while the host
+# steps the current one): 64 MiB of host RAM, where whole-layer buffers would take back much of
+# what keeping the gradients on the GPU saves. A multiple of 64 elements, as the host step's tiles.
+GRAD_LANDING_BUFFERS = 2
+LANDING_TILE = 1 << 23
 
 # Peak bytes of fp32 logits (+ their grad and softmax: 3 copies) per loss chunk, by device type.
 LOSS_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}
@@ -32,14 +38,16 @@ def loss_chunk(vocab: int, device_type: str, asked: int | None = None) -> int:
     return max(1, LOSS_CHUNK_BYTES.get(device_type, 1 << 30) // (vocab * 4 * LOSS_CHUNK_COPIES))
 
 
-def mark_resident(units, layers: int, lean: bool = False, lean_streamed: bool = False) -> int:
+def mark_resident(units, layers: int, lean: bool = False, lean_streamed: bool = False, gpu_grads: int = 0) -> int:
     """Mark the embedding, the head and the first `layers` decoder layers resident (none if 0).
 
     The first layers are the ones the next forward needs first: while the GPU runs them the
     host optimizer can work on the streamed ones behind them. With `lean`, the resident decoder
     layers whose parameters are all trained keep no compute copy (EngineConfig.lean_resident);
     with `lean_streamed`, the streamed ones (EngineConfig.lean_streamed). A layer with frozen
-    parts keeps its copy, since the master does not cover those. Returns the number of resident
+    parts keeps its copy, since the master does not cover those. The last `gpu_grads` streamed
+    layers keep their fp32 gradient on the GPU (EngineConfig.gpu_grad_layers): the host steps them
+    last, so their gradients come over while it steps the others. Returns the number of resident
     layers."""
     decoder = [u for u in units if u.kind == "layer"]
     layers = max(0, min(int(layers or 0), len(decoder)))
@@ -47,6 +55,9 @@ def mark_resident(units, layers: int, lean: bool = False, lean_streamed: bool = 
         u.resident = bool(layers) and (u.kind != "layer" or u.layer < layers)
         wanted = bool(lean) if u.resident else bool(lean_streamed)
         u.lean = wanted and u.kind == "layer" and u.n_train == u.numel
+        u.grad_on_gpu = False
+    for u in streamed_layers(units)[::-1][: max(0, int(gpu_grads or 0))]:
+        u.grad_on_gpu = bool(u.n_train)
     return layers
 
 
@@ -68,8 +79,9 @@ def ring_numel(units) -> int:
 
 def grad_slot_numel(units) -> int:
     """Elements of one fp32 gradient slot on the GPU: the largest streamed layer's trainable
-    prefix (0: no layer streams; a streamed embedding or head gets a fresh gradient tensor)."""
-    return max((u.n_train for u in streamed_layers(units)), default=0)
+    prefix (0: no layer streams; a streamed embedding or head gets a fresh gradient tensor; a layer
+    whose gradient stays on the GPU is written straight into it)."""
+    return max((u.n_train for u in streamed_layers(units) if not u.grad_on_gpu), default=0)
 
 
 def slab_numel(units) -> int:

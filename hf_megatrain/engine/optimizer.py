@@ -30,6 +30,7 @@ from functools import partial
 
 import torch
 
+from .layout import GRAD_LANDING_BUFFERS, LANDING_TILE
 from .pinned import arena_tensors
 from .worker import SpanPool, Worker
 
@@ -126,6 +127,12 @@ class HostAdamW(torch.optim.Optimizer):
         on_host = any(m.device.type == "cpu" and m.numel() for m in store.master)
         self._spans = SpanPool(host_threads, "megatrain-adamw-span") if on_host and host_threads > 0 else None
         self.host_threads = self._spans.threads if self._spans is not None else 0  # 0: OpenMP inside each op
+        # gpu_grad_layers: a gradient kept on the GPU comes over for its host step, tile by tile, on a
+        # copy stream of our own (_adamw_landing); only the thread that steps touches these.
+        landing = any(u.grad_on_gpu for u in store.units)
+        self._landing_stream = torch.cuda.Stream(store.device) if landing else None
+        self._landing = [torch.empty(LANDING_TILE, dtype=torch.float32, pin_memory=True)
+                         for _ in range(GRAD_LANDING_BUFFERS if landing else 0)]
 
     # -- clipping -------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -259,11 +266,14 @@ class HostAdamW(torch.optim.Optimizer):
     def _adamw(self, index: int, hyper: list[dict], clip, step: int) -> None:
         master = self.store.master[index]
         step_t = torch.tensor(float(step), dtype=torch.float32, device=master.device)
-        if master.device.type == "cpu":
+        grad = self.store.grad[index]
+        if master.device.type == "cpu" and grad.device.type != "cpu":  # kept on the GPU (gpu_grad_layers)
+            self._adamw_landing(index, hyper, clip, step_t)
+        elif master.device.type == "cpu":
             size = SPAN if self._spans is not None else OPENMP_TILE
             spans = [(a, min(a + size, end), group) for start, end, group in self.segments[index]
                      for a in range(start, end, size)]
-            step_span = partial(self._adamw_span, index, hyper, clip, step_t)
+            step_span = partial(self._adamw_span, index, hyper, clip, step_t, grad)
             if self._spans is not None:
                 self._spans.run(step_span, spans)
             else:
@@ -271,11 +281,40 @@ class HostAdamW(torch.optim.Optimizer):
                     step_span(span)
         else:  # a resident unit: whole segments, one kernel each, on the device's stream
             for span in self.segments[index]:
-                self._adamw_span(index, hyper, clip, step_t, span)
+                self._adamw_span(index, hyper, clip, step_t, grad, span)
         self.store.gather_compute(index)
 
-    def _adamw_span(self, index: int, hyper: list[dict], clip, step_t, span) -> None:
-        """Clip, update and refresh the compute copy of elements [a, b) of this rank's slice."""
+    def _adamw_landing(self, index: int, hyper: list[dict], clip, step_t) -> None:
+        """The host step of a unit whose gradient is on the GPU: clipped there in place (the product
+        the host would make, so the device copy reads as a clipped .grad like the others), then
+        brought over tile by tile through two pinned landing tiles on a copy stream of our own, the
+        next tile's copy running while the host steps this one."""
+        grad, stream = self.store.grad[index], self._landing_stream
+        tiles = [(a, min(a + LANDING_TILE, end), group) for start, end, group in self.segments[index]
+                 for a in range(start, end, LANDING_TILE)]
+        done = []
+
+        def issue(k):
+            a, b, _ = tiles[k]
+            with torch.cuda.stream(stream):
+                self._landing[k % 2][: b - a].copy_(grad[a:b], non_blocking=True)
+                done.append(torch.cuda.Event())
+                done[-1].record(stream)
+
+        with torch.cuda.stream(stream):
+            stream.wait_event(self.store.grad_event[index])  # written, and its norms taken, on the compute stream
+            if clip is not None:
+                grad.mul_(clip)
+        issue(0)
+        for k, (a, b, group) in enumerate(tiles):
+            if k + 1 < len(tiles):
+                issue(k + 1)  # into the tile that step k - 1 read: it has run (this thread ran it)
+            done[k].synchronize()
+            self._adamw_span(index, hyper, None, step_t, self._landing[k % 2][: b - a], (a, b, group), offset=a)
+
+    def _adamw_span(self, index: int, hyper: list[dict], clip, step_t, grad, span, offset: int = 0) -> None:
+        """Clip, update and refresh the compute copy of elements [a, b) of this rank's slice; `grad`
+        holds the unit's gradient from element `offset` on (a landing tile: its own start)."""
         a, b, group = span
         store = self.store
         master = store.master[index]
@@ -285,7 +324,7 @@ class HostAdamW(torch.optim.Optimizer):
             compute = compute[lo + a : lo + b]
         else:
             compute = None
-        adamw_tile(master[a:b], store.grad[index][a:b], self.exp_avg[index][a:b], self.exp_avg_sq[index][a:b],
+        adamw_tile(master[a:b], grad[a - offset : b - offset], self.exp_avg[index][a:b], self.exp_avg_sq[index][a:b],
                    compute, hyper[group], clip, step_t)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

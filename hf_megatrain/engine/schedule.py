@@ -150,11 +150,15 @@ class StreamingEngine(nn.Module):
         if sharding is not None and config.lean_streamed:
             raise MegaTrainError("lean_streamed is not combined with data parallel yet: each rank holds only a "
                                  "slice of the fp32 master, so the master cannot be what streams; leave it off.")
+        if sharding is not None and config.gpu_grad_layers:
+            raise MegaTrainError("gpu_grad_layers is not combined with data parallel yet: each rank keeps a slice "
+                                 "of every gradient in host RAM; leave it at 0.")
         self.resident_layers = mark_resident(self.units, config.resident_layers, config.lean_resident,
-                                             config.lean_streamed)
+                                             config.lean_streamed, config.gpu_grad_layers)
         self.engine_config = replace(config, resident_layers=self.resident_layers,
                                      lean_resident=any(u.lean and u.resident for u in self.units),
-                                     lean_streamed=any(u.lean and not u.resident for u in self.units))
+                                     lean_streamed=any(u.lean and not u.resident for u in self.units),
+                                     gpu_grad_layers=sum(u.grad_on_gpu for u in self.units))
         pin = self.device.type == "cuda"
         if load_weights is None:
             self.store = HostStore.from_model(model, self.units, self.compute_dtype, pin=pin, device=self.device,

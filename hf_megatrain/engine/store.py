@@ -66,6 +66,9 @@ class Unit:
     # (EngineConfig.lean_resident for resident layers, lean_streamed for streamed ones, whose
     # master then crosses PCIe). store.compute[index] is None.
     lean: bool = False
+    # A streamed decoder layer whose fp32 gradient accumulator lives on the GPU
+    # (EngineConfig.gpu_grad_layers); it crosses PCIe only for its host step, tile by tile.
+    grad_on_gpu: bool = False
     # Only for the head of a tied model: its lm_head weight is the embedding unit's weight.
     tied_local: str | None = None
     template_key: str = field(default="")
@@ -190,7 +193,8 @@ class HostStore:
         # backward writes the buffer: stream order is the whole protocol), on the CPU in the host
         # buffers. A resident embedding and head keep theirs (not layers: stepped after the backward).
         self.transient = transient_grads
-        self.grad = self._alloc([0 if transient_grads else n for n in trained], torch.float32)
+        self.grad = self._alloc([0 if transient_grads or u.grad_on_gpu else n for u, n in zip(units, trained)],
+                                torch.float32)
         self._grad_buffers, self._grad_owner, self._claims = [], [], 0
         self._device_grad = None
         if transient_grads:
@@ -203,6 +207,15 @@ class HostStore:
             size = max((u.n_train for u in units if self.transient_on_device(u)), default=0)
             if size:
                 self._device_grad = torch.empty(size, dtype=torch.float32, device=self.device)
+        # gpu_grad_layers: those layers' accumulators on the device (their host steps bring them over:
+        # optimizer.HostAdamW); `grad_event[i]` is recorded on the compute stream when unit i's
+        # gradient was last written.
+        if sharding is not None and any(u.grad_on_gpu for u in units):
+            raise ValueError("gradients kept on the GPU are not combined with data parallel sharding yet")
+        self.grad_event = [None] * len(units)
+        for u in units:
+            if u.grad_on_gpu:
+                self.grad[u.index] = torch.empty(u.n_train, dtype=torch.float32, device=self.device)
         # Resident units: master, gradient and compute copy on the device (the compute copy is the
         # master itself in fp32 compute mode; a lean unit has none).
         for u in units:
@@ -222,6 +235,11 @@ class HostStore:
         # step on it is pending, so nothing streams a half-updated unit to the GPU.
         self.ready = [Signal() for _ in units]
         self.order = [s.name for s in sorted((s for u in units for s in u.train_slots), key=lambda s: s.order)]
+
+    def grad_on_device(self, unit: Unit) -> bool:
+        """The unit's gradient accumulator is on the compute device (a resident unit, or a streamed
+        layer of gpu_grad_layers), where its contributions are added and its norms taken."""
+        return unit.resident or unit.grad_on_gpu
 
     def transient_on_host(self, unit: Unit) -> bool:
         """transient_grads puts this unit's gradient in the shared host buffers (claim_grad): every

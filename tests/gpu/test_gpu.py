@@ -302,12 +302,16 @@ def test_lean_residency_is_bit_identical_on_gpu(clip):
 
 @pytest.mark.parametrize("modes,clip", [(dict(lean_streamed=True), 1e-2), (dict(lean_streamed=True), 0.0),
                                         (dict(lean_streamed=True, transient_grads=True), 0.0),
-                                        (dict(lean_streamed=True, transient_grads=True, lean_resident=True), 0.0)])
+                                        (dict(lean_streamed=True, transient_grads=True, lean_resident=True), 0.0),
+                                        (dict(gpu_grad_layers=1), 1e-2), (dict(lean_streamed=True, gpu_grad_layers=2), 1e-2),
+                                        (dict(gpu_grad_layers=2), 0.0)])
 def test_host_memory_modes_are_bit_identical_on_gpu(modes, clip):
     """lean_streamed (the pinned fp32 master crosses PCIe and is cast into the ring slot on the H2D
     stream) and transient_grads (each gradient in one of three shared pinned buffers, stepped during
     the backward; the resident layers then share one device buffer, each stepped on the compute stream
-    right after its backward): with random GPU sleeps on the copy streams, beside two resident layers, with
+    right after its backward), and gpu_grad_layers (the last streamed layers' gradients kept on the GPU,
+    clipped there and brought over tile by tile for their host steps; with clipping, the gradients
+    after the step too): with random GPU sleeps on the copy streams, beside two resident layers, with
     micro-batches together, with clipping and with steps during the backward, equal to the default
     bit for bit, losses, gradient norms and masters."""
 
@@ -334,13 +338,52 @@ def test_host_memory_modes_are_bit_identical_on_gpu(modes, clip):
             [bool(fields.get("lean_resident"))] * 2 + [lean, lean]
         if fields.get("transient_grads"):  # the two resident layers stepped from one shared device buffer
             assert engine.store.grad[1].data_ptr() == engine.store.grad[2].data_ptr()
-        return record, dict(engine.named_master_params())
+        on_gpu = [u.layer for u in engine.units if engine.store.grad[u.index] is not None and not u.resident
+                  and engine.store.grad[u.index].is_cuda]
+        assert on_gpu == [3, 2][: fields.get("gpu_grad_layers", 0)][::-1]  # the last streamed layers
+        assert all(s is None for s in engine.pipeline.slabs)  # one contribution per step: no slab allocated
+        return record, dict(engine.named_master_params(), **{"grad:" + k: v for k, v in engine.named_grads()}
+                            if clip else {})
 
     ref_record, ref = run()
     record, got = run(**modes)
     assert record == ref_record
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
+
+
+def test_gradients_kept_on_the_gpu_one_micro_batch_at_a_time(monkeypatch):
+    """gpu_grad_layers with micro-batches one at a time: the later contributions are added on the GPU
+    (the default adds them on the host, from a pinned slab allocated at its first use). The gradients
+    are equal bit for bit (the same fp32 additions); the clipping norm is taken on the GPU from the
+    summed gradient, as for a resident layer, so it can differ from the host's in the last digits.
+    Landing tiles smaller than a layer, so that a layer crosses in several tiles."""
+    import hf_megatrain.engine.optimizer as optimizer
+
+    monkeypatch.setattr(optimizer, "LANDING_TILE", 1 << 12)
+
+    def run(**fields):
+        engine = StreamingEngine(make_model("llama", num_hidden_layers=4, seed=8), device=DEV,
+                                 compute_dtype=torch.bfloat16, **fields).train()
+        engine.pipeline.chaos = random.Random(5)
+        opt = HostAdamW(engine, lr=1e-3, weight_decay=0.1)
+        norms = []
+        for step in range(3):
+            for m in range(2):
+                engine.forward_backward(make_batch(seed=10 * step + m), None, 0.5)
+            grads = dict(engine.named_grads())
+            norms.append(float(opt.clip_grad_norm_(1e-2)))
+            opt.step()
+            engine.zero_grad()
+        return engine, grads, norms, dict(engine.named_master_params())
+
+    ref_engine, ref_grads, ref_norms, _ = run()
+    assert all(s is not None for s in ref_engine.pipeline.slabs)  # later contributions: allocated at first use
+    engine, grads, norms, _ = run(gpu_grad_layers=3)
+    assert engine.store.units[2].grad_on_gpu and not engine.store.units[1].grad_on_gpu
+    for name, g in ref_grads.items():
+        assert torch.equal(grads[name], g), name
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
 
 
 def test_micro_batches_together_are_bit_identical_on_gpu():

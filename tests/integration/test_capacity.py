@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, default_data_collator
 
 from hf_megatrain import HostAdamW, HostJobError, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
 from hf_megatrain.engine.config import EngineConfig
+from hf_megatrain.engine.layout import mark_resident
 from hf_megatrain.memory import GiB, admit, estimate, model_shapes, resolve_placement, shortfalls, split_step
 from hf_megatrain.shapes import make_config
 from tests.support.tiny import make_batch, make_model
@@ -172,10 +173,12 @@ def test_the_planner_takes_lean_streamed_only_when_the_host_needs_it():
         100 * GiB, 139 * GiB)  # without it, no placement fits
     assert placed(70).lean_streamed is False  # short either way: the refusal says what would fit
     assert resolve_placement(cfg, 16, 1024, auto, gpu_free=139 * GiB).engine.lean_streamed is False  # no host given
+    # the command plans one micro-batch per step: no staging slabs (2 GiB), so its host is 95 GiB
     r = subprocess.run([sys.executable, "-m", "hf_megatrain.cli", "estimate", "llama-2-13b", "--batch", "16", "--seq",
-                        "1024", "--gpu_gib", "139", "--host_gib", "100", "--json"], capture_output=True, text=True)
+                        "1024", "--gpu_gib", "139", "--host_gib", "95", "--json"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
+    assert "pinned staging slabs" not in out["host"]
     assert out["verdict"] == "fits" and out["host"]["compute copy (streamed)"] < 2 * GiB  # embedding and head only
 
 
@@ -364,6 +367,55 @@ def test_the_planner_takes_transient_grads_before_lean_streamed_and_only_where_e
 
     assert offered("cuda", 0.0) is None and offered("cuda", 1.0) is False and offered("cpu", 0.0) is False
     assert offered("cpu", 0.0, "true") is True
+
+
+# -- gradients kept on the GPU (with clipping) ------------------------------------------------------
+def test_the_plan_moves_the_last_streamed_layers_gradients_to_the_gpu():
+    """gpu_grad_layers=N: 4 bytes per parameter of the last N streamed layers move from the host's
+    accumulator to the GPU, beside two 32 MiB pinned landing tiles; nothing else changes. With a step of
+    one micro-batch (or its micro-batches together) no staging slab is planned: none is ever allocated."""
+    cfg = make_config("qwen2.5-14b")
+    shapes = model_shapes(cfg)
+    layer = shapes.units[1].n_train
+    kw = dict(shapes=shapes, resident_layers=20, lean_resident=True, lean_streamed=True)
+    plain, moved = estimate(cfg, 16, 1024, **kw), estimate(cfg, 16, 1024, gpu_grad_layers=3, **kw)
+    assert plain.host["fp32 gradient accumulator"] - moved.host["fp32 gradient accumulator"] == 3 * 4 * layer
+    assert moved.host["pinned landing tiles (2, gradients kept on the GPU)"] == 2 * 4 * (1 << 23)
+    assert moved.gpu["fp32 gradients of streamed layers (gpu_grad_layers)"] == 3 * 4 * layer
+    assert moved.gpu_total - plain.gpu_total == 3 * 4 * layer
+    assert "pinned staging slabs" in plain.host
+    assert "pinned staging slabs" not in estimate(cfg, 16, 1024, later_contributions=False, **kw).host
+    units = shapes.units
+    mark_resident(units, 20, True, True, gpu_grads=3)
+    assert [u.layer for u in units if u.grad_on_gpu] == [45, 46, 47]  # stepped last: they cross while others step
+    with pytest.raises(MegaTrainError, match="exclude each other"):
+        EngineConfig(device="cuda", gpu_grad_layers=2, transient_grads=True)
+    with pytest.raises(MegaTrainError, match="keeps gradients on a GPU"):
+        EngineConfig(device="cpu", gpu_grad_layers=2)
+    assert EngineConfig(device="cuda", gpu_grad_layers="auto", transient_grads=True).gpu_grad_layers == 0
+
+
+def test_the_planner_keeps_gradients_on_the_gpu_where_that_makes_clipping_fit():
+    """Qwen2.5-14B with clipping at 16K tokens on one H200 and 122.7 GiB of host: lean_streamed alone is
+    3 GiB short; the GPU's room beside its resident layers holds two layers' gradients, and then the
+    plan fits. The trainer's one-micro-batch plan and the estimate command agree."""
+    cfg = make_config("qwen2.5-14b")
+    auto = EngineConfig(device="cuda", resident_layers=None, offload_activations=None, lean_resident=None,
+                        lean_streamed=None, transient_grads=False, gpu_grad_layers=None)
+    machine = dict(gpu_free=138.5 * GiB, host_free=122.7 * GiB)
+    placed = split_step(cfg, 16, 1024, auto, 1, **machine).placement.engine
+    assert placed.lean_streamed and placed.gpu_grad_layers == 2
+    plan = estimate(cfg, 16, 1024, placed, later_contributions=False)
+    assert not shortfalls(plan, 122.7 * GiB, 138.5 * GiB)
+    without = split_step(cfg, 16, 1024, replace(auto, gpu_grad_layers=0), 1, **machine).placement.engine
+    assert shortfalls(estimate(cfg, 16, 1024, without, later_contributions=False), 122.7 * GiB, 138.5 * GiB)
+    assert split_step(cfg, 16, 1024, auto, 1, gpu_free=138.5 * GiB, host_free=200 * GiB).placement.engine \
+        .gpu_grad_layers == 0  # the host has room: nothing moves
+    r = subprocess.run([sys.executable, "-m", "hf_megatrain.cli", "estimate", "qwen2.5-14b", "--batch", "16", "--seq",
+                        "1024", "--gpu_gib", "138.5", "--host_gib", "122.7", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["verdict"] == "fits" and out["gpu"]["fp32 gradients of streamed layers (gpu_grad_layers)"] > 0
 
 
 def test_estimate_shows_each_mode_and_a_refusal_names_the_one_that_fits(tmp_path):
