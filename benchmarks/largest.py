@@ -199,7 +199,7 @@ def main() -> None:
                   host_vs_estimate=round(record["host_peak_gib"] / (plan.host_total / GiB), 3),
                   gpu_vs_estimate=round(record["gpu_peak_gib"] / (plan.gpu_total / GiB), 3),
                   clip=opts.clip, lean_resident=eng.lean_resident, lean_streamed=eng.lean_streamed,
-                  transient_grads=eng.transient_grads)
+                  transient_grads=eng.transient_grads, gpu_grad_layers=eng.gpu_grad_layers)
     if trainer.step_time is not None:  # the step-time model's prediction (hf_megatrain/steptime.py)
         record.update(model=trainer.step_time.as_dict(), vs_model=round(tps / trainer.step_time.tokens_per_s, 3))
     with open(os.path.join(opts.out, f"largest_{opts.shape}_{cfg.num_hidden_layers}{opts.tag}.json"), "w") as f:

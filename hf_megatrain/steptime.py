@@ -82,14 +82,30 @@ def routed_per_layer(config) -> dict[int, tuple[int, float]]:
     return out
 
 
+@dataclass(frozen=True)
+class LayerCosts:
+    """Seconds measured per decoder layer in a real run (benchmarks/largest.py's record): its forward,
+    its recompute + backward, and its host AdamW with clipping, for a layer of `params` parameters at
+    `tokens` tokens per step. `predict` scales them linearly in a layer's active parameters and in
+    tokens (the matmuls are; attention's share at 1K-token rows is small) and the AdamW in parameters
+    only; the head and embedding stay on the FLOP model."""
+    forward_s: float
+    backward_s: float
+    adamw_s: float
+    params: int
+    tokens: int
+
+
 def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 1, together: bool = True,
-            clip: bool = True, shapes=None, routed=None) -> StepTime:
+            clip: bool = True, shapes=None, routed=None, layer_costs: LayerCosts | None = None) -> StepTime:
     """The step time of `micro_batches` micro-batches of `rows` x `seq` tokens per optimizer step.
 
     engine: the EngineConfig the run is built with, placements settled (memory.resolve_placement).
     together: the micro-batches run through each layer together (one weight pass per step); else
     one at a time, each re-streaming the weights and adding its gradient into the host accumulator.
-    clip: exact gradient clipping (max_grad_norm > 0): the host AdamW waits for the whole backward."""
+    clip: exact gradient clipping (max_grad_norm > 0): the host AdamW waits for the whole backward.
+    layer_costs: measured per-layer seconds to use for the decoder layers' compute and host AdamW
+    instead of the rates (a projection of a model this box cannot hold from one it trained)."""
     from .memory import model_shapes
 
     s = shapes or model_shapes(config)
@@ -124,11 +140,19 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
         else:
             f = b = 0.0  # the embedding: a gather
         streamed = not u.resident
-        fwd.append(f / flops_rate)
-        bwd.append(b / flops_rate)
+        if u.kind == "layer" and layer_costs is not None:  # measured, scaled to this layer and step
+            scale = active(u) / layer_costs.params * tokens / layer_costs.tokens
+            fwd.append(layer_costs.forward_s * scale)
+            bwd.append(layer_costs.backward_s * scale)
+        else:
+            fwd.append(f / flops_rate)
+            bwd.append(b / flops_rate)
         h2d.append(u.numel * (4 if u.lean else cbytes) if streamed else 0)  # a lean streamed unit: its fp32 master
         d2h.append(u.n_train * 4 if streamed else 0)
-        adam.append(u.n_train / (rates.adamw_gparams if clip else rates.adamw_noclip_gparams) / 1e9 if streamed else 0)
+        rate = rates.adamw_gparams if clip else rates.adamw_noclip_gparams
+        if u.kind == "layer" and layer_costs is not None:  # the measured rate, as much faster unclipped as the probe's
+            rate = layer_costs.params / layer_costs.adamw_s / 1e9 * rate / rates.adamw_gparams
+        adam.append(u.n_train / rate / 1e9 if streamed else 0)
     layer_units = [i for i, u in enumerate(units) if u.kind == "layer"]
     acts = {i: layer_input for i in layer_units[s.layers - offload:]} if offload else {}
     # resident units step on the GPU: read master, m, v, grad and write them and the compute copy
