@@ -246,6 +246,7 @@ def engine_config(args, device: torch.device) -> EngineConfig:
     say 'auto' (memory.resolve_placement decides them)."""
     from .memory import mlp_tile
 
+    grad_layers = parse_count(args.gpu_grad_layers, "gpu_grad_layers")
     return EngineConfig(
         device=device,
         compute_dtype=compute_dtype(args, device),
@@ -256,7 +257,7 @@ def engine_config(args, device: torch.device) -> EngineConfig:
         lean_resident=parse_switch(args.lean_resident, "lean_resident"),
         lean_streamed=parse_switch(args.lean_streamed, "lean_streamed"),
         transient_grads=transient_grads(args, device),
-        gpu_grad_layers=parse_count(args.gpu_grad_layers, "gpu_grad_layers") if device.type == "cuda" else 0,
+        gpu_grad_layers=grad_layers if device.type == "cuda" else 0,  # no GPU, no gradients to keep there
         prefetch_depth=args.prefetch_depth,
         host_threads=args.host_threads,
         background_host_jobs=args.background_host_jobs,

@@ -74,6 +74,7 @@ memory and speed (hf_megatrain):
   --lean_resident auto|true|false   resident layers without a bf16 copy (default: when it keeps more)
   --lean_streamed auto|true|false   streamed layers without a bf16 copy in host RAM (default: when the host needs it)
   --transient_grads auto|true|false  no persistent fp32 gradient for decoder layers (needs --max_grad_norm 0)
+  --gpu_grad_layers auto|N   the last streamed layers' fp32 gradients on the GPU (default: when the host needs it)
   --offload_activations auto|N   layer inputs kept in pinned host memory (long context)
   --layer_major_accumulation auto|true|false   a step's micro-batches through each layer together
   --compute_dtype auto|bfloat16|float32   --save_dtype auto|float32|bfloat16
