@@ -32,9 +32,14 @@ H2D and D2H. "Waits on" is what orders a reader after the writer.
                       after waiting on ready[j] of its    is set, i.e. unit i's step has run (or
                       previous unit j; then written as    failed: the taker raises); named_grads
                       grad[i] is (D2H / T / C)            refuses (no gradient outlives its step)
-  shared device       (transient_grads) the backward of   resident layer i's step, queued by T on
-  gradient buffer     resident layer i (compute stream)   the compute stream at its emit, before the
-                                                          next layer's backward writes the buffer
+  grad[i] kept on     (gpu_grad_layers) the backward     unit i's host step (A): clipped in
+  the GPU             of streamed layer i and its        place, then copied tile by tile on
+                      later contributions (compute       its own stream after grad_event[i];
+                      stream); `grad_event[i]` is        the next backward writes it only after
+                      recorded after each                unit i's forward, which waited on ready[i]
+  shared device       (transient_grads) the backward     resident layer i's step, queued by T on
+  gradient buffer     of resident layer i (compute       the compute stream at its emit, before
+                      stream)                            the next layer's backward writes it
   store.grad_count[i] T only, when a contribution is     T only: "first contribution" decisions
                       emitted (not when it lands)        never race a worker
   store.ready[i]      a Signal: cleared by T when a      every reader above; a failed step sets it

@@ -237,7 +237,7 @@ class CudaPipeline(Pipeline):
             acc = store.grad[index]
             views = [acc[s.offset : s.offset + s.numel] for s in unit.train_slots]
             self.norms[index] = torch.stack(torch._foreach_norm(views, 2))
-            if unit.grad_on_gpu:  # its host step brings it over once this is done (HostAdamW._land)
+            if unit.grad_on_gpu:  # its host step brings it over once this is done (HostAdamW._adamw_landing)
                 store.grad_event[index] = torch.cuda.Event()
                 store.grad_event[index].record(compute)
             if self.on_final_grad is not None and (unit.grad_on_gpu or store.transient_on_device(unit)):

@@ -297,7 +297,7 @@ class HostAdamW(torch.optim.Optimizer):
         def issue(k):
             a, b, _ = tiles[k]
             with torch.cuda.stream(stream):
-                self._landing[k % 2][: b - a].copy_(grad[a:b], non_blocking=True)
+                self._landing[k % len(self._landing)][: b - a].copy_(grad[a:b], non_blocking=True)
                 done.append(torch.cuda.Event())
                 done[-1].record(stream)
 
@@ -310,7 +310,8 @@ class HostAdamW(torch.optim.Optimizer):
             if k + 1 < len(tiles):
                 issue(k + 1)  # into the tile that step k - 1 read: it has run (this thread ran it)
             done[k].synchronize()
-            self._adamw_span(index, hyper, None, step_t, self._landing[k % 2][: b - a], (a, b, group), offset=a)
+            self._adamw_span(index, hyper, None, step_t, self._landing[k % len(self._landing)][: b - a], (a, b, group),
+                             offset=a)
 
     def _adamw_span(self, index: int, hyper: list[dict], clip, step_t, grad, span, offset: int = 0) -> None:
         """Clip, update and refresh the compute copy of elements [a, b) of this rank's slice; `grad`
