@@ -304,12 +304,21 @@ def _estimate(argv: list[str]) -> int:
             if a.gpu_gib is not None and a.host_gib is not None and a.device == "cuda":
                 hint = partial(longest_fitting_row, config, batch, a.seq, engine=engine, shapes=shapes,
                                mlp_tile_tokens=a.mlp_tile_tokens, micro_batches=step.together or 1, **ranks)
+            cost = None
+            if a.device == "cuda" and a.world_size == 1:  # a refusal naming a memory mode prices it
+                from .probe import rates_for_planning
+                from .steptime import mode_cost
+
+                n = a.grad_accum * step.split
+                cost = mode_cost(config, batch, a.seq, placement.engine, rates_for_planning(), micro_batches=n,
+                                 together=bool(step.together) or n == 1, clip=a.max_grad_norm > 0, shapes=shapes)
             admit(plan, host_free=(a.host_gib or float("inf")) * GiB, gpu_free=(a.gpu_gib or float("inf")) * GiB,
-                  hint=hint, residency_planned=placement.planned)
+                  hint=hint, residency_planned=placement.planned, step_cost=cost)
             verdict = "fits"
         except MegaTrainError as e:
-            lines = str(e).splitlines()  # the verdict, and the longest row that fits when there is one
-            verdict = lines[0] + "".join(f"\n{ln}" for ln in lines[1:] if ln.startswith("max_seq_length="))
+            lines = str(e).splitlines()  # the verdict, what would fit, and the longest row that fits if one does
+            verdict = lines[0] + "".join(f"\n{ln}" for ln in lines[1:]
+                                         if ln.startswith(("max_seq_length=", "Would fit with:")))
     timing, modes = None, []
     if a.device == "cuda" and a.world_size == 1:
         from .memory import mode_plans, shortfalls, state_bytes_per_parameter

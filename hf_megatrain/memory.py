@@ -563,13 +563,15 @@ def gpu_available(device=None) -> float:
 
 
 def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float | None = None,
-          margin: float = ADMIT_MARGIN, hint=None, residency_planned: bool = False) -> None:
+          margin: float = ADMIT_MARGIN, hint=None, residency_planned: bool = False, step_cost=None) -> None:
     """Raise MegaTrainError, with what would make it fit, if the plan exceeds the machine.
 
     hint: called with host_free= and gpu_free= only on a refusal, for one more line of advice (the
     trainer's: the longest row that fits, see longest_fitting_row).
     residency_planned: plan_placement chose the resident layers for this machine, as many as the
-    GPU holds, so more of them is no advice to give."""
+    GPU holds, so more of them is no advice to give.
+    step_cost: called with a memory mode's EngineConfig fields only on a refusal that names the mode,
+    for its speed cost in words (steptime.mode_cost: the step-time model with and without it)."""
     from .errors import MegaTrainError
 
     host_free = host_available() if host_free is None else host_free
@@ -594,16 +596,20 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
         def fits_with(saving):
             return not shortfalls(replace(plan, host={**plan.host, "saved": -saving}), host_free, gpu_free, margin)
 
+        def cost(**fields):
+            return f"; {step_cost(fields)}" if step_cost is not None else ""
+
         if plan.lean_streamed_saving and fits_with(plan.lean_streamed_saving):
             fixes.insert(0, f"lean_streamed=True: the streamed layers keep no bf16 copy in host RAM "
                             f"({plan.lean_streamed_saving / GiB:.1f} GiB less; their fp32 master crosses PCIe "
-                            f"instead, twice the bytes of their weights)")
+                            f"instead, twice the bytes of their weights{cost(lean_streamed=True)})")
         elif plan.transient_saving and fits_with(plan.lean_streamed_saving + plan.transient_saving):
             both = plan.lean_streamed_saving + plan.transient_saving
-            fixes.insert(0, f"{'lean_streamed=True and ' if plan.lean_streamed_saving else ''}transient_grads=True "
+            lean = dict(lean_streamed=True) if plan.lean_streamed_saving else {}
+            fixes.insert(0, f"{'lean_streamed=True and ' if lean else ''}transient_grads=True "
                             f"with max_grad_norm=0, i.e. no clipping ({both / GiB:.1f} GiB less: the streamed "
-                            f"layers keep no fp32 gradient accumulator, each gradient is stepped as it lands; "
-                            f"`hf-megatrain estimate` shows the step time of each mode)")
+                            f"layers keep no fp32 gradient accumulator, each gradient is stepped as it lands"
+                            f"{cost(transient_grads=True, **lean)})")
         fixes += ["a host with more RAM (18 bytes per parameter: fp32 master, gradient and Adam states)",
                   "LoRA (peft_config) instead of full fine-tuning: about 2 bytes per frozen parameter"]
     raise MegaTrainError(

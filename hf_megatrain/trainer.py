@@ -47,7 +47,7 @@ from .memory import (admit, allocator_advice, estimate, gpu_available, host_avai
 from .patcher.adapters import base_model
 from .preflight import check_data, check_disk, check_outputs, check_resume
 from .probe import rates_for_planning
-from .steptime import predict
+from .steptime import mode_cost, predict
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,13 @@ class MegaTrainTrainer(Trainer):
                 hint = partial(longest_fitting_row, config, batch, seq, engine=wanted,
                                mlp_tile_tokens=args.mlp_tile_tokens, world_size=world, local_ranks=local,
                                micro_batches=self._together or 1)
-            admit(plan, hint=hint, residency_planned=placement.planned)  # before a single large allocation
+            cost = None
+            if device.type == "cuda" and world == 1:  # a refusal naming a memory mode says what it costs
+                n = args.gradient_accumulation_steps * self._split
+                cost = mode_cost(config, batch, seq, placement.engine, rates_for_planning(), micro_batches=n,
+                                 together=bool(self._together) or n == 1,
+                                 clip=bool(args.max_grad_norm) and args.max_grad_norm > 0)
+            admit(plan, hint=hint, residency_planned=placement.planned, step_cost=cost)  # before a single large allocation
         self.step_time = None  # the step-time model's prediction (steptime.py), for a GPU run of one process
         if device.type == "cuda" and args.process_index == 0:
             advice = allocator_advice(plan, gpu_available(device))

@@ -14,6 +14,7 @@ the next buffer claim waiting.
 """
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -438,10 +439,19 @@ def test_estimate_shows_each_mode_and_a_refusal_names_the_one_that_fits(tmp_path
     placed = resolve_placement(cfg, 16, 1024, EngineConfig(device="cuda", resident_layers=None, offload_activations=None,
                                                           lean_resident=None, lean_streamed=None),
                                gpu_free=139 * GiB, host_free=953 * GiB).engine
+    from hf_megatrain.probe import REFERENCE
+    from hf_megatrain.steptime import mode_cost
+
     with pytest.raises(MegaTrainError) as refused:
-        admit(estimate(cfg, 16, 1024, placed), host_free=953 * GiB, gpu_free=139 * GiB)
+        admit(estimate(cfg, 16, 1024, placed), host_free=953 * GiB, gpu_free=139 * GiB,
+              step_cost=mode_cost(cfg, 16, 1024, placed, REFERENCE, clip=True))
     fixes = str(refused.value).split("Would fit with: ", 1)[1]
     assert fixes.startswith("lean_streamed=True and transient_grads=True with max_grad_norm=0, i.e. no clipping")
+    # its speed cost from the step-time model: without clipping the host AdamW overlaps the backward
+    faster = re.search(r"gives ([\d.]+) s/step with it against ([\d.]+) as asked, ([\d.]+)x the tokens/s", fixes)
+    assert faster and float(faster[1]) < float(faster[2]) and float(faster[3]) > 1
+    text = json.loads(r.stdout)["verdict"]  # the estimate command's refusal says the same
+    assert "Would fit with: lean_streamed=True and transient_grads=True" in text and "s/step with it" in text
     bad = subprocess.run([sys.executable, "-m", "hf_megatrain.cli", "estimate", "llama-3.1-70b", "--transient_grads"],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "--transient_grads needs --max_grad_norm 0" in bad.stderr
