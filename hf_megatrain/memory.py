@@ -487,8 +487,8 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
     and it fits; else the fewest chunks, together, whose plan fits; else as asked (admission then
     says why not). True: together, uncut. False, or off a GPU on auto: as asked.
     splittable: rows may be cut; by default unless `config` is an MoE whose load-balancing loss
-    spans the micro-batch (output_router_logits with a coefficient). An 'auto' lean_streamed is
-    tried only once no split fits without it."""
+    spans the micro-batch (output_router_logits with a coefficient). The host memory modes on auto
+    (lean_streamed, transient_grads, gpu_grad_layers) are tried only once no split fits without them."""
     if splittable is None:
         splittable = not (getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
 
@@ -514,8 +514,10 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
     streams = base.engine.resident_layers < config.num_hidden_layers
     if fits(base, batch, 1) and (ga == 1 or not streams):
         return StepSplit(1, 0, base)  # nothing would cross PCIe per micro-batch: as asked
-    # An 'auto' lean_streamed is the last resort: every split without it first (cutting rows costs
-    # smaller matmuls; lean_streamed, twice the PCIe bytes of the streamed weights)
+    # The host memory modes on auto are the last resort: every split without them first (cutting rows
+    # costs smaller matmuls; lean_streamed twice the PCIe bytes of the streamed weights, gradients kept
+    # on the GPU a copy during the host step; transient_grads nothing, but the plain plan is the one
+    # the user asked for)
     plain = {k: False for k in ("lean_streamed", "transient_grads") if getattr(engine, k) is None}
     if engine.gpu_grad_layers is None:
         plain["gpu_grad_layers"] = 0
