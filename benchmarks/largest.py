@@ -71,7 +71,8 @@ def main() -> None:
     p.add_argument("--skip_all_host", action="store_true", help="do not try the all-host run first")
     p.add_argument("--clip", type=float, default=1.0, help="max_grad_norm of the training run")
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--learnable", action="store_true", help="rows of a task the loss visibly falls on (bench.TokenRows)")
+    p.add_argument("--learnable", action="store_true",
+                   help="rows of a task the loss visibly falls on (bench.TokenRows)")
     p.add_argument("--lean_streamed", default="auto", help="lean_streamed of the training run: auto | true | false")
     p.add_argument("--transient_grads", default="auto", help="transient_grads of the training run: auto | true | false")
     p.add_argument("--skip_disk_check", action="store_true",

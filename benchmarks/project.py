@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -100,8 +99,8 @@ def main() -> None:
           f"{'GPU GiB':>7} {'step s':>6} {'tok/s':>6} {'MFU':>5}  bound")
     for r in rows:
         mark = "" if r["fits"] else "  (does not fit)"
-        print(f"{r['shape']:14} {r['host_gib']:>5.0f} {r['tokens_per_step']:>8} {r['mode']:32} {r['resident_layers']:>3} "
-              f"{r['gpu_grad_layers']:>3} {r['host_needed_gib']:>8} {r['gpu_needed_gib']:>7} {r['step_s']:>6} "
+        print(f"{r['shape']:14} {r['host_gib']:>5.0f} {r['tokens_per_step']:>8} {r['mode']:32} "
+              f"{r['resident_layers']:>3} {r['gpu_grad_layers']:>3} {r['host_needed_gib']:>8} {r['gpu_needed_gib']:>7} {r['step_s']:>6} "
               f"{r['tokens_per_s']:>6} {r['mfu']:>5}  {r['bound']}{mark}")
     out = os.path.splitext(a.record)[0] + "_projection.json"
     with open(out, "w") as f:

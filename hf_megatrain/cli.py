@@ -245,7 +245,8 @@ def _estimate(argv: list[str]) -> int:
     try:
         transient = parse_switch(a.transient_grads, "transient_grads")
     except MegaTrainError:
-        raise SystemExit(f"hf-megatrain estimate: --transient_grads takes true, false or auto, not {a.transient_grads!r}")
+        raise SystemExit("hf-megatrain estimate: --transient_grads takes true, false or auto, "
+                         f"not {a.transient_grads!r}")
     if transient is None and not (a.max_grad_norm <= 0 and a.gpu_gib and a.host_gib and a.world_size == 1
                                   and a.device == "cuda"):
         transient = False  # auto only where it would be exact and there is a machine to weigh it for

@@ -156,7 +156,8 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     # data parallel streams every layer (residency is not combined with sharding yet)
     units = s.units
     resident_layers = mark_resident(units, 0 if world > 1 else eng.resident_layers or 0, eng.lean_resident,
-                                    eng.lean_streamed and world == 1, 0 if world > 1 or not cuda else eng.gpu_grad_layers)
+                                    eng.lean_streamed and world == 1,
+                                    0 if world > 1 or not cuda else eng.gpu_grad_layers)
     offload = max(0, min(eng.offload_activations or 0, s.layers)) if cuda else 0
     layer_input = tokens * s.hidden * cbytes  # one saved [batch, seq, hidden] layer input
     on_gpu = sum(u.numel for u in units if u.resident)
@@ -214,7 +215,8 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
         plan.gpu["fp32 landing of a lean streamed layer"] = 4 * max(u.numel for u in units if u.lean and not u.resident)
     plan.gpu["gradient ring (fp32)"] = eng.grad_slots * 4 * grad_slot_numel(units)
     if any(u.grad_on_gpu for u in units):
-        plan.gpu["fp32 gradients of streamed layers (gpu_grad_layers)"] = 4 * sum(u.n_train for u in units if u.grad_on_gpu)
+        plan.gpu["fp32 gradients of streamed layers (gpu_grad_layers)"] = \
+            4 * sum(u.n_train for u in units if u.grad_on_gpu)
     lean = sum(u.numel for u in units if u.lean and u.resident)
     if eng.transient_grads and resident_layers:  # the resident layers share one gradient buffer
         full = sum(u.numel for u in units if u.resident and u.kind == "layer" and not u.lean)

@@ -84,7 +84,8 @@ class EngineConfig:
         gradient lands in one of TRANSIENT_GRAD_BUFFERS pinned buffers (layout.py) and the host
         AdamW steps it from there as soon as it is final, 4 bytes per streamed parameter less of
         host RAM. Resident decoder layers likewise share one fp32 gradient buffer on the GPU, each
-        stepped right after its backward: 4 bytes per resident layer parameter less of GPU memory. Exact only when every backward steps its units as they finish: no clipping
+        stepped right after its backward: 4 bytes per resident layer parameter less of GPU memory.
+        Exact only when every backward steps its units as they finish: no clipping
         (HostAdamW.step_during_backward before each backward), a step's micro-batches run together,
         background host jobs; anything else is refused. Not with data parallel. None: auto (the
         planner takes it when the host RAM does not suffice without it; only offered where it is
