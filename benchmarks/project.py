@@ -32,19 +32,15 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-MODES = (("default", dict(lean_streamed=False, transient_grads=False), True),
-         ("lean_streamed", dict(lean_streamed=True, transient_grads=False), True),
-         ("lean_streamed + transient_grads", dict(lean_streamed=True, transient_grads=True, gpu_grad_layers=0), False))
-
-
 def project(record: dict, shape: str, gpu_gib: float, host_gib: float, tokens: int, mode: str) -> dict:
     from hf_megatrain.engine.config import EngineConfig
-    from hf_megatrain.memory import GiB, estimate, model_shapes, resolve_placement, shortfalls
+    from hf_megatrain.memory import MODES, GiB, estimate, model_shapes, resolve_placement, shortfalls
     from hf_megatrain.probe import REFERENCE
     from hf_megatrain.shapes import make_config
     from hf_megatrain.steptime import LayerCosts, predict
 
-    fields, clip = next((f, c) for name, f, c in MODES if name == mode)
+    fields = dict(MODES)[mode]  # the modes `hf-megatrain estimate` shows; transient_grads means no clipping
+    clip = not fields.get("transient_grads")
     measured = model_shapes(make_config(record["shape"], record["layers"]))
     costs = LayerCosts(record["layer_forward_s"], record["layer_backward_s"], record["host_adamw_unit_s"],
                        measured.units[1].numel, record["tokens_per_step"])
@@ -53,7 +49,7 @@ def project(record: dict, shape: str, gpu_gib: float, host_gib: float, tokens: i
     seq = 1024
     rows = max(1, tokens // seq)
     auto = EngineConfig(device="cuda", resident_layers=None, offload_activations=None, lean_resident=None,
-                        **{"gpu_grad_layers": None, **fields})
+                        gpu_grad_layers=None, **fields)
     engine = resolve_placement(config, rows, seq, auto, gpu_free=gpu_gib * GiB, host_free=host_gib * GiB,
                                later_contributions=False).engine
     plan = estimate(config, rows, seq, engine, shapes=shapes, later_contributions=False)
@@ -84,12 +80,14 @@ def main() -> None:
     sys.path.insert(0, HERE)
     from versions import versions, versions_line
 
+    from hf_megatrain.memory import MODES
+
     with open(a.record) as f:
         record = json.load(f)
     source = {k: record.get(k) for k in ("date", "card", "command", "versions")}
     here = versions()
     rows = [project(record, shape, a.gpu_gib, h, t, mode)
-            for shape in a.shapes for h in a.host_gib for t in a.tokens for mode, _, _ in MODES]
+            for shape in a.shapes for h in a.host_gib for t in a.tokens for mode, _ in MODES]
     print(f"from {record['shape']} x {record['layers']} layers on {record.get('card', '?')}: per layer "
           f"fwd {record['layer_forward_s']} s, bwd {record['layer_backward_s']} s, host AdamW "
           f"{record['host_adamw_unit_s']} s at {record['tokens_per_step']} tokens/step")
