@@ -98,8 +98,8 @@ def main() -> None:
     for r in rows:
         mark = "" if r["fits"] else "  (does not fit)"
         print(f"{r['shape']:14} {r['host_gib']:>5.0f} {r['tokens_per_step']:>8} {r['mode']:32} "
-              f"{r['resident_layers']:>3} {r['gpu_grad_layers']:>3} {r['host_needed_gib']:>8} {r['gpu_needed_gib']:>7} {r['step_s']:>6} "
-              f"{r['tokens_per_s']:>6} {r['mfu']:>5}  {r['bound']}{mark}")
+              f"{r['resident_layers']:>3} {r['gpu_grad_layers']:>3} {r['host_needed_gib']:>8} {r['gpu_needed_gib']:>7} "
+              f"{r['step_s']:>6} {r['tokens_per_s']:>6} {r['mfu']:>5}  {r['bound']}{mark}")
     out = os.path.splitext(a.record)[0] + "_projection.json"
     with open(out, "w") as f:
         json.dump({"source": source, "projected_with": here, "rows": rows}, f, indent=1)
