@@ -298,6 +298,14 @@ def _estimate(argv: list[str]) -> int:
     later = a.grad_accum * step.split > 1 and not step.together  # a unit's gradient gets a second contribution
     plan = estimate(config, batch, a.seq, placement.engine, shapes=shapes, micro_batches=step.together or 1,
                     later_contributions=later, **ranks)
+    timed_here = a.device == "cuda" and a.world_size == 1  # the step-time model prices the plan and its modes
+    if timed_here:
+        from .probe import rates_for_planning
+        from .steptime import mode_cost, predict, routed_per_layer
+
+        rates, n = rates_for_planning(), a.grad_accum * step.split
+        together = bool(step.together) or n == 1
+        routed = routed_per_layer(config)  # a meta copy of the model: once, for every prediction below
     verdict = None
     if a.gpu_gib is not None or a.host_gib is not None:
         try:
@@ -306,13 +314,9 @@ def _estimate(argv: list[str]) -> int:
                 hint = partial(longest_fitting_row, config, batch, a.seq, engine=engine, shapes=shapes,
                                mlp_tile_tokens=a.mlp_tile_tokens, micro_batches=step.together or 1, **ranks)
             cost = None
-            if a.device == "cuda" and a.world_size == 1:  # a refusal naming a memory mode prices it
-                from .probe import rates_for_planning
-                from .steptime import mode_cost
-
-                n = a.grad_accum * step.split
-                cost = mode_cost(config, batch, a.seq, placement.engine, rates_for_planning(), micro_batches=n,
-                                 together=bool(step.together) or n == 1, clip=a.max_grad_norm > 0, shapes=shapes)
+            if timed_here:  # a refusal naming a memory mode prices it
+                cost = mode_cost(config, batch, a.seq, placement.engine, rates, micro_batches=n, together=together,
+                                 clip=a.max_grad_norm > 0, shapes=shapes, routed=routed)
             admit(plan, host_free=(a.host_gib or float("inf")) * GiB, gpu_free=(a.gpu_gib or float("inf")) * GiB,
                   hint=hint, residency_planned=placement.planned, step_cost=cost)
             verdict = "fits"
@@ -321,14 +325,8 @@ def _estimate(argv: list[str]) -> int:
             verdict = lines[0] + "".join(f"\n{ln}" for ln in lines[1:]
                                          if ln.startswith(("max_seq_length=", "Would fit with:")))
     timing, modes = None, []
-    if a.device == "cuda" and a.world_size == 1:
+    if timed_here:
         from .memory import mode_plans, shortfalls, state_bytes_per_parameter
-        from .probe import rates_for_planning
-        from .steptime import predict, routed_per_layer
-
-        rates, n = rates_for_planning(), a.grad_accum * step.split
-        together = bool(step.together) or n == 1
-        routed = routed_per_layer(config)  # a meta copy of the model: once, for the four predictions
 
         def timed(eng, clip):
             return predict(config, batch, a.seq, eng, rates, micro_batches=n, together=together, clip=clip,

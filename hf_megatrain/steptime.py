@@ -231,15 +231,16 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
 
 
 def mode_cost(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 1, together: bool = True,
-              clip: bool = True, shapes=None):
+              clip: bool = True, shapes=None, routed=None):
     """For a refusal that names a memory mode (memory.admit's step_cost): a function of the mode's
     EngineConfig fields that says, in words, the modelled step time with it against the plan as asked.
     transient_grads implies no clipping, which is what it is priced with. Nothing is computed until a
-    refusal asks."""
+    refusal asks. routed: routed_per_layer(config), where the caller has it already."""
     from dataclasses import replace
 
     def cost(fields: dict) -> str:
-        kw = dict(micro_batches=micro_batches, together=together, shapes=shapes, routed=routed_per_layer(config))
+        kw = dict(micro_batches=micro_batches, together=together, shapes=shapes,
+                  routed=routed_per_layer(config) if routed is None else routed)
         asked = predict(config, rows, seq, engine, rates, clip=clip, **kw)
         eng = replace(engine, **fields, **({"gpu_grad_layers": 0} if fields.get("transient_grads") else {}))
         with_it = predict(config, rows, seq, eng, rates, clip=clip and not fields.get("transient_grads"), **kw)
