@@ -165,7 +165,8 @@ class MegaTrainTrainer(Trainer):
                 cost = mode_cost(config, batch, seq, placement.engine, rates_for_planning(), micro_batches=n,
                                  together=bool(self._together) or n == 1,
                                  clip=bool(args.max_grad_norm) and args.max_grad_norm > 0)
-            admit(plan, hint=hint, residency_planned=placement.planned, step_cost=cost)  # before a single large allocation
+            # before a single large allocation
+            admit(plan, hint=hint, residency_planned=placement.planned, step_cost=cost)
         self.step_time = None  # the step-time model's prediction (steptime.py), for a GPU run of one process
         if device.type == "cuda" and args.process_index == 0:
             advice = allocator_advice(plan, gpu_available(device))
