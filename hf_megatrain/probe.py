@@ -8,7 +8,8 @@ drops from ~790 to ~660 TFLOP/s), pinned PCIe per direction alone and with both 
 the GPU's memory bandwidth, the host's DRAM bandwidth (a large fp32 copy and an in-place add, all
 cores: a copy's writes also read their lines first, an in-place update's do not) and the
 engine's own host AdamW step (optimizer.adamw_tile on a 128M-parameter store, with clipping and
-without), which is what the DRAM bandwidth buys in the step.
+without, refreshing a bf16 compute copy and without one as a lean unit does), which is what the
+DRAM bandwidth buys in the step.
 
 The cache is a JSON file (HF_MEGATRAIN_CACHE or ~/.cache/hf_megatrain, `rates.json`) holding the
 latest probe of each GPU model; `load()` returns the one for this machine's GPU.
@@ -40,6 +41,23 @@ class Rates:
     adamw_noclip_gparams: float  # ... without clipping
     host: str = ""  # CPU model and cores
     measured: str = ""  # when (UTC), or where the reference numbers come from
+    # The same step of a lean unit (no bf16 compute copy to refresh: lean_streamed), with clipping and
+    # without; 0: not measured (a probe from before they were, the reference rates), see adamw().
+    adamw_lean_gparams: float = 0.0
+    adamw_lean_noclip_gparams: float = 0.0
+
+    def adamw(self, clip: bool, lean: bool = False) -> float:
+        """G params/s of the host AdamW of one unit: with exact clipping or not, refreshing a bf16
+        compute copy or (lean) not. An unmeasured lean rate is the measured one scaled by the bytes
+        a tile's ops move (ADAMW_TILE_BYTES), as if the step were bound by DRAM bandwidth alone."""
+        rate = self.adamw_gparams if clip else self.adamw_noclip_gparams
+        if not lean:
+            return rate
+        measured = self.adamw_lean_gparams if clip else self.adamw_lean_noclip_gparams
+        if measured:
+            return measured
+        full, without_copy = ADAMW_TILE_BYTES[clip]
+        return rate * full / without_copy
 
     def table(self) -> str:
         rows = [("bf16 matmul, sustained", f"{self.matmul_tflops:,.0f} TFLOP/s"),
@@ -51,7 +69,11 @@ class Rates:
                 ("host AdamW, clipped / unclipped",
                  f"{self.adamw_gparams:.2f} / {self.adamw_noclip_gparams:.2f} G params/s "
                  f"({ADAMW_BYTES * self.adamw_gparams:.0f} / {ADAMW_BYTES * self.adamw_noclip_gparams:.0f} GB/s "
-                 f"at {ADAMW_BYTES} B/param)")]
+                 f"at {ADAMW_BYTES} B/param)"),
+                ("host AdamW of a lean unit, clipped / unclipped",
+                 f"{self.adamw(True, True):.2f} / {self.adamw(False, True):.2f} G params/s"
+                 + ("" if self.adamw_lean_gparams and self.adamw_lean_noclip_gparams else
+                    " (not measured: scaled by the bytes moved)"))]
         head = f"{self.gpu or 'no GPU'}; host {self.host or '?'}; {self.measured}"
         return head + "\n" + "\n".join(f"  {k:38} {v}" for k, v in rows)
 
@@ -59,6 +81,10 @@ class Rates:
 # Bytes the host AdamW must move per parameter: read master, m, v, gradient (16), write master, m,
 # v (12) and the bf16 compute copy (2).
 ADAMW_BYTES = 30
+# Bytes per parameter that a tile's ops (optimizer.adamw_tile) move, {clip: (with the compute copy,
+# without)}: clipping reads and writes the gradient (8), the fused AdamW reads master, gradient, m, v
+# and writes master, m, v (28), refreshing the compute copy reads the master and writes bf16 (6).
+ADAMW_TILE_BYTES = {True: (42, 36), False: (34, 28)}
 
 # An H200 box's rates, for planning on a machine that has not been probed (or has no GPU): the
 # device machine's probe of 2026-12-04 17:29 UTC (BENCHMARKS.md, run 14, call d).
@@ -165,9 +191,10 @@ def host_update_gbs(numel: int = 1 << 28) -> float:
     return 3 * 4 * numel / _best(lambda: a.add_(b), 3) / GB
 
 
-def host_adamw_gparams(numel: int = 1 << 27, clip: bool = True) -> float:
+def host_adamw_gparams(numel: int = 1 << 27, clip: bool = True, lean: bool = False) -> float:
     """The engine's host step (optimizer.adamw_tile over OPENMP_TILE tiles, as HostAdamW runs it with
-    OpenMP inside each op) on a store of `numel` parameters, G parameters per second, stepped from a
+    OpenMP inside each op) on a store of `numel` parameters, refreshing a bf16 compute copy unless
+    `lean`, G parameters per second, stepped from a
     worker thread with the caller's OpenMP thread count, as in training (from a worker thread it ran
     about 20% slower than from the main thread on the H200 box: BENCHMARKS.md, run 14)."""
     import threading
@@ -180,7 +207,7 @@ def host_adamw_gparams(numel: int = 1 << 27, clip: bool = True) -> float:
     def work():
         try:
             torch.set_num_threads(threads)
-            result.append(_adamw_rate(numel, clip))
+            result.append(_adamw_rate(numel, clip, lean))
         except BaseException as e:  # re-raised on the caller's thread
             result.append(e)
 
@@ -192,13 +219,14 @@ def host_adamw_gparams(numel: int = 1 << 27, clip: bool = True) -> float:
     return result[0]
 
 
-def _adamw_rate(numel: int, clip: bool) -> float:
+def _adamw_rate(numel: int, clip: bool, lean: bool = False) -> float:
     import torch
 
     from .engine import optimizer
 
     master, grad = torch.randn(numel), torch.randn(numel)
-    m, v, compute = torch.zeros(numel), torch.zeros(numel), torch.empty(numel, dtype=torch.bfloat16)
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    compute = None if lean else torch.empty(numel, dtype=torch.bfloat16)
     hyper = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
     coef = torch.tensor(0.5) if clip else None
     step = torch.tensor(1.0)
@@ -207,7 +235,8 @@ def _adamw_rate(numel: int, clip: bool) -> float:
     def run():
         for a in range(0, numel, tile):
             b = min(a + tile, numel)
-            optimizer.adamw_tile(master[a:b], grad[a:b], m[a:b], v[a:b], compute[a:b], hyper, coef, step)
+            optimizer.adamw_tile(master[a:b], grad[a:b], m[a:b], v[a:b], None if lean else compute[a:b], hyper,
+                                 coef, step)
 
     return numel / _best(run, 3) / GB
 
@@ -292,6 +321,7 @@ def measure(seconds: float = 5.0, progress=print) -> Rates:
     copy, update = host_copy_gbs(), host_update_gbs()
     progress("host AdamW (the engine's step) ...")
     adamw, adamw_noclip = host_adamw_gparams(clip=True), host_adamw_gparams(clip=False)
+    lean, lean_noclip = host_adamw_gparams(clip=True, lean=True), host_adamw_gparams(clip=False, lean=True)
     gpu, matmul, pcie, device_mem = "", 0.0, (0.0, 0.0, 0.0, 0.0), 0.0
     if torch.cuda.is_available():
         gpu = torch.cuda.get_device_name()
@@ -305,4 +335,5 @@ def measure(seconds: float = 5.0, progress=print) -> Rates:
     return Rates(gpu=gpu, matmul_tflops=round(matmul, 1), h2d_gbs=round(pcie[0], 2), d2h_gbs=round(pcie[1], 2),
                  h2d_duplex_gbs=round(pcie[2], 2), d2h_duplex_gbs=round(pcie[3], 2), gpu_mem_gbs=round(device_mem, 1),
                  host_copy_gbs=round(copy, 2), host_update_gbs=round(update, 2), adamw_gparams=round(adamw, 3), adamw_noclip_gparams=round(adamw_noclip, 3),
-                 host=host_name(), measured=time.strftime("probed %Y-%m-%d %H:%M UTC", time.gmtime()))
+                 host=host_name(), measured=time.strftime("probed %Y-%m-%d %H:%M UTC", time.gmtime()),
+                 adamw_lean_gparams=round(lean, 3), adamw_lean_noclip_gparams=round(lean_noclip, 3))

@@ -85,7 +85,8 @@ def routed_per_layer(config) -> dict[int, tuple[int, float]]:
 @dataclass(frozen=True)
 class LayerCosts:
     """Seconds measured per decoder layer in a real run (benchmarks/largest.py's record): its forward,
-    its recompute + backward, and its host AdamW with clipping, for a layer of `params` parameters at
+    its recompute + backward, and its host AdamW with clipping and a compute copy to refresh (not
+    lean; other modes scale it as the probe's rates do), for a layer of `params` parameters at
     `tokens` tokens per step. `predict` scales them linearly in a layer's active parameters and in
     tokens (the matmuls are; attention's share at 1K-token rows is small) and the AdamW in parameters
     only; the head and embedding stay on the FLOP model."""
@@ -149,9 +150,10 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
             bwd.append(b / flops_rate)
         h2d.append(u.numel * (4 if u.lean else cbytes) if streamed else 0)  # a lean streamed unit: its fp32 master
         d2h.append(u.n_train * 4 if streamed else 0)
-        rate = rates.adamw_gparams if clip else rates.adamw_noclip_gparams
-        if u.kind == "layer" and layer_costs is not None:  # the measured rate, as much faster unclipped as the probe's
-            rate = layer_costs.params / layer_costs.adamw_s / 1e9 * rate / rates.adamw_gparams
+        # a lean unit has no compute copy to refresh, nor does an fp32 one (the master streams itself)
+        rate = rates.adamw(clip, u.lean or (cbytes == 4 and u.n_train == u.numel))
+        if u.kind == "layer" and layer_costs is not None:  # the measured rate, as much faster as the probe's
+            rate = layer_costs.params / layer_costs.adamw_s / 1e9 * rate / rates.adamw(True)
         adam.append(u.n_train / rate / 1e9 if streamed else 0)
     layer_units = [i for i, u in enumerate(units) if u.kind == "layer"]
     acts = {i: layer_input for i in layer_units[s.layers - offload:]} if offload else {}

@@ -61,6 +61,25 @@ def test_the_bound_is_the_lane_that_limits():
     assert predict(cfg, 4, 128, eng, slow_gpu).bound == "compute"
 
 
+def test_a_lean_unit_is_stepped_at_the_lean_rate():
+    """lean_streamed: the host AdamW refreshes no compute copy, so its streamed layers are stepped at
+    the probe's lean rate; rates without one (an older probe, the reference) scale the measured rate
+    by the bytes a tile's ops move (42 -> 36 per parameter clipped, 34 -> 28 unclipped)."""
+    cfg = make_config("llama")
+    slow_host = replace(RATES, adamw_gparams=1e-4, adamw_noclip_gparams=2e-4)
+    assert slow_host.adamw(True, lean=True) == pytest.approx(1e-4 * 42 / 36)
+    assert slow_host.adamw(False, lean=True) == pytest.approx(2e-4 * 34 / 28)
+    probed = replace(slow_host, adamw_lean_gparams=3e-4, adamw_lean_noclip_gparams=5e-4)
+    assert (probed.adamw(True, True), probed.adamw(False, True), probed.adamw(True)) == (3e-4, 5e-4, 1e-4)
+    for rates in (slow_host, probed):
+        for clip in (True, False):
+            full = predict(cfg, 4, 128, gpu(resident_layers=1), rates, clip=clip)
+            lean = predict(cfg, 4, 128, gpu(resident_layers=1, lean_streamed=True), rates, clip=clip)
+            assert full.lanes["host_adamw"] / lean.lanes["host_adamw"] == pytest.approx(
+                rates.adamw(clip, lean=True) / rates.adamw(clip))
+            assert lean.step_s < full.step_s  # bound by the host AdamW, which moves fewer bytes
+
+
 def test_micro_batches_together_stream_once():
     """The same tokens as 4 micro-batches: together, each layer's weights cross once per pass (the
     one-micro-batch step's PCIe); one at a time, four times, plus the host adding up gradients."""
@@ -119,6 +138,7 @@ def test_probe_command_measures_the_host_and_caches(tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["host_copy_gbs"] > 0 and out["host_update_gbs"] > 0 and out["adamw_gparams"] > 0 and out["adamw_noclip_gparams"] > 0
+    assert out["adamw_lean_gparams"] > 0 and out["adamw_lean_noclip_gparams"] > 0
     assert out["cache"] == str(tmp_path / "rates.json")
     cached = json.load(open(tmp_path / "rates.json"))
     assert cached["cpu"]["adamw_gparams"] == out["adamw_gparams"]
@@ -147,4 +167,7 @@ def test_lean_streamed_layers_cross_pcie_in_fp32():
     lean = predict(cfg, 4, 128, gpu(resident_layers=0, lean_streamed=True), RATES)
     # two passes (forward, backward) of every streamed layer's 2 extra bytes per parameter
     assert lean.lanes["h2d"] - base.lanes["h2d"] == pytest.approx(2 * 2 * layers / (RATES.h2d_gbs * 1e9))
-    assert lean.lanes["d2h"] == base.lanes["d2h"] and lean.step_s >= base.step_s
+    assert lean.lanes["d2h"] == base.lanes["d2h"]
+    slow_pcie = replace(RATES, h2d_gbs=0.01, d2h_gbs=0.01, h2d_duplex_gbs=0.01, d2h_duplex_gbs=0.01)
+    assert predict(cfg, 4, 128, gpu(resident_layers=0, lean_streamed=True), slow_pcie).step_s > \
+        1.2 * predict(cfg, 4, 128, gpu(resident_layers=0), slow_pcie).step_s  # bound by PCIe: its bytes in
