@@ -104,15 +104,16 @@ class MemoryPlan:
 
     def table(self) -> str:
         ranks = self.world_size > 1
-        lines = [f"{'host RAM per rank' if ranks else 'host RAM':34} {'GiB':>9}"]
-        lines += [f"  {k:32} {v / GiB:9.2f}" for k, v in self.host.items()]
-        lines += [f"  {'total':32} {self.host_total / GiB:9.2f}"]
+        w = max(map(len, [*self.host, *self.gpu, "total (fixed + largest [phase])"]))  # the labels' column
+        lines = [f"{'host RAM per rank' if ranks else 'host RAM':{w + 2}} {'GiB':>9}"]
+        lines += [f"  {k:{w}} {v / GiB:9.2f}" for k, v in self.host.items()]
+        lines += [f"  {'total':{w}} {self.host_total / GiB:9.2f}"]
         if ranks:
             here = f"x {self.local_ranks} ranks on this host" if self.local_ranks > 1 else "1 rank on this host"
-            lines += [f"  {here:32} {self.host_per_host / GiB:9.2f}"]
-        lines += ["", f"{'GPU memory per rank' if ranks else 'GPU memory':34} {'GiB':>9}"]
-        lines += [f"  {k:32} {v / GiB:9.2f}" for k, v in self.gpu.items()]
-        lines += [f"  {'total (fixed + largest [phase])':32} {self.gpu_total / GiB:9.2f}"]
+            lines += [f"  {here:{w}} {self.host_per_host / GiB:9.2f}"]
+        lines += ["", f"{'GPU memory per rank' if ranks else 'GPU memory':{w + 2}} {'GiB':>9}"]
+        lines += [f"  {k:{w}} {v / GiB:9.2f}" for k, v in self.gpu.items()]
+        lines += [f"  {'total (fixed + largest [phase])':{w}} {self.gpu_total / GiB:9.2f}"]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
     def as_dict(self) -> dict:
