@@ -207,10 +207,12 @@ U)  # issue 21: the largest model without clipping, dense-18b (18.3 B), 16K toke
     part 300 18b_noclip_8k python3 benchmarks/largest.py --shape dense-18b --tokens 8192 --clip 0 --lr 1e-4 \
       --learnable --steps 12 --warmup 2 --skip_all_host --skip_disk_check --out "$OUT"
   fi ;;
-V)  # issue 21, item 3: every gpu-marked test (gradients kept on the GPU among them), then the Qwen2.5-14B shape
-    # with clipping at 16K tokens/step, which fits with the last streamed layers' gradients on the GPU
+V)  # issue 21, item 3: every gpu-marked test (gradients kept on the GPU among them), the machine's rates (the
+    # host AdamW of a lean unit among them), then the Qwen2.5-14B shape with clipping at 16K tokens/step, which
+    # fits with the last streamed layers' gradients on the GPU
   part 200 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
     tests/integration/test_failures.py tests/integration/test_checkpoints.py tests/unit/test_contracts.py
+  part 60 probe python3 -m hf_megatrain.cli probe --no_save --json
   keep_only qwen2.5-14b-full
   part 330 14b_clip_16k python3 benchmarks/largest.py --shape qwen2.5-14b --tokens 16384 --clip 1.0 --lr 1e-4 \
     --learnable --steps 12 --warmup 2 --skip_all_host --skip_disk_check --tag _16k --out "$OUT" ;;
