@@ -212,7 +212,7 @@ V)  # issue 21, item 3: every gpu-marked test (gradients kept on the GPU among t
     # fits with the last streamed layers' gradients on the GPU
   part 200 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
     tests/integration/test_failures.py tests/integration/test_checkpoints.py tests/unit/test_contracts.py
-  part 60 probe python3 -m hf_megatrain.cli probe --no_save --json
+  part 40 probe python3 -m hf_megatrain.cli probe --seconds 3 --no_save --json
   keep_only qwen2.5-14b-full
   part 330 14b_clip_16k python3 benchmarks/largest.py --shape qwen2.5-14b --tokens 16384 --clip 1.0 --lr 1e-4 \
     --learnable --steps 12 --warmup 2 --skip_all_host --skip_disk_check --tag _16k --out "$OUT" ;;
