@@ -75,7 +75,8 @@ class Rates:
                  + ("" if self.adamw_lean_gparams and self.adamw_lean_noclip_gparams else
                     " (not measured: scaled by the bytes moved)"))]
         head = f"{self.gpu or 'no GPU'}; host {self.host or '?'}; {self.measured}"
-        return head + "\n" + "\n".join(f"  {k:38} {v}" for k, v in rows)
+        w = max(len(k) for k, _ in rows)
+        return head + "\n" + "\n".join(f"  {k:{w}} {v}" for k, v in rows)
 
 
 # Bytes the host AdamW must move per parameter: read master, m, v, gradient (16), write master, m,
@@ -194,9 +195,9 @@ def host_update_gbs(numel: int = 1 << 28) -> float:
 def host_adamw_gparams(numel: int = 1 << 27, clip: bool = True, lean: bool = False) -> float:
     """The engine's host step (optimizer.adamw_tile over OPENMP_TILE tiles, as HostAdamW runs it with
     OpenMP inside each op) on a store of `numel` parameters, refreshing a bf16 compute copy unless
-    `lean`, G parameters per second, stepped from a
-    worker thread with the caller's OpenMP thread count, as in training (from a worker thread it ran
-    about 20% slower than from the main thread on the H200 box: BENCHMARKS.md, run 14)."""
+    `lean`, G parameters per second, stepped from a worker thread with the caller's OpenMP thread
+    count, as in training (from a worker thread it ran about 20% slower than from the main thread on
+    the H200 box: BENCHMARKS.md, run 14)."""
     import threading
 
     import torch
