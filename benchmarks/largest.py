@@ -191,11 +191,11 @@ def main() -> None:
     )
     # the estimator for the placement the run used, beside the measured peaks (host: the process's
     # peak RSS; GPU: max_memory_allocated, which leaves out the CUDA context the estimate counts)
-    from hf_megatrain.memory import estimate
+    from hf_megatrain.memory import estimate, one_at_a_time
 
     eng = trainer.engine.engine_config  # the placement and memory modes the run was built with
     plan = estimate(cfg, micro // trainer._split, opts.seq, eng, micro_batches=trainer._together or 1,
-                    later_contributions=bs // micro * trainer._split > 1 and not trainer._together)
+                    later_contributions=one_at_a_time(bs // micro, trainer._split, trainer._together))
     record.update(estimate_host_gib=round(plan.host_total / GiB, 2), estimate_gpu_gib=round(plan.gpu_total / GiB, 2),
                   host_vs_estimate=round(record["host_peak_gib"] / (plan.host_total / GiB), 3),
                   gpu_vs_estimate=round(record["gpu_peak_gib"] / (plan.gpu_total / GiB), 3),

@@ -234,7 +234,7 @@ def _estimate(argv: list[str]) -> int:
     from .engine.config import EngineConfig, parse_count, parse_switch
     from .errors import MegaTrainError
     from .memory import (GiB, StepSplit, admit, estimate, longest_fitting_row, mlp_tile, model_shapes,
-                         resolve_placement, split_step)
+                         one_at_a_time, resolve_placement, split_step)
 
     def count(value, name):
         try:
@@ -293,9 +293,10 @@ def _estimate(argv: list[str]) -> int:
                           host_free=host_free)
     else:
         step = StepSplit(1, 0, resolve_placement(config, a.batch, a.seq, engine, gpu_free=gpu_free,
-                                                 host_free=host_free, later_contributions=a.grad_accum > 1, **ranks))
+                                                 host_free=host_free, later_contributions=one_at_a_time(a.grad_accum),
+                                                 **ranks))
     placement, batch = step.placement, a.batch // step.split
-    later = a.grad_accum * step.split > 1 and not step.together  # a unit's gradient gets a second contribution
+    later = one_at_a_time(a.grad_accum, step.split, step.together)  # a unit's gradient gets a second contribution
     plan = estimate(config, batch, a.seq, placement.engine, shapes=shapes, micro_batches=step.together or 1,
                     later_contributions=later, **ranks)
     timed_here = a.device == "cuda" and a.world_size == 1  # the step-time model prices the plan and its modes

@@ -276,8 +276,7 @@ def mode_plans(config, batch: int, seq: int, engine: EngineConfig, *, shapes: Sh
     shapes = shapes or model_shapes(config)
     out = []
     for name, fields in MODES:
-        grads = {"gpu_grad_layers": 0} if fields.get("transient_grads") else {}
-        eng = replace(engine, **{"lean_streamed": False, "transient_grads": False, **fields, **grads})
+        eng = mode_engine(engine, {"lean_streamed": False, "transient_grads": False, **fields})
         out.append((name, eng, estimate(config, batch, seq, eng, shapes=shapes, micro_batches=micro_batches,
                                         later_contributions=later_contributions)))
     return out
@@ -462,6 +461,19 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
                              gpu_grad_layers=engine.gpu_grad_layers or 0), planned)
 
 
+def one_at_a_time(ga: int, split: int = 1, together: int = 0) -> bool:
+    """A step's `ga` micro-batches (each cut into `split` chunks of rows) run one at a time rather
+    than together, so a unit's gradient gets later contributions in a step: what `estimate`'s
+    later_contributions asks (they cross PCIe through the pinned staging slabs)."""
+    return ga * split > 1 and not together
+
+
+def mode_engine(engine: EngineConfig, fields: dict) -> EngineConfig:
+    """`engine` with a memory mode's fields (MODES). transient_grads keeps no gradient to place on the
+    GPU, so gpu_grad_layers goes to 0 with it (EngineConfig refuses the two together)."""
+    return replace(engine, **fields, **({"gpu_grad_layers": 0} if fields.get("transient_grads") else {}))
+
+
 class StepSplit(NamedTuple):
     split: int  # each micro-batch the loader gives is cut into this many chunks of rows
     together: int  # chunks of a step that run through each layer together (0: one micro-batch at a time)
@@ -496,10 +508,11 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
         splittable = not (getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
 
     def placed(rows, n=1, eng=engine):
-        if n == 1 and ga > 1 and eng.transient_grads is None:  # one micro-batch at a time: never exact
+        later = one_at_a_time(ga, together=n > 1)
+        if later and eng.transient_grads is None:  # one micro-batch at a time: never exact
             eng = replace(eng, transient_grads=False)
         return resolve_placement(config, rows, seq, eng, host_free=host_free, gpu_free=gpu_free, micro_batches=n,
-                                 later_contributions=n == 1 and ga > 1)
+                                 later_contributions=later)
 
     cuda = engine.device.type == "cuda"
     if asked is False or (asked is None and not cuda) or (asked and ga < 2):
@@ -511,7 +524,8 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
     host_free = host_available() if host_free is None else host_free
 
     def fits(placement, rows, n):
-        plan = estimate(config, rows, seq, placement.engine, micro_batches=n, later_contributions=n == 1 and ga > 1)
+        plan = estimate(config, rows, seq, placement.engine, micro_batches=n,
+                        later_contributions=one_at_a_time(ga, together=n > 1))
         return not shortfalls(plan, host_free, gpu_free)
 
     streams = base.engine.resident_layers < config.num_hidden_layers

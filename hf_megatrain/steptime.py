@@ -238,14 +238,14 @@ def mode_cost(config, rows: int, seq: int, engine, rates, *, micro_batches: int 
     EngineConfig fields that says, in words, the modelled step time with it against the plan as asked.
     transient_grads implies no clipping, which is what it is priced with. Nothing is computed until a
     refusal asks. routed: routed_per_layer(config), where the caller has it already."""
-    from dataclasses import replace
+    from .memory import mode_engine
 
     def cost(fields: dict) -> str:
         kw = dict(micro_batches=micro_batches, together=together, shapes=shapes,
                   routed=routed_per_layer(config) if routed is None else routed)
         asked = predict(config, rows, seq, engine, rates, clip=clip, **kw)
-        eng = replace(engine, **fields, **({"gpu_grad_layers": 0} if fields.get("transient_grads") else {}))
-        with_it = predict(config, rows, seq, eng, rates, clip=clip and not fields.get("transient_grads"), **kw)
+        with_it = predict(config, rows, seq, mode_engine(engine, fields), rates,
+                          clip=clip and not fields.get("transient_grads"), **kw)
         return (f"the step-time model gives {with_it.step_s:.2f} s/step with it against {asked.step_s:.2f} as asked, "
                 f"{asked.step_s / with_it.step_s:.2f}x the tokens/s")
 

@@ -43,7 +43,7 @@ from .engine.timeline import Timeline
 from .errors import MegaTrainError, counted
 from .checkpoint.stream_load import engine_from_checkpoint
 from .memory import (admit, allocator_advice, estimate, gpu_available, host_available, longest_fitting_row,
-                     ranks_on_this_host, resolve_placement, split_step)
+                     one_at_a_time, ranks_on_this_host, resolve_placement, split_step)
 from .patcher.adapters import base_model
 from .preflight import check_data, check_disk, check_outputs, check_resume
 from .probe import rates_for_planning
@@ -131,21 +131,22 @@ class MegaTrainTrainer(Trainer):
                                      "slice of the fp32 master, which therefore cannot be what streams; leave it off.")
             self._split, self._together = 1, 0
             placement = resolve_placement(config, batch, seq, wanted, world_size=world, local_ranks=local,
-                                          host_free=host_free, later_contributions=args.gradient_accumulation_steps > 1)
+                                          host_free=host_free,
+                                          later_contributions=one_at_a_time(args.gradient_accumulation_steps))
         else:
             ga = args.gradient_accumulation_steps
             step = split_step(config, batch, seq, wanted, ga, asked=asked, host_free=host_free)
             self._split, self._together, placement = step
             if step.together or step.split > 1:
                 logger.info("hf_megatrain step: %s", step.describe(batch, ga))
-            if placement.engine.transient_grads and ga * step.split > 1 and not step.together:
+            if placement.engine.transient_grads and one_at_a_time(ga, step.split, step.together):
                 raise MegaTrainError("transient_grads with gradient accumulation needs a step's micro-batches "
                                      "through each layer together (a unit's gradient has no buffer to be added "
                                      "to): set layer_major_accumulation=true, or leave transient_grads off.")
             batch //= step.split
+        later = one_at_a_time(args.gradient_accumulation_steps, self._split, self._together)
         plan = estimate(config, batch, seq, placement.engine, world_size=world, local_ranks=local,
-                        micro_batches=self._together or 1,
-                        later_contributions=args.gradient_accumulation_steps * self._split > 1 and not self._together)
+                        micro_batches=self._together or 1, later_contributions=later)
         if batch * seq >= LONG_CONTEXT_TOKENS and args.process_index == 0 and device.type == "cuda":
             tiles = placement.engine.mlp_tile_tokens
             print(f"hf_megatrain memory plan for {batch} x {seq} tokens: "
