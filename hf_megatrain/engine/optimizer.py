@@ -270,9 +270,7 @@ class HostAdamW(torch.optim.Optimizer):
         if master.device.type == "cpu" and grad.device.type != "cpu":  # kept on the GPU (gpu_grad_layers)
             self._adamw_landing(index, hyper, clip, step_t)
         elif master.device.type == "cpu":
-            size = SPAN if self._spans is not None else OPENMP_TILE
-            spans = [(a, min(a + size, end), group) for start, end, group in self.segments[index]
-                     for a in range(start, end, size)]
+            spans = self._pieces(index, SPAN if self._spans is not None else OPENMP_TILE)
             step_span = partial(self._adamw_span, index, hyper, clip, step_t, grad)
             if self._spans is not None:
                 self._spans.run(step_span, spans)
@@ -284,14 +282,18 @@ class HostAdamW(torch.optim.Optimizer):
                 self._adamw_span(index, hyper, clip, step_t, grad, span)
         self.store.gather_compute(index)
 
+    def _pieces(self, index: int, size: int) -> list[tuple[int, int, int]]:
+        """Unit `index`'s segments cut into (start, end, group) pieces of at most `size` elements."""
+        return [(a, min(a + size, end), group) for start, end, group in self.segments[index]
+                for a in range(start, end, size)]
+
     def _adamw_landing(self, index: int, hyper: list[dict], clip, step_t) -> None:
         """The host step of a unit whose gradient is on the GPU: clipped there in place (the product
         the host would make, so the device copy reads as a clipped .grad like the others), then
         brought over tile by tile through two pinned landing tiles on a copy stream of our own, the
         next tile's copy running while the host steps this one."""
         grad, stream = self.store.grad[index], self._landing_stream
-        tiles = [(a, min(a + LANDING_TILE, end), group) for start, end, group in self.segments[index]
-                 for a in range(start, end, LANDING_TILE)]
+        tiles = self._pieces(index, LANDING_TILE)
         done = []
 
         def issue(k):

@@ -210,8 +210,6 @@ class HostStore:
         # gpu_grad_layers: those layers' accumulators on the device (their host steps bring them over:
         # optimizer.HostAdamW); `grad_event[i]` is recorded on the compute stream when unit i's
         # gradient was last written.
-        if sharding is not None and any(u.grad_on_gpu for u in units):
-            raise ValueError("gradients kept on the GPU are not combined with data parallel sharding yet")
         self.grad_event = [None] * len(units)
         for u in units:
             if u.grad_on_gpu:
