@@ -96,7 +96,7 @@ class EngineConfig:
         two pinned landing tiles during its host step. For exact clipping with a host that is
         short, where the GPU has room left beside its resident layers. None: auto (the planner fills
         that room when the host needs it). Not with transient_grads (nothing persists to place) or
-        data parallel; 0 on the CPU.
+        data parallel. Auto is 0 off a GPU.
     prefetch_depth: GPU weight slots of the ring that streams decoder layers (>= 2).
     grad_slots: GPU slots of fp32 layer gradients on their way to the host (>= 1).
     staging_slabs: pinned slabs for gradient contributions after a step's first (>= 1).
@@ -139,12 +139,12 @@ class EngineConfig:
         grads = parse_count(self.gpu_grad_layers, "gpu_grad_layers")
         if grads is None and self.transient_grads:
             grads = 0  # nothing persists to place
-        if grads and device.type != "cuda":
-            raise MegaTrainError(f"gpu_grad_layers={grads} keeps gradients on a GPU; this run is on {device.type}.")
         if grads and self.transient_grads:
             raise MegaTrainError("gpu_grad_layers and transient_grads exclude each other: with transient_grads no "
                                  "gradient persists to be placed; choose one.")
-        set_(self, "gpu_grad_layers", 0 if device.type != "cuda" else grads)
+        # auto is 0 off a GPU (nothing to weigh). On the CPU a number is taken as residency is: the
+        # gradient is kept apart and stepped through the landing tiles, the same numbers (CPU tests).
+        set_(self, "gpu_grad_layers", 0 if grads is None and device.type != "cuda" else grads)
         if self.background_host_jobs is None:
             set_(self, "background_host_jobs", device.type == "cuda")
         if self.transient_grads and not self.background_host_jobs:

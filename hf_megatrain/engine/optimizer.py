@@ -26,6 +26,7 @@ step multiplies each gradient tile by min(1, max_norm / (norm + 1e-6)).
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -129,9 +130,12 @@ class HostAdamW(torch.optim.Optimizer):
         self.host_threads = self._spans.threads if self._spans is not None else 0  # 0: OpenMP inside each op
         # gpu_grad_layers: a gradient kept on the GPU comes over for its host step, tile by tile, on a
         # copy stream of our own (_adamw_landing); only the thread that steps touches these.
+        # On the CPU (where the device is the host) the same tiles are copied in place, with no
+        # stream: CPU tests then walk this path's tiles, offsets and in-place clipping.
         landing = any(u.grad_on_gpu for u in store.units)
-        self._landing_stream = torch.cuda.Stream(store.device) if landing else None
-        self._landing = [torch.empty(LANDING_TILE, dtype=torch.float32, pin_memory=True)
+        cuda = store.device.type == "cuda"
+        self._landing_stream = torch.cuda.Stream(store.device) if landing and cuda else None
+        self._landing = [torch.empty(LANDING_TILE, dtype=torch.float32, pin_memory=cuda)
                          for _ in range(GRAD_LANDING_BUFFERS if landing else 0)]
 
     # -- clipping -------------------------------------------------------------------------------
@@ -267,7 +271,7 @@ class HostAdamW(torch.optim.Optimizer):
         master = self.store.master[index]
         step_t = torch.tensor(float(step), dtype=torch.float32, device=master.device)
         grad = self.store.grad[index]
-        if master.device.type == "cpu" and grad.device.type != "cpu":  # kept on the GPU (gpu_grad_layers)
+        if self.store.units[index].grad_on_gpu:  # kept on the GPU (gpu_grad_layers)
             self._adamw_landing(index, hyper, clip, step_t)
         elif master.device.type == "cpu":
             spans = self._pieces(index, SPAN if self._spans is not None else OPENMP_TILE)
@@ -291,27 +295,33 @@ class HostAdamW(torch.optim.Optimizer):
         """The host step of a unit whose gradient is on the GPU: clipped there in place (the product
         the host would make, so the device copy reads as a clipped .grad like the others), then
         brought over tile by tile through two pinned landing tiles on a copy stream of our own, the
-        next tile's copy running while the host steps this one."""
+        next tile's copy running while the host steps this one. On the CPU: the same tiles, no stream."""
         grad, stream = self.store.grad[index], self._landing_stream
         tiles = self._pieces(index, LANDING_TILE)
         done = []
 
+        def lane():
+            return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
         def issue(k):
             a, b, _ = tiles[k]
-            with torch.cuda.stream(stream):
-                self._landing[k % len(self._landing)][: b - a].copy_(grad[a:b], non_blocking=True)
-                done.append(torch.cuda.Event())
-                done[-1].record(stream)
+            with lane():
+                self._landing[k % len(self._landing)][: b - a].copy_(grad[a:b], non_blocking=stream is not None)
+                done.append(torch.cuda.Event() if stream is not None else None)
+                if stream is not None:
+                    done[-1].record(stream)
 
-        with torch.cuda.stream(stream):
-            stream.wait_event(self.store.grad_event[index])  # written, and its norms taken, on the compute stream
+        with lane():
+            if stream is not None:  # written, and its norms taken, on the compute stream
+                stream.wait_event(self.store.grad_event[index])
             if clip is not None:
                 grad.mul_(clip)
         issue(0)
         for k, (a, b, group) in enumerate(tiles):
             if k + 1 < len(tiles):
                 issue(k + 1)  # into the tile that step k - 1 read: it has run (this thread ran it)
-            done[k].synchronize()
+            if done[k] is not None:
+                done[k].synchronize()
             self._adamw_span(index, hyper, None, step_t, self._landing[k % len(self._landing)][: b - a], (a, b, group),
                              offset=a)
 

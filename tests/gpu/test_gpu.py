@@ -378,7 +378,8 @@ def test_gradients_kept_on_the_gpu_one_micro_batch_at_a_time(monkeypatch):
         return engine, grads, norms, dict(engine.named_master_params())
 
     ref_engine, ref_grads, ref_norms, _ = run()
-    assert all(s is not None for s in ref_engine.pipeline.slabs)  # later contributions: allocated at first use
+    # later contributions: a slab allocated at its first use (a second one only while the first is busy)
+    assert any(s is not None for s in ref_engine.pipeline.slabs)
     engine, grads, norms, _ = run(gpu_grad_layers=3)
     assert engine.store.units[2].grad_on_gpu and not engine.store.units[1].grad_on_gpu
     for name, g in ref_grads.items():
