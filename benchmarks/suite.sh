@@ -33,7 +33,8 @@
 #    and at 16K default placement beside stock. Q: the 7B shape at 16K beside stock, every gpu-marked test.
 # S, T, U: issue 21's memory modes: S the GPU tests and the 13B shape with and without lean_streamed; T the
 #    largest model with clipping (Qwen2.5-14B shape); U the largest without (dense-18b, 18.3 B); V the GPU
-#    tests and the 14.8 B shape with clipping at 16K tokens/step (gradients of streamed layers on the GPU).
+#    tests (gradients of streamed layers on the GPU among them) and the probe; W the 14.8 B shape with
+#    clipping at 16K tokens/step (gradients of streamed layers on the GPU).
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
 # Every call first writes $OUT/versions.json and prints one VERSIONS line (benchmarks/versions.py:
 # Python, torch, CUDA, transformers, accelerate, peft, GPU and driver, hf_megatrain commit); each
@@ -207,15 +208,16 @@ U)  # issue 21: the largest model without clipping, dense-18b (18.3 B), 16K toke
     part 300 18b_noclip_8k python3 benchmarks/largest.py --shape dense-18b --tokens 8192 --clip 0 --lr 1e-4 \
       --learnable --steps 12 --warmup 2 --skip_all_host --skip_disk_check --out "$OUT"
   fi ;;
-V)  # issue 21, item 3: every gpu-marked test (gradients kept on the GPU among them), the machine's rates (the
-    # host AdamW of a lean unit among them), then the Qwen2.5-14B shape with clipping at 16K tokens/step, which
-    # fits with the last streamed layers' gradients on the GPU
+V)  # issue 21, item 3: every gpu-marked test (gradients kept on the GPU among them), then the machine's rates
+    # (the host AdamW of a lean unit among them)
   part 200 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
     tests/integration/test_failures.py tests/integration/test_checkpoints.py tests/unit/test_contracts.py
-  part 40 probe python3 -m hf_megatrain.cli probe --seconds 3 --no_save --json
+  part 40 probe python3 -m hf_megatrain.cli probe --seconds 3 --no_save --json ;;
+W)  # issue 21, item 3: the Qwen2.5-14B shape with clipping at 16K tokens/step, which fits with the last streamed
+    # layers' gradients on the GPU (a call of its own: a fresh machine first writes the 30 GB checkpoint)
   keep_only qwen2.5-14b-full
-  part 330 14b_clip_16k python3 benchmarks/largest.py --shape qwen2.5-14b --tokens 16384 --clip 1.0 --lr 1e-4 \
+  part 560 14b_clip_16k python3 benchmarks/largest.py --shape qwen2.5-14b --tokens 16384 --clip 1.0 --lr 1e-4 \
     --learnable --steps 12 --warmup 2 --skip_all_host --skip_disk_check --tag _16k --out "$OUT" ;;
-*) echo "unknown group $1 (A to V)"; exit 2 ;;
+*) echo "unknown group $1 (A to W)"; exit 2 ;;
 esac
 for f in "${names[@]}"; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done
