@@ -232,6 +232,18 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
     return StepTime(step, tokens, bound, lanes, gains, rates.measured)
 
 
+def lean_verdict(with_it: StepTime, without: StepTime) -> str:
+    """What lean_streamed costs a run the planner took it for (the host RAM is short without it), in
+    words: the modelled step with and without it, and whether its doubled PCIe bytes stay hidden (a
+    free PCIe would shorten the step by under 2%). It may come out faster: its host AdamW writes no
+    bf16 copy (measured 1.076x at 13B, BENCHMARKS.md run 15)."""
+    hidden = with_it.gains.get("PCIe", 0.0) < 0.02 * with_it.step_s
+    pcie = ("its weights' PCIe time stays hidden" if hidden else
+            f"PCIe binds: a free PCIe would save {with_it.gains['PCIe']:.2f} s/step")
+    return (f"the step-time model gives {with_it.step_s:.2f} s/step with it against {without.step_s:.2f} "
+            f"without, {without.step_s / with_it.step_s:.2f}x the tokens/s; {pcie}")
+
+
 def mode_cost(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 1, together: bool = True,
               clip: bool = True, shapes=None, routed=None):
     """For a refusal that names a memory mode (memory.admit's step_cost): a function of the mode's

@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from functools import partial
 
 import torch
@@ -47,7 +47,7 @@ from .memory import (admit, allocator_advice, estimate, gpu_available, host_avai
 from .patcher.adapters import base_model
 from .preflight import check_data, check_disk, check_outputs, check_resume
 from .probe import rates_for_planning
-from .steptime import mode_cost, predict
+from .steptime import lean_verdict, mode_cost, predict
 
 logger = logging.getLogger(__name__)
 
@@ -176,10 +176,14 @@ class MegaTrainTrainer(Trainer):
             if world == 1 and args.peft_config is None and not hasattr(model, "peft_config"):
                 n = args.gradient_accumulation_steps * self._split
                 try:  # a diagnostic: a config it cannot read costs the prediction, never the run
-                    self.step_time = predict(config, batch, seq, placement.engine, rates_for_planning(),
-                                             micro_batches=n, together=bool(self._together) or n == 1,
-                                             clip=bool(args.max_grad_norm) and args.max_grad_norm > 0)
+                    model_step = partial(predict, config, batch, seq, rates=rates_for_planning(), micro_batches=n,
+                                         together=bool(self._together) or n == 1,
+                                         clip=bool(args.max_grad_norm) and args.max_grad_norm > 0)
+                    self.step_time = model_step(engine=placement.engine)
                     logger.info("hf_megatrain step-time model: %s", self.step_time.describe())
+                    if placement.engine.lean_streamed and wanted.lean_streamed is None:  # taken on auto: its cost
+                        without = model_step(engine=replace(placement.engine, lean_streamed=False))
+                        logger.info("hf_megatrain lean_streamed: %s", lean_verdict(self.step_time, without))
                 except Exception as e:  # noqa: BLE001
                     logger.warning("hf_megatrain step-time model unavailable for this model (%s: %s)",
                                    type(e).__name__, e)
