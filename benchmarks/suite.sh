@@ -214,7 +214,9 @@ V)  # issue 21, item 3: every gpu-marked test (gradients kept on the GPU among t
     tests/integration/test_failures.py tests/integration/test_checkpoints.py tests/unit/test_contracts.py
   part 40 probe python3 -m hf_megatrain.cli probe --seconds 3 --no_save --json ;;
 W)  # issue 21, item 3: the Qwen2.5-14B shape with clipping at 16K tokens/step, which fits with the last streamed
-    # layers' gradients on the GPU (a call of its own: a fresh machine first writes the 30 GB checkpoint)
+    # layers' gradients on the GPU (a call of its own: a fresh machine first writes the 30 GB checkpoint). The
+    # plan fills 94% of the card: expandable segments, as the trainer's allocator advice says
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   keep_only qwen2.5-14b-full
   part 560 14b_clip_16k python3 benchmarks/largest.py --shape qwen2.5-14b --tokens 16384 --clip 1.0 --lr 1e-4 \
     --learnable --steps 12 --warmup 2 --skip_all_host --skip_disk_check --tag _16k --out "$OUT" ;;
