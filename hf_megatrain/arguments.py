@@ -87,10 +87,11 @@ class MegaTrainArguments(TrainingArguments):
         default="auto",
         metadata={"help": "auto | true | false. Decoder layers keep no persistent fp32 gradient: a streamed one's "
                   "lands in one of a few shared host buffers, a resident one's in one shared GPU buffer, and each "
-                  "is stepped as soon as it is final (4 bytes per parameter less; the same numbers). Needs "
-                  "max_grad_norm=0 and, with gradient accumulation, the micro-batches through each layer together. "
-                  "Not with data parallel. auto: on a GPU without clipping, when the host RAM does not suffice "
-                  "without it."},
+                  "is stepped as soon as it is final (4 bytes per parameter less; the same numbers). With "
+                  "clipping (max_grad_norm > 0) each step first measures the global norm with a forward and "
+                  "backward of its own (exact, one more pass per step). With gradient accumulation it needs the "
+                  "micro-batches through each layer together. Not with data parallel. auto: on a GPU without "
+                  "clipping, when the host RAM does not suffice without it."},
     )
     gpu_grad_layers: str = field(
         default="auto",

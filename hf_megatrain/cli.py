@@ -73,7 +73,7 @@ memory and speed (hf_megatrain):
   --gpu_resident_layers auto|N   layers kept entirely on the GPU (default: as many as fit)
   --lean_resident auto|true|false   resident layers without a bf16 copy (default: when it keeps more)
   --lean_streamed auto|true|false   streamed layers without a bf16 copy in host RAM (default: when the host needs it)
-  --transient_grads auto|true|false  no persistent fp32 gradient for decoder layers (needs --max_grad_norm 0)
+  --transient_grads auto|true|false  no persistent fp32 gradient for decoder layers (with clipping: a norm pass)
   --gpu_grad_layers auto|N   the last streamed layers' fp32 gradients on the GPU (default: when the host needs it)
   --offload_activations auto|N   layer inputs kept in pinned host memory (long context)
   --layer_major_accumulation auto|true|false   a step's micro-batches through each layer together
@@ -257,9 +257,6 @@ def _estimate(argv: list[str]) -> int:
         if grad_layers is None and not (a.gpu_gib and a.host_gib):
             raise SystemExit("hf-megatrain estimate: --gpu_grad_layers auto weighs the host against the GPU: give "
                              "--gpu_gib and --host_gib")
-    if transient and a.max_grad_norm > 0:
-        raise SystemExit("hf-megatrain estimate: --transient_grads needs --max_grad_norm 0 (exact clipping needs every "
-                         "gradient kept until the global norm is known)")
     config = _config_of(a.model)
     resident, offload = count(a.gpu_resident_layers, "gpu_resident_layers"), count(a.offload_activations,
                                                                                   "offload_activations")
@@ -336,12 +333,13 @@ def _estimate(argv: list[str]) -> int:
         timing = timed(placement.engine, a.max_grad_norm > 0)
         for name, eng, mode_plan in mode_plans(config, batch, a.seq, placement.engine, shapes=shapes,
                                                micro_batches=step.together or 1, later_contributions=later):
-            clip = a.max_grad_norm > 0 and not eng.transient_grads
+            clip = a.max_grad_norm > 0  # with transient_grads: through a norm pass (steptime.predict)
             fits = None if host_free is None else not shortfalls(mode_plan, host_free, gpu_free or float("inf"))
             modes.append(dict(mode=name, state_bytes_per_parameter=round(state_bytes_per_parameter(mode_plan,
                                                                                                  shapes.params), 2),
                               host_gib=round(mode_plan.host_per_host / GiB, 1), gpu_gib=round(mode_plan.gpu_total / GiB, 1),
-                              step_s=round(timed(eng, clip).step_s, 2), clipping=clip, fits=fits))
+                              step_s=round(timed(eng, clip).step_s, 2), clipping=clip,
+                              norm_pass=clip and bool(eng.transient_grads), fits=fits))
     if a.json:
         import json
 
@@ -360,14 +358,16 @@ def _estimate(argv: list[str]) -> int:
         print(plan.table())
         if timing is not None:
             clipping = f"clipping at {a.max_grad_norm:g}" if a.max_grad_norm > 0 else "no clipping"
+            if a.max_grad_norm > 0 and placement.engine.transient_grads:
+                clipping += " through a norm pass, transient_grads"
             print(f"\nstep time (model, {clipping}): {timing.describe()}")
         if modes:
             print(f"\nmemory modes at this placement     {'host B/param':>13} {'host GiB':>9} {'GPU GiB':>8} "
-                  f"{'step s (model)':>14}" + ("  on this host" if host_free is not None else ""))
+                  f"{'step s (model)':>14} {'clipping':16}" + (" on this host" if host_free is not None else ""))
             for m in modes:
+                clip = "norm pass first" if m["norm_pass"] else "after backward" if m["clipping"] else "none"
                 print(f"  {m['mode']:32} {m['state_bytes_per_parameter']:13.1f} {m['host_gib']:9.1f} {m['gpu_gib']:8.1f} "
-                      f"{m['step_s']:8.2f} {'clip' if m['clipping'] else 'no clip':>5}"
-                      + ("" if m["fits"] is None else f"  {'fits' if m['fits'] else 'short'}"))
+                      f"{m['step_s']:14.2f} {clip:16}" + ("" if m["fits"] is None else f" {'fits' if m['fits'] else 'short'}"))
         if verdict is not None:
             machine = " + ".join(f"{v:g} GiB {k}" for k, v in (("GPU", a.gpu_gib), ("host", a.host_gib)) if v)
             print(f"\non {machine}: {verdict}")

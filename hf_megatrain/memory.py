@@ -626,9 +626,10 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
             both = plan.lean_streamed_saving + plan.transient_saving
             lean = dict(lean_streamed=True) if plan.lean_streamed_saving else {}
             fixes.insert(0, f"{'lean_streamed=True and ' if lean else ''}transient_grads=True "
-                            f"with max_grad_norm=0, i.e. no clipping ({both / GiB:.1f} GiB less: the streamed "
-                            f"layers keep no fp32 gradient accumulator, each gradient is stepped as it lands"
-                            f"{cost(transient_grads=True, **lean)})")
+                            f"({both / GiB:.1f} GiB less: the streamed layers keep no fp32 gradient accumulator, "
+                            f"each gradient is stepped as it lands; with clipping each step first measures the "
+                            f"global norm with a forward and backward of its own, exact, a pass that "
+                            f"max_grad_norm=0 does without{cost(transient_grads=True, **lean)})")
         fixes += ["a host with more RAM (18 bytes per parameter: fp32 master, gradient and Adam states)",
                   "LoRA (peft_config) instead of full fine-tuning: about 2 bytes per frozen parameter"]
     raise MegaTrainError(

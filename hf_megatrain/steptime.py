@@ -104,7 +104,9 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
     engine: the EngineConfig the run is built with, placements settled (memory.resolve_placement).
     together: the micro-batches run through each layer together (one weight pass per step); else
     one at a time, each re-streaming the weights and adding its gradient into the host accumulator.
-    clip: exact gradient clipping (max_grad_norm > 0): the host AdamW waits for the whole backward.
+    clip: exact gradient clipping (max_grad_norm > 0): the host AdamW waits for the whole backward;
+    with transient_grads a norm pass (forward and backward, no gradient sent) runs first instead and
+    each unit is stepped, clipped, as its gradient lands.
     layer_costs: measured per-layer seconds to use for the decoder layers' compute and host AdamW
     instead of the rates (a projection of a model this box cannot hold from one it trained)."""
     from .memory import model_shapes
@@ -117,6 +119,7 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
     cbytes = engine.compute_dtype.itemsize
     n = max(1, micro_batches)
     passes = 1 if together else n  # weight passes per step
+    measure = clip and bool(engine.transient_grads)  # StreamingEngine.gradient_norm's pass first
     tokens = rows * seq * n
     flops_rate = rates.matmul_tflops * 1e12 * GPU_EFFICIENCY
     heads = config.num_attention_heads
@@ -170,8 +173,9 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
         up1, up2 = rates.h2d_gbs * 1e9 / pcie_scale, rates.h2d_duplex_gbs * 1e9 / pcie_scale
         down2 = rates.d2h_duplex_gbs * 1e9 / pcie_scale
 
-        def backward() -> tuple[float, dict]:
-            """From t = 0 (the forward's end), last unit first: (end, when each gradient landed)."""
+        def backward(send: bool = True) -> tuple[float, dict]:
+            """From t = 0 (the forward's end), last unit first: (end, when each gradient landed);
+            send=False: the norm pass, whose gradients never leave the GPU."""
             load = gpu = out = 0.0
             landed, finished = {}, []
             for i in reversed(range(len(units))):
@@ -181,7 +185,7 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
                     gpu = max(gpu, load)
                 gpu += bwd[i] * compute_scale / passes
                 finished.append(gpu)
-                out = max(out, gpu) + d2h[i] / down2
+                out = max(out, gpu) + (d2h[i] / down2 if send else 0.0)
                 landed[i] = out
             return max(gpu, out), landed
 
@@ -199,7 +203,7 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
 
         end, landed = backward()
         done, host = {}, end  # host AdamW of the streamed units
-        if clip:  # after the whole backward, in forward order
+        if clip and not measure:  # after the whole backward, in forward order
             for i in range(len(units)):
                 if adam[i]:
                     host += adam[i] * adam_scale
@@ -214,12 +218,15 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
         step = forward(end + gpu_adam * compute_scale, done)
         if passes > 1:  # one at a time: the earlier micro-batches, weights streamed again, no AdamW between
             step += (passes - 1) * (forward(0.0, {}) + backward()[0])
+        if measure:  # the norm pass before it: weights streamed in twice more, nothing sent or stepped
+            step += forward(0.0, {}) + backward(send=False)[0]
         return max(step, accumulate)
 
     step = simulate()
-    lanes = {"compute": sum(fwd) + sum(bwd) + gpu_adam,
-             "h2d": (sum(h2d) * 2 * passes + sum(acts.values())) / (rates.h2d_gbs * 1e9),
-             "d2h": (sum(d2h) * passes + sum(acts.values())) / (rates.d2h_gbs * 1e9),
+    sweeps = 2 if measure else 1  # forward-backward sweeps over the step's tokens
+    lanes = {"compute": sweeps * (sum(fwd) + sum(bwd)) + gpu_adam,
+             "h2d": (sum(h2d) * 2 * (passes + sweeps - 1) + sweeps * sum(acts.values())) / (rates.h2d_gbs * 1e9),
+             "d2h": (sum(d2h) * passes + sweeps * sum(acts.values())) / (rates.d2h_gbs * 1e9),
              "host_adamw": sum(adam)}
     if accumulate:
         lanes["accumulate"] = accumulate
@@ -227,7 +234,7 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
              "PCIe": step - simulate(pcie_scale=1e-9),
              "host AdamW": step - simulate(adam_scale=1e-9)}
     bound = max(gains, key=gains.get)
-    if bound == "host AdamW" and clip:
+    if bound == "host AdamW" and clip and not measure:
         bound = "host AdamW after the backward (exact clipping)"
     return StepTime(step, tokens, bound, lanes, gains, rates.measured)
 
@@ -248,16 +255,15 @@ def mode_cost(config, rows: int, seq: int, engine, rates, *, micro_batches: int 
               clip: bool = True, shapes=None, routed=None):
     """For a refusal that names a memory mode (memory.admit's step_cost): a function of the mode's
     EngineConfig fields that says, in words, the modelled step time with it against the plan as asked.
-    transient_grads implies no clipping, which is what it is priced with. Nothing is computed until a
-    refusal asks. routed: routed_per_layer(config), where the caller has it already."""
+    With clipping, transient_grads is priced with the norm pass it then runs first. Nothing is computed
+    until a refusal asks. routed: routed_per_layer(config), where the caller has it already."""
     from .memory import mode_engine
 
     def cost(fields: dict) -> str:
         kw = dict(micro_batches=micro_batches, together=together, shapes=shapes,
                   routed=routed_per_layer(config) if routed is None else routed)
         asked = predict(config, rows, seq, engine, rates, clip=clip, **kw)
-        with_it = predict(config, rows, seq, mode_engine(engine, fields), rates,
-                          clip=clip and not fields.get("transient_grads"), **kw)
+        with_it = predict(config, rows, seq, mode_engine(engine, fields), rates, clip=clip, **kw)
         return (f"the step-time model gives {with_it.step_s:.2f} s/step with it against {asked.step_s:.2f} as asked, "
                 f"{asked.step_s / with_it.step_s:.2f}x the tokens/s")
 

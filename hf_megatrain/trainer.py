@@ -111,9 +111,9 @@ class MegaTrainTrainer(Trainer):
         config = base_model(model).config
         world, local = args.world_size, ranks_on_this_host(args.world_size)
         if parse_switch(args.transient_grads, "transient_grads") and args.max_grad_norm and args.max_grad_norm > 0:
-            raise MegaTrainError(f"transient_grads needs max_grad_norm=0 (it is {args.max_grad_norm:g}): exact "
-                                 "clipping needs every gradient kept until the global norm is known, which is what "
-                                 "transient_grads gives up.")
+            logger.info("transient_grads with clipping (max_grad_norm=%g): each step first measures the global "
+                        "gradient norm with a forward and backward of its own, then steps each layer, clipped, as "
+                        "its gradient lands: exact, for one more forward and backward per step", args.max_grad_norm)
         batch, seq = args.per_device_train_batch_size, args.max_seq_length
         wanted = engine_config(args, device)
         # Data parallel streams every layer (residency is not combined with sharding yet): the plan
@@ -246,6 +246,7 @@ class MegaTrainTrainer(Trainer):
         # MFU against args.gpu_peak_tflops, and how busy each pipeline lane was.
         self._tokens_since_log = 0
         self._last_log = None
+        self._measured_norm = None  # transient_grads with clipping: the norm pass's, for _clip_grad_norm
         self._timeline = Timeline() if args.log_pipeline else None
         if self._timeline is not None:
             self.engine.attach_timeline(self._timeline)
@@ -323,10 +324,6 @@ class MegaTrainTrainer(Trainer):
         k, group = self._micro_batch(inputs)
         self._micro_index = k
         if k == 0:
-            if self.args.max_grad_norm <= 0 and (len(group) > 1 or self.accelerator.sync_gradients):
-                # No clipping: the norm is not needed before stepping, so each unit is stepped on the
-                # host as soon as its gradient is final, overlapping the CPU optimizer with the backward.
-                self.host_optimizer.step_during_backward()
             if self._last_log is None:
                 self._last_log = time.perf_counter()
             items = num_items_in_batch if scaled else None
@@ -335,9 +332,19 @@ class MegaTrainTrainer(Trainer):
             self._owner = [i for i, parts in enumerate(chunks) for _ in parts]  # which micro-batch each chunk is of
             if items is None and len(self._owner) > len(group):  # the mean over the micro-batch's tokens
                 items = [loss_denominator(group[i]["labels"], None) for i in self._owner]
-            losses = self.engine.forward_backward_many([c for parts in chunks for c in parts], items,
-                                                       1.0 if scaled else 1.0 / ga,
-                                                       aux_scale=self._aux_loss_scale(items if scaled else None))
+            step = ([c for parts in chunks for c in parts], items, 1.0 if scaled else 1.0 / ga)
+            aux = self._aux_loss_scale(items if scaled else None)
+            clip = self.args.max_grad_norm
+            if clip > 0 and self.engine.store.transient:
+                # No gradient outlives its step, so the global norm is measured first, by a pass that
+                # keeps none; then each unit is stepped, clipped by it, as its gradient lands.
+                self._measured_norm = self.engine.gradient_norm(*step, aux_scale=aux)
+                self.host_optimizer.step_during_backward(clip_norm=(self._measured_norm, clip))
+            elif clip <= 0 and (len(group) > 1 or self.accelerator.sync_gradients):
+                # No clipping: the norm is not needed before stepping, so each unit is stepped on the
+                # host as soon as its gradient is final, overlapping the CPU optimizer with the backward.
+                self.host_optimizer.step_during_backward()
+            losses = self.engine.forward_backward_many(*step, aux_scale=aux)
             self._losses = [sum(x for x, o in zip(losses, self._owner) if o == i) for i in range(len(group))] \
                 if len(losses) > len(group) else losses
         self._tokens_since_log += count_real_tokens(inputs)
@@ -379,6 +386,9 @@ class MegaTrainTrainer(Trainer):
         return out
 
     def _clip_grad_norm(self, model):
+        measured, self._measured_norm = self._measured_norm, None
+        if measured is not None:  # transient_grads: measured before the backward, which clipped as it stepped
+            return measured
         return self.host_optimizer.clip_grad_norm_(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):

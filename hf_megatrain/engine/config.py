@@ -85,11 +85,12 @@ class EngineConfig:
         AdamW steps it from there as soon as it is final, 4 bytes per streamed parameter less of
         host RAM. Resident decoder layers likewise share one fp32 gradient buffer on the GPU, each
         stepped right after its backward: 4 bytes per resident layer parameter less of GPU memory.
-        Exact only when every backward steps its units as they finish: no clipping
-        (HostAdamW.step_during_backward before each backward), a step's micro-batches run together,
-        background host jobs; anything else is refused. Not with data parallel. None: auto (the
-        planner takes it when the host RAM does not suffice without it; only offered where it is
-        exact: see arguments.engine_config).
+        Exact only when every backward steps its units as they finish
+        (HostAdamW.step_during_backward before each backward; with clipping, after
+        StreamingEngine.gradient_norm has measured the global norm in a pass of its own), a step's
+        micro-batches run together, background host jobs; anything else is refused. Not with data
+        parallel. None: auto (the planner takes it when the host RAM does not suffice without it;
+        only offered without clipping, where it costs no pass: see arguments.engine_config).
     gpu_grad_layers: the last N streamed decoder layers keep their fp32 gradient accumulator on the
         GPU instead of in host RAM (4 bytes per parameter moved from host to GPU): contributions are
         added and norms taken there, and each gradient crosses PCIe once, clipped on the GPU, through

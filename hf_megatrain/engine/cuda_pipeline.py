@@ -42,7 +42,7 @@ from functools import partial
 import torch
 
 from .layout import grad_slot_numel, ring_numel, slab_numel
-from .pipeline import Pipeline
+from .pipeline import Pipeline, slot_norms
 from .store import HostStore
 from .worker import Worker
 
@@ -112,6 +112,7 @@ class CudaPipeline(Pipeline):
         self._pending: list[torch.cuda.Event] = []
         # Per-parameter gradient norms of each unit (valid once its gradient has landed).
         self.norms: list[torch.Tensor | None] = [None] * len(store.units)
+        self.measure_only, self.measured = False, {}  # StreamingEngine.gradient_norm (the Pipeline seam)
         self._gpu_norms: dict[int, torch.Tensor] = {}
         self.plan: list[_Entry] = []
         self.pos = 0
@@ -229,14 +230,19 @@ class CudaPipeline(Pipeline):
         grad = grad.reshape(-1)
         if grad.dtype != torch.float32:
             grad = grad.float()
+        if self.measure_only:  # StreamingEngine.gradient_norm: its norms, then the buffer is free again
+            self.measured[index] = slot_norms(unit, grad)
+            slot = self._slot_of(grad)
+            if slot is not None:
+                slot.released = torch.cuda.Event()
+                slot.released.record(compute)
+            return
         if store.sharding is not None:  # data parallel: sum over ranks, keep this rank's slice
             grad = store.sharding.reduce(grad, unit.n_train)
         first = store.count_grad(index)
         if store.grad_on_device(unit):  # accumulate and take norms where it lives; nothing crosses PCIe now
             store.add_grad(index, grad, first)
-            acc = store.grad[index]
-            views = [acc[s.offset : s.offset + s.numel] for s in unit.train_slots]
-            self.norms[index] = torch.stack(torch._foreach_norm(views, 2))
+            self.norms[index] = slot_norms(unit, store.grad[index])
             if unit.grad_on_gpu:  # its host step brings it over once this is done (HostAdamW._adamw_landing)
                 store.grad_event[index] = torch.cuda.Event()
                 store.grad_event[index].record(compute)
@@ -246,8 +252,7 @@ class CudaPipeline(Pipeline):
                 self.on_final_grad(index, _landed)
             return
         if first and store.sharding is None:  # sliced gradients: the engine sums squares over ranks
-            views = [grad[s.offset : s.offset + s.numel] for s in unit.train_slots]
-            self._gpu_norms[index] = torch.stack(torch._foreach_norm(views, 2))
+            self._gpu_norms[index] = slot_norms(unit, grad)
         produced = torch.cuda.Event()
         produced.record(compute)
         with torch.cuda.stream(self.d2h), self.span("d2h", self.d2h):
@@ -314,8 +319,7 @@ class CudaPipeline(Pipeline):
         self.store.add_grad(index, self.slabs[slab][: acc.numel()], first=False)
         self._slab_free[slab] = True
         if self.store.sharding is None:
-            views = [acc[s.offset : s.offset + s.numel] for s in unit.train_slots]
-            self.norms[index] = torch.stack(torch._foreach_norm(views, 2))
+            self.norms[index] = slot_norms(unit, acc)
 
     def finish(self) -> None:
         for ev in self._pending:

@@ -62,6 +62,13 @@ def adamw_tile(master, grad, exp_avg, exp_avg_sq, compute, hyper: dict, clip, st
         compute.copy_(master)
 
 
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """What clipping multiplies every gradient by, min(1, max_norm / (norm + 1e-6)) as torch's
+    clip_grad_norm_ computes it; None where that is 1 (nothing to do)."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return coef if float(coef) < 1.0 else None
+
+
 class HostAdamW(torch.optim.Optimizer):
     def __init__(self, engine, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  host_threads: int | None = None):
@@ -142,8 +149,7 @@ class HostAdamW(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Pre-clip global norm; the next step scales gradients by min(1, max_norm/(norm+1e-6))."""
         total = self.engine.grad_norm()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        self._clip = coef if float(coef) < 1.0 else None
+        self._clip = clip_coefficient(total, max_norm)
         return total
 
     # -- step -----------------------------------------------------------------------------------
@@ -187,18 +193,22 @@ class HostAdamW(torch.optim.Optimizer):
                                  f"AdamW step {step} of {self.store.units[index].label}", self.store.ready[index])
 
     # -- stepping during the backward (exact only without clipping) -----------------------------
-    def step_during_backward(self) -> bool:
+    def step_during_backward(self, clip_norm: tuple[torch.Tensor, float] | None = None) -> bool:
         """Arm: during the next backward, step each unit as soon as its gradient is final.
 
-        Call it before the LAST micro-batch of an optimizer step, only when no clipping will be
-        applied (the global norm is unknown until the backward ends). The hyper-parameters are
-        taken now, which is what `step()` would read (schedulers move lr after the step). The
-        following `step()` only finishes the job. Returns False where it does not apply (CPU).
+        Call it before the LAST micro-batch of an optimizer step. Without `clip_norm`, only when no
+        clipping will be applied (the global norm is unknown until the backward ends). clip_norm:
+        (the global norm that backward's gradients will have, measured before it by
+        StreamingEngine.gradient_norm, max_norm): each unit is clipped as it steps, as
+        clip_grad_norm_(max_norm) and step() would clip it. The hyper-parameters are taken now,
+        which is what `step()` would read (schedulers move lr after the step). The following
+        `step()` only finishes the job. Returns False where it does not apply (CPU).
         """
         if self._stepper is None:
             return False
         self._check_whole()
-        self._eager = {"hyper": self.hyperparameters(), "step": self.step_count + 1, "done": set()}
+        clip = clip_coefficient(*clip_norm) if clip_norm is not None else None
+        self._eager = {"hyper": self.hyperparameters(), "step": self.step_count + 1, "done": set(), "clip": clip}
         self.engine.listen(self)
         return True
 
@@ -225,13 +235,13 @@ class HostAdamW(torch.optim.Optimizer):
         e["done"].add(index)
         count = self.store.grad_count[index]
         if self.store.master[index].device.type != "cpu":  # a resident unit: queued now on the device's stream
-            self.step_unit(index, e["hyper"], None, count, e["step"])
+            self.step_unit(index, e["hyper"], e["clip"], count, e["step"])
             return
         self.store.ready[index].clear()
 
         def job():
             landed()
-            self.step_unit(index, e["hyper"], None, count, e["step"])
+            self.step_unit(index, e["hyper"], e["clip"], count, e["step"])
 
         self._stepper.submit(job, f"AdamW step {e['step']} of {self.store.units[index].label} (during the backward)",
                              self.store.ready[index])
@@ -240,11 +250,12 @@ class HostAdamW(torch.optim.Optimizer):
         e, self._eager = self._eager, None
         self.engine.listen(None)
         if self._clip is not None:
-            raise RuntimeError("clip_grad_norm_ was called after step_during_backward(); the steps already ran unclipped")
+            raise RuntimeError("clip_grad_norm_ was called after step_during_backward(); the steps already ran "
+                               "(to clip them, measure the norm first: step_during_backward(clip_norm=...))")
         self.engine.wait_for_gradients()
         self.step_count = e["step"]
         rest = [u.index for u in self.store.units if u.index not in e["done"]]
-        self._submit(rest, e["hyper"], None, list(self.store.grad_count), self.step_count)
+        self._submit(rest, e["hyper"], e["clip"], list(self.store.grad_count), self.step_count)
         return loss
 
     def set_openmp_threads(self, threads: int) -> None:

@@ -31,6 +31,11 @@ class Pipeline(Protocol):
 
     timeline: object | None  # a Timeline records busy spans when attached (timeline.py)
     on_final_grad: Callable[[int, Callable[[], None]], None] | None  # StreamingEngine.listen sets it
+    # StreamingEngine.gradient_norm: while measure_only, emit_grad only takes the gradient's
+    # per-parameter norms into measured[unit index] (on the compute device) and drops it: nothing
+    # is counted, accumulated or sent to the host.
+    measure_only: bool
+    measured: dict[int, torch.Tensor]
 
     def span(self, lane: str, stream=None) -> ContextManager:
         """A busy span of `lane` ("compute", "h2d", ...) for the timeline."""
@@ -57,6 +62,11 @@ class Pipeline(Protocol):
         """Per-parameter gradient norms of every unit, taken as they passed; None: not taken."""
 
 
+def slot_norms(unit, grad: torch.Tensor) -> torch.Tensor:
+    """Per-parameter L2 norms of a unit's flat fp32 gradient, in slot order (as stock's clipping takes them)."""
+    return torch.stack(torch._foreach_norm([grad[s.offset : s.offset + s.numel] for s in unit.train_slots], 2))
+
+
 def _landed() -> None:
     """A gradient added on the calling thread has landed already."""
 
@@ -76,6 +86,7 @@ class HostPipeline(Pipeline):
         self.accumulator = Worker("megatrain-accumulate") if asynchronous else None
         # Transient gradients are gone once stepped: their per-parameter norms are taken as they land.
         self.norms: list[torch.Tensor | None] = [None] * len(store.units)
+        self.measure_only, self.measured = False, {}
 
     def span(self, lane: str, stream=None):
         """A busy span (compute etc.) for the timeline; host work is timed on the host clock."""
@@ -104,6 +115,9 @@ class HostPipeline(Pipeline):
 
     def emit_grad(self, index: int, grad: torch.Tensor) -> None:
         store = self.store
+        if self.measure_only:  # the values the accumulator would hold: fp32 of the gradient
+            self.measured[index] = slot_norms(store.units[index], grad.float())
+            return
         if store.sharding is not None:  # collectives stay on the training thread, in order
             grad = store.sharding.reduce(grad.float(), store.units[index].n_train)
         first = store.count_grad(index)
@@ -120,9 +134,7 @@ class HostPipeline(Pipeline):
         store = self.store
         store.add_grad(index, grad, first)
         if store.transient_on_host(store.units[index]):  # as stock would take them, before the step
-            acc = store.grad[index]
-            views = [acc[s.offset : s.offset + s.numel] for s in store.units[index].train_slots]
-            self.norms[index] = torch.stack(torch._foreach_norm(views, 2))
+            self.norms[index] = slot_norms(store.units[index], store.grad[index])
 
     def finish(self) -> None:
         """Block until every emitted gradient is in the host accumulators."""
@@ -140,9 +152,7 @@ class HostPipeline(Pipeline):
             if self.store.grad_count[u.index] == 0:
                 out.append(torch.zeros(len(u.train_slots)))
             elif not self.store.transient_on_host(u) or self.norms[u.index] is None:  # it keeps its gradient
-                acc = self.store.grad[u.index]
-                out.append(torch.stack(torch._foreach_norm([acc[s.offset : s.offset + s.numel]
-                                                            for s in u.train_slots], 2)))
+                out.append(slot_norms(u, self.store.grad[u.index]))
             else:
                 out.append(self.norms[u.index])
         return out

@@ -532,12 +532,47 @@ class StreamingEngine(nn.Module):
                 listener.backward_failed()
             raise
 
+    def gradient_norm(self, batches: list[dict], num_items_in_batch=None, scale: float = 1.0,
+                      aux_scale: float = 1.0) -> torch.Tensor:
+        """The global gradient norm that `forward_backward_many` of these micro-batches would leave
+        for clipping, computed as grad_norm() computes it, by a forward and backward that keeps no
+        gradient and steps nothing: each unit's per-parameter norms are taken as its gradient is
+        emitted, and the gradient is dropped. The RNG is put back as it was, so the pass that follows
+        draws the same numbers (dropout).
+
+        For exact clipping with transient_grads: the norm is known before the backward that steps
+        each unit as it finishes (HostAdamW.step_during_backward(clip_norm=...)). The gradients of
+        that backward are this pass's only as far as the kernels are deterministic: bit for bit on
+        the CPU. It costs one more forward and backward per step, with no gradient crossing PCIe."""
+        if self.store.sharding is not None:
+            raise MegaTrainError("gradient_norm is not combined with data parallel: each rank holds a slice.")
+        pipe, listener = self.pipeline, self._listener
+        cuda = self.device.type == "cuda"
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None)
+        self._listener, pipe.on_final_grad = None, None  # nothing is stepped by this pass
+        pipe.measured, pipe.measure_only = {}, True
+        try:
+            self._forward_backward(batches, num_items_in_batch, scale, aux_scale)
+        finally:
+            pipe.measure_only = False
+            self.listen(listener)
+            torch.set_rng_state(rng[0])
+            if cuda:
+                torch.cuda.set_rng_state(rng[1], self.device)
+        measured, pipe.measured = pipe.measured, {}
+        by_name = {}
+        for u in self.units:
+            norms = measured[u.index].cpu() if u.index in measured else torch.zeros(len(u.train_slots))
+            by_name.update((s.name, norms[j]) for j, s in enumerate(u.train_slots))
+        return torch.linalg.vector_norm(torch.stack([by_name[n] for n in self.store.order]), 2)
+
     def _forward_backward(self, batches: list[dict], num_items_in_batch, scale: float,
                           aux_scale: float) -> list[torch.Tensor]:
-        if self.store.transient and self.training and self._listener is None:
+        if self.store.transient and self.training and self._listener is None and not self.pipeline.measure_only:
             raise MegaTrainError("transient_grads keeps each gradient only until its step, so every backward must "
                                  "step its units as they finish: call HostAdamW.step_during_backward() before it "
-                                 "(no clipping), with the step's micro-batches together in one call.")
+                                 "(to clip, with clip_norm=(gradient_norm(...), max_norm)), with the step's "
+                                 "micro-batches together in one call.")
         preps = [self._prepare(b) for b in batches]
         if any(labels is None for _, _, labels, _, _, _ in preps):
             raise MegaTrainError(f"the batch has no 'labels'; training needs them (use {IGNORE_INDEX} to ignore a token).")

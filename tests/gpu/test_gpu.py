@@ -352,6 +352,41 @@ def test_host_memory_modes_are_bit_identical_on_gpu(modes, clip):
         assert torch.equal(got[name], ref[name]), name
 
 
+def test_transient_grads_clip_after_a_norm_pass_on_gpu():
+    """transient_grads with clipping on the GPU: each step's norm pass (a forward and backward whose
+    gradients only leave their norms, the ring's gradient slots freed without a copy) gives the norm
+    clip_grad_norm_ takes on the default path; then every unit is stepped, clipped by it, as its
+    gradient lands: the streamed ones from the shared pinned buffers on the host, the two resident
+    layers from the shared device buffer on the compute stream, with random GPU sleeps on the copy
+    streams. The two passes' gradients are equal as far as the GPU's kernels are deterministic, so
+    the comparison with the default path allows the last digits."""
+
+    def run(**fields):
+        engine = StreamingEngine(make_model("llama", num_hidden_layers=4, seed=8), device=DEV,
+                                 compute_dtype=torch.bfloat16, resident_layers=2, **fields).train()
+        engine.pipeline.chaos = random.Random(5)
+        opt = HostAdamW(engine, lr=1e-3, weight_decay=0.1)
+        losses, norms = [], []
+        for step in range(4):
+            batches = [make_batch(seed=10 * step + m) for m in range(2)]
+            if engine.store.transient:
+                norm = engine.gradient_norm(batches, None, 0.5)
+                assert opt.step_during_backward(clip_norm=(norm, 1e-2))
+            losses += [float(x) for x in engine.forward_backward_many(batches, None, 0.5)]
+            norms.append(float(norm) if engine.store.transient else float(opt.clip_grad_norm_(1e-2)))
+            opt.step()
+            engine.zero_grad()
+        return engine, losses, norms, dict(engine.named_master_params())
+
+    _, ref_losses, ref_norms, ref = run()
+    engine, losses, norms, got = run(lean_streamed=True, transient_grads=True)
+    assert engine.store.transient and engine.store._device_grad is not None
+    assert min(norms) > 1e-2  # the clipping was active at every step
+    assert losses == pytest.approx(ref_losses, rel=1e-5) and norms == pytest.approx(ref_norms, rel=1e-5)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_gradients_kept_on_the_gpu_one_micro_batch_at_a_time(monkeypatch):
     """gpu_grad_layers with micro-batches one at a time: the later contributions are added on the GPU
     (the default adds them on the host, from a pinned slab allocated at its first use). The gradients

@@ -153,7 +153,7 @@ def test_a_refusal_names_lean_streamed_when_it_would_fit():
     with pytest.raises(MegaTrainError) as both:  # lean_streamed alone is short; with transient_grads it fits
         admit(plan, host_free=100 * GiB, gpu_free=139 * GiB)
     assert str(both.value).split("Would fit with: ", 1)[1].startswith(
-        "lean_streamed=True and transient_grads=True with max_grad_norm=0")
+        "lean_streamed=True and transient_grads=True (")
     with pytest.raises(MegaTrainError) as short:
         admit(plan, host_free=80 * GiB, gpu_free=139 * GiB)
     assert "lean_streamed" not in str(short.value) and "transient_grads" not in str(short.value)
@@ -225,6 +225,63 @@ def test_transient_grads_are_bit_identical(kind, ga, lean, resident):
         assert torch.equal(got[name], ref[name]), name
 
 
+def train_measured(kind, ga, clip, steps=3, model=None, **engine):
+    """Exact clipping with transient_grads: each step first measures the global norm with a pass that
+    keeps no gradient (gradient_norm), then steps every unit, clipped, as its gradient lands."""
+    engine = StreamingEngine(model or make_model(kind, seed=4), compute_dtype=torch.bfloat16,
+                             background_host_jobs=True, transient_grads=True, **engine).train()
+    opt = HostAdamW(engine, lr=1e-2, weight_decay=0.1)
+    record = []
+    for step in range(steps):
+        batches = [make_batch(batch=2, seq=10 + 2 * m, seed=10 * step + m, pad_rows=m % 2) for m in range(ga)]
+        norm = engine.gradient_norm(batches, None, 1.0 / ga)
+        assert opt.step_during_backward(clip_norm=(norm, clip))
+        record += [float(x) for x in engine.forward_backward_many(batches, None, 1.0 / ga)]
+        record.append(float(norm))
+        opt.step()
+        engine.zero_grad()
+    return engine, record, dict(engine.named_master_params())
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "mixtral"])
+@pytest.mark.parametrize("ga,lean,resident", [(1, False, 0), (2, True, 0), (2, True, 1)])
+def test_transient_grads_clip_exactly_after_a_norm_pass(kind, ga, lean, resident):
+    """transient_grads with clipping: the norm pass gives the norm clip_grad_norm_ would take from the
+    accumulators, and the steps during the second backward clip by it. Losses, clipping norms and
+    masters equal the default path's with clip_grad_norm_ and step() bit for bit, beside lean_streamed
+    and a resident layer; the clipping is active (norms far above max_norm)."""
+    _, ref_record, ref = train(kind, False, ga, True, 0.05, resident=resident)
+    engine, record, got = train_measured(kind, ga, 0.05, resident_layers=resident, lean_streamed=lean)
+    assert engine.store.transient and len(engine.store._grad_buffers) == 3
+    assert same(record, ref_record[: len(record)]) and min(record[ga :: ga + 1]) > 0.05
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+
+
+def test_the_norm_pass_leaves_the_rng_as_it_found_it():
+    """With dropout the forward draws random numbers: the norm pass puts the RNG back, so the stepping
+    pass draws what the default's one pass draws, and the numbers stay equal bit for bit."""
+    model = make_model("llama", seed=4, attention_dropout=0.3)
+    torch.manual_seed(7)
+    default = StreamingEngine(copy.deepcopy(model), compute_dtype=torch.bfloat16).train()
+    opt = HostAdamW(default, lr=1e-2, weight_decay=0.1)
+    ref_record = []
+    for step in range(3):
+        ref_record.append(float(default.forward_backward(make_batch(batch=2, seq=10, seed=10 * step, pad_rows=0))))
+        ref_record.append(float(opt.clip_grad_norm_(0.05)))
+        opt.step()
+        default.zero_grad()
+    torch.manual_seed(7)
+    _, record, got = train_measured("llama", 1, 0.05, model=copy.deepcopy(model))
+    assert same(record, ref_record)
+    torch.manual_seed(7)
+    undropped = float(StreamingEngine(copy.deepcopy(model), compute_dtype=torch.bfloat16).eval().forward_backward(
+        make_batch(batch=2, seq=10, seed=0, pad_rows=0)))
+    assert undropped != record[0]  # the dropout did draw
+    for name, t in default.named_master_params():
+        assert torch.equal(got[name], t), name
+
+
 def test_transient_grads_refuse_what_would_need_a_persistent_gradient(tmp_path):
     engine, opt, _, _ = train_early("llama", 2, steps=1, transient_grads=True)
     with pytest.raises(MegaTrainError, match="step_during_backward"):  # a backward that does not step as it goes
@@ -239,8 +296,6 @@ def test_transient_grads_refuse_what_would_need_a_persistent_gradient(tmp_path):
         StreamingEngine(make_model("llama"), compute_dtype=torch.bfloat16, transient_grads=True)
     common = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], compute_dtype="bfloat16",
                   background_host_jobs=True, transient_grads=True)
-    with pytest.raises(MegaTrainError, match="needs max_grad_norm=0"):  # Trainer's default clipping is 1.0
-        MegaTrainTrainer(make_model("llama"), MegaTrainArguments(**common), train_dataset=rows(4, 0))
     with pytest.raises(MegaTrainError, match="layer_major_accumulation=true"):
         MegaTrainTrainer(make_model("llama"), MegaTrainArguments(**common, max_grad_norm=0,
                                                                  gradient_accumulation_steps=2),
@@ -283,15 +338,17 @@ def test_a_failed_step_fails_the_next_buffer_claim_instead_of_hanging(monkeypatc
     assert "injected step failure" in str(errors[0])
 
 
-def test_trainer_with_transient_grads_and_lean_streamed_equals_the_default(tmp_path):
-    """Through MegaTrainTrainer: no clipping, GA 2 together, bf16 compute on host workers: the same
-    logged losses and gradient norms (taken as each transient gradient landed) and the same weights
-    with both modes on and off."""
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+def test_trainer_with_transient_grads_and_lean_streamed_equals_the_default(tmp_path, clip):
+    """Through MegaTrainTrainer: GA 2 together, bf16 compute on host workers, without clipping and with
+    it (Trainer's clipping hook then returns the norm pass's norm, and the steps during the backward
+    clip by it): the same logged losses and gradient norms (taken as each transient gradient landed)
+    and the same weights with both modes on and off."""
     data, model = rows(16, 0), make_model("mixtral", seed=3)
     results = {}
     for on in (False, True):
         args = MegaTrainArguments(output_dir=str(tmp_path / str(on)), per_device_train_batch_size=2,
-                                  gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-2, max_grad_norm=0,
+                                  gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-2, max_grad_norm=clip,
                                   logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
                                   compute_dtype="bfloat16", background_host_jobs=True,
                                   layer_major_accumulation="true", lean_streamed=str(on).lower(), transient_grads=on)
@@ -302,6 +359,8 @@ def test_trainer_with_transient_grads_and_lean_streamed_equals_the_default(tmp_p
         results[on] = ([(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h],
                        dict(trainer.engine.named_master_params()))
     assert results[True][0] == results[False][0] and len(results[True][0]) == 4
+    if clip:
+        assert min(norm for _, norm in results[True][0]) > clip  # the clipping was active
     for name, t in results[False][1].items():
         assert torch.equal(results[True][1][name], t), name
 
@@ -457,9 +516,9 @@ def test_the_planner_keeps_gradients_on_the_gpu_where_that_makes_clipping_fit():
 
 def test_estimate_shows_each_mode_and_a_refusal_names_the_one_that_fits(tmp_path):
     """70B on one H200 and a host with 953 GiB available: the default (1,100 GiB) and lean_streamed
-    (978) are short, lean_streamed + transient_grads (739, no clipping) fits; the modes table says so
-    with each mode's host bytes per parameter and modelled step time, and admission's refusal names
-    the combination first."""
+    (978) are short, lean_streamed + transient_grads (739) fits; with clipping (the command's default,
+    1.0) through a norm pass. The modes table says so with each mode's host bytes per parameter and
+    modelled step time, and admission's refusal names the combination first, priced with that pass."""
     r = subprocess.run([sys.executable, "-m", "hf_megatrain.cli", "estimate", "llama-3.1-70b", "--batch", "16",
                         "--seq", "1024", "--gpu_gib", "139", "--host_gib", "953", "--json"], capture_output=True,
                        text=True)
@@ -470,7 +529,8 @@ def test_estimate_shows_each_mode_and_a_refusal_names_the_one_that_fits(tmp_path
     assert default["state_bytes_per_parameter"] - lean["state_bytes_per_parameter"] == pytest.approx(1.8, abs=0.1)
     assert lean["state_bytes_per_parameter"] - both["state_bytes_per_parameter"] == pytest.approx(3.6, abs=0.2)
     assert (default["fits"], lean["fits"], both["fits"]) == (False, False, True)
-    assert default["clipping"] and not both["clipping"] and both["step_s"] > 0
+    assert default["clipping"] and both["clipping"] and both["norm_pass"] and not default["norm_pass"]
+    assert both["step_s"] > default["step_s"]  # one more forward and backward per step
     cfg = make_config("llama-3.1-70b")
     placed = resolve_placement(cfg, 16, 1024, EngineConfig(device="cuda", resident_layers=None, offload_activations=None,
                                                           lean_resident=None, lean_streamed=None),
@@ -482,12 +542,16 @@ def test_estimate_shows_each_mode_and_a_refusal_names_the_one_that_fits(tmp_path
         admit(estimate(cfg, 16, 1024, placed), host_free=953 * GiB, gpu_free=139 * GiB,
               step_cost=mode_cost(cfg, 16, 1024, placed, REFERENCE, clip=True))
     fixes = str(refused.value).split("Would fit with: ", 1)[1]
-    assert fixes.startswith("lean_streamed=True and transient_grads=True with max_grad_norm=0, i.e. no clipping")
-    # its speed cost from the step-time model: without clipping the host AdamW overlaps the backward
-    faster = re.search(r"gives ([\d.]+) s/step with it against ([\d.]+) as asked, ([\d.]+)x the tokens/s", fixes)
-    assert faster and float(faster[1]) < float(faster[2]) and float(faster[3]) > 1
+    assert fixes.startswith("lean_streamed=True and transient_grads=True (") and "norm with a forward" in fixes
+    # its speed cost from the step-time model: with clipping, the norm pass's forward and backward
+    slower = re.search(r"gives ([\d.]+) s/step with it against ([\d.]+) as asked, ([\d.]+)x the tokens/s", fixes)
+    assert slower and float(slower[1]) > float(slower[2]) and float(slower[3]) < 1
+    unclipped = mode_cost(cfg, 16, 1024, placed, REFERENCE, clip=False)(dict(lean_streamed=True, transient_grads=True))
+    faster = re.search(r"gives ([\d.]+) s/step with it against ([\d.]+) as asked", unclipped)
+    assert float(faster[1]) < float(faster[2])  # without clipping the host AdamW overlaps the backward
     text = json.loads(r.stdout)["verdict"]  # the estimate command's refusal says the same
     assert "Would fit with: lean_streamed=True and transient_grads=True" in text and "s/step with it" in text
-    bad = subprocess.run([sys.executable, "-m", "hf_megatrain.cli", "estimate", "llama-3.1-70b", "--transient_grads"],
-                         capture_output=True, text=True)
-    assert bad.returncode != 0 and "--transient_grads needs --max_grad_norm 0" in bad.stderr
+    asked = subprocess.run([sys.executable, "-m", "hf_megatrain.cli", "estimate", "llama-3.1-70b", "--transient_grads"],
+                           capture_output=True, text=True)
+    assert asked.returncode == 0, asked.stderr
+    assert "step time (model, clipping at 1 through a norm pass, transient_grads)" in asked.stdout

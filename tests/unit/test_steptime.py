@@ -100,6 +100,25 @@ def test_the_cost_of_lean_streamed_taken_on_auto_is_said():
             assert lean.step_s > full.step_s and f"{lean.gains['PCIe']:.2f} s/step" in said
 
 
+def test_clipping_with_transient_grads_adds_a_norm_pass():
+    """transient_grads with clipping: a forward and backward that sends no gradient, then the step of
+    a run without clipping (each unit stepped as it lands, at the clipped rate): the step time is the
+    two together, compute runs twice, and the bound is never the host AdamW after the backward."""
+    cfg = make_config("llama")
+    eng = gpu(resident_layers=1, transient_grads=True)
+    plain = predict(cfg, 4, 128, eng, RATES, clip=False)
+    measured = predict(cfg, 4, 128, eng, RATES, clip=True)
+    sends_nothing = replace(RATES, d2h_gbs=1e-6, d2h_duplex_gbs=1e-6)  # a pass that sent would take hours
+    pass_s = predict(cfg, 4, 128, eng, sends_nothing, clip=True).step_s - predict(cfg, 4, 128, eng, sends_nothing,
+                                                                               clip=False).step_s
+    assert 0 < pass_s < plain.step_s
+    assert measured.step_s > plain.step_s and measured.lanes["compute"] > 1.9 * plain.lanes["compute"] - 1e-9
+    assert measured.lanes["d2h"] == pytest.approx(plain.lanes["d2h"])
+    assert "after the backward" not in measured.bound
+    assert "after the backward" in predict(cfg, 4, 128, gpu(resident_layers=1), replace(RATES, adamw_gparams=1e-4),
+                                           clip=True).bound
+
+
 def test_micro_batches_together_stream_once():
     """The same tokens as 4 micro-batches: together, each layer's weights cross once per pass (the
     one-micro-batch step's PCIe); one at a time, four times, plus the host adding up gradients."""
