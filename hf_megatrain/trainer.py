@@ -42,6 +42,7 @@ from .engine.schedule import StreamingEngine
 from .engine.timeline import Timeline
 from .errors import MegaTrainError, counted
 from .checkpoint.stream_load import engine_from_checkpoint
+from .logs import show_logs
 from .memory import (admit, allocator_advice, estimate, gpu_available, host_available, longest_fitting_row,
                      one_at_a_time, ranks_on_this_host, resolve_placement, split_step)
 from .patcher.adapters import base_model
@@ -82,6 +83,7 @@ class MegaTrainTrainer(Trainer):
     ):
         check_trainer_hooks()  # a transformers release that renamed a hook we replace fails here, loudly
         args = megatrain_arguments(args)  # our own checked copy: the user's object is never changed
+        show_logs(args.get_process_log_level())  # the memory plan and the modes chosen, as Trainer's log_level says
         if peft_config is not None:  # where TRL users put it; the same as args.peft_config
             if args.peft_config is not None and args.peft_config is not peft_config:
                 raise MegaTrainError("peft_config was given twice (as an argument and in args); keep one.")

@@ -129,3 +129,30 @@ def test_the_short_help_names_real_flags_and_all_of_ours():
     ours -= {"background_host_jobs"}  # a testing switch, in --help-all only
     shown = {n.lstrip("-") for n in named} | {"data_path", "eval_data_path"}  # as --data / --eval_data
     assert ours <= shown, ours - shown
+
+
+def test_transient_grads_with_clipping_from_the_command_line_saves_what_the_default_saves(run_dir, tmp_path):
+    """`hf-megatrain train --transient_grads true` with the default clipping (max_grad_norm 1.0, here
+    0.01 so that it acts): each step measures the norm first and steps every layer, clipped, as its
+    gradient lands. The logged losses and gradient norms, and the saved model, equal the same command's
+    without it, bit for bit (bf16 compute on host workers, GA 2 through each layer together)."""
+    import ast
+
+    import torch
+    from safetensors.torch import load_file
+
+    results = {}
+    for on in ("false", "true"):
+        out = tmp_path / on
+        r = train(tmp_path, *common(run_dir, out), "--max_steps", "3", "--gradient_accumulation_steps", "2",
+                  "--layer_major_accumulation", "true", "--compute_dtype", "bfloat16", "--background_host_jobs",
+                  "true", "--max_grad_norm", "0.01", "--logging_steps", "1", "--save_dtype", "float32",
+                  "--transient_grads", on, "--log_level", "info")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert ("measures the global gradient norm" in r.stderr) == (on == "true")
+        logs = [ast.literal_eval(ln.strip()) for ln in r.stdout.splitlines() if "'grad_norm'" in ln]
+        results[on] = ([(log["loss"], log["grad_norm"]) for log in logs], load_file(str(out / "model.safetensors")))
+    assert results["true"][0] == results["false"][0] and len(results["true"][0]) == 3
+    assert all(float(norm) > 0.01 for _, norm in results["true"][0])  # the clipping acted
+    for name, t in results["false"][1].items():
+        assert torch.equal(results["true"][1][name], t), name
