@@ -366,8 +366,9 @@ def _estimate(argv: list[str]) -> int:
                   f"{'step s (model)':>14} {'clipping':16}" + (" on this host" if host_free is not None else ""))
             for m in modes:
                 clip = "norm pass first" if m["norm_pass"] else "after backward" if m["clipping"] else "none"
-                print(f"  {m['mode']:32} {m['state_bytes_per_parameter']:13.1f} {m['host_gib']:9.1f} {m['gpu_gib']:8.1f} "
-                      f"{m['step_s']:14.2f} {clip:16}" + ("" if m["fits"] is None else f" {'fits' if m['fits'] else 'short'}"))
+                here = "" if m["fits"] is None else f" {'fits' if m['fits'] else 'short'}"
+                print(f"  {m['mode']:32} {m['state_bytes_per_parameter']:13.1f} {m['host_gib']:9.1f} "
+                      f"{m['gpu_gib']:8.1f} {m['step_s']:14.2f} {clip:16}{here}")
         if verdict is not None:
             machine = " + ".join(f"{v:g} GiB {k}" for k, v in (("GPU", a.gpu_gib), ("host", a.host_gib)) if v)
             print(f"\non {machine}: {verdict}")
