@@ -16,8 +16,9 @@ would do on one GPU and that host:
   PCIe, the engine's dependencies (the host AdamW after the backward with clipping, during it
   without) and the probe's reference rates for the rest.
 
-Modes: default (clipping 1.0), lean_streamed (clipping 1.0), lean_streamed + transient_grads (no
-clipping). Model FLOPs are 6 * P * tokens; MFU is against the record's sustained bf16 peak. It
+Modes: default (clipping 1.0), lean_streamed (clipping 1.0), lean_streamed + transient_grads without
+clipping and with clipping 1.0 (then each step runs a norm pass first: one more forward and backward,
+which the step-time model counts). Model FLOPs are 6 * P * tokens; MFU is against the record's sustained bf16 peak. It
 measures nothing itself: the output ($RECORD_projection.json) carries the measuring record's date,
 card, command and versions beside the versions of this run.
 """
@@ -32,15 +33,14 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-def project(record: dict, shape: str, gpu_gib: float, host_gib: float, tokens: int, mode: str) -> dict:
+def project(record: dict, shape: str, gpu_gib: float, host_gib: float, tokens: int, mode: str, clip: bool) -> dict:
     from hf_megatrain.engine.config import EngineConfig
     from hf_megatrain.memory import MODES, GiB, estimate, model_shapes, resolve_placement, shortfalls
     from hf_megatrain.probe import REFERENCE
     from hf_megatrain.shapes import make_config
     from hf_megatrain.steptime import LayerCosts, predict
 
-    fields = dict(MODES)[mode]  # the modes `hf-megatrain estimate` shows; transient_grads means no clipping
-    clip = not fields.get("transient_grads")
+    fields = dict(MODES)[mode]  # the modes `hf-megatrain estimate` shows
     measured = model_shapes(make_config(record["shape"], record["layers"]))
     costs = LayerCosts(record["layer_forward_s"], record["layer_backward_s"], record["host_adamw_unit_s"],
                        measured.units[1].numel, record["tokens_per_step"])
@@ -58,7 +58,8 @@ def project(record: dict, shape: str, gpu_gib: float, host_gib: float, tokens: i
     tflops = 6 * shapes.params * tokens / step.step_s / 1e12
     return {
         "shape": shape, "params_b": round(shapes.params / 1e9, 1), "gpu_gib": gpu_gib, "host_gib": host_gib,
-        "tokens_per_step": tokens, "mode": mode, "clipping": clip, "resident_layers": engine.resident_layers,
+        "tokens_per_step": tokens, "mode": mode, "clipping": clip,
+        "norm_pass": clip and bool(engine.transient_grads), "resident_layers": engine.resident_layers,
         "gpu_grad_layers": engine.gpu_grad_layers, "offloaded_inputs": engine.offload_activations,
         "host_needed_gib": round(plan.host_total / GiB, 1), "gpu_needed_gib": round(plan.gpu_total / GiB, 1),
         "fits": not shortfalls(plan, host_gib * GiB, gpu_gib * GiB),  # admission's own test
@@ -86,18 +87,22 @@ def main() -> None:
         record = json.load(f)
     source = {k: record.get(k) for k in ("date", "card", "command", "versions")}
     here = versions()
-    rows = [project(record, shape, a.gpu_gib, h, t, mode)
-            for shape in a.shapes for h in a.host_gib for t in a.tokens for mode, _ in MODES]
+    # transient_grads both ways: without clipping, and with it through a norm pass; the others clip
+    runs = [(mode, clip) for mode, fields in MODES for clip in ([False, True] if fields.get("transient_grads")
+                                                               else [True])]
+    rows = [project(record, shape, a.gpu_gib, h, t, mode, clip)
+            for shape in a.shapes for h in a.host_gib for t in a.tokens for mode, clip in runs]
     print(f"from {record['shape']} x {record['layers']} layers on {record.get('card', '?')}: per layer "
           f"fwd {record['layer_forward_s']} s, bwd {record['layer_backward_s']} s, host AdamW "
           f"{record['host_adamw_unit_s']} s at {record['tokens_per_step']} tokens/step")
     print("measured on: " + (versions_line(source["versions"]) if source["versions"] else "versions not recorded"))
     print("projected with: " + versions_line(here))
-    print(f"{'shape':14} {'host':>5} {'tok/step':>8} {'mode':32} {'res':>3} {'gg':>3} {'host GiB':>8} "
+    print(f"{'shape':14} {'host':>5} {'tok/step':>8} {'mode':32} {'clip':9} {'res':>3} {'gg':>3} {'host GiB':>8} "
           f"{'GPU GiB':>7} {'step s':>6} {'tok/s':>6} {'MFU':>5}  bound")
     for r in rows:
         mark = "" if r["fits"] else "  (does not fit)"
-        print(f"{r['shape']:14} {r['host_gib']:>5.0f} {r['tokens_per_step']:>8} {r['mode']:32} "
+        clip = "norm pass" if r["norm_pass"] else "yes" if r["clipping"] else "no"
+        print(f"{r['shape']:14} {r['host_gib']:>5.0f} {r['tokens_per_step']:>8} {r['mode']:32} {clip:9} "
               f"{r['resident_layers']:>3} {r['gpu_grad_layers']:>3} {r['host_needed_gib']:>8} {r['gpu_needed_gib']:>7} "
               f"{r['step_s']:>6} {r['tokens_per_s']:>6} {r['mfu']:>5}  {r['bound']}{mark}")
     out = os.path.splitext(a.record)[0] + "_projection.json"
