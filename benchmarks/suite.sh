@@ -34,7 +34,8 @@
 # S, T, U: issue 21's memory modes: S the GPU tests and the 13B shape with and without lean_streamed; T the
 #    largest model with clipping (Qwen2.5-14B shape); U the largest without (dense-18b, 18.3 B); V the GPU
 #    tests (gradients of streamed layers on the GPU among them) and the probe; W the 14.8 B shape with
-#    clipping at 16K tokens/step (gradients of streamed layers on the GPU).
+#    clipping at 16K tokens/step (gradients of streamed layers on the GPU); X dense-18b with clipping through
+#    transient_grads' norm pass.
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
 # Every call first writes $OUT/versions.json and prints one VERSIONS line (benchmarks/versions.py:
 # Python, torch, CUDA, transformers, accelerate, peft, GPU and driver, hf_megatrain commit); each
@@ -220,6 +221,13 @@ W)  # issue 21, item 3: the Qwen2.5-14B shape with clipping at 16K tokens/step, 
   keep_only qwen2.5-14b-full
   part 560 14b_clip_16k python3 benchmarks/largest.py --shape qwen2.5-14b --tokens 16384 --clip 1.0 --lr 1e-4 \
     --learnable --steps 12 --warmup 2 --skip_all_host --skip_disk_check --tag _16k --out "$OUT" ;;
-*) echo "unknown group $1 (A to W)"; exit 2 ;;
+X)  # transient_grads with exact clipping (a norm pass first): dense-18b (18.3 B) with clipping at 1.0, 16K
+    # tokens/step, lean_streamed and transient_grads asked for, 12 steps on a learnable task (U ran it unclipped)
+  export LARGEST_KEEP=1
+  keep_only dense-18b-full
+  part 560 18b_clip_norm_pass python3 benchmarks/largest.py --shape dense-18b --tokens 16384 --clip 1.0 --lr 1e-4 \
+    --learnable --steps 12 --warmup 2 --lean_streamed true --transient_grads true --skip_all_host --skip_disk_check \
+    --tag _norm_pass --out "$OUT" ;;
+*) echo "unknown group $1 (A to X)"; exit 2 ;;
 esac
 for f in "${names[@]}"; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done
