@@ -192,7 +192,7 @@ class HostAdamW(torch.optim.Optimizer):
             self._stepper.submit(partial(self.step_unit, index, hyper, clip, counts[index], step),
                                  f"AdamW step {step} of {self.store.units[index].label}", self.store.ready[index])
 
-    # -- stepping during the backward (exact only without clipping) -----------------------------
+    # -- stepping during the backward (exact without clipping, or with the norm measured first) ----
     def step_during_backward(self, clip_norm: tuple[torch.Tensor, float] | None = None) -> bool:
         """Arm: during the next backward, step each unit as soon as its gradient is final.
 

@@ -348,11 +348,14 @@ class StreamingEngine(nn.Module):
             return self.store.sharding.all_reduce(local).sqrt().float()
         per_unit = self.pipeline.grad_norms()
         if per_unit is None:
-            norms = torch._foreach_norm([g for _, g in self.named_grads()], 2)
-        else:
-            by_name = {s.name: per_unit[u.index][j] for u in self.units for j, s in enumerate(u.train_slots)}
-            norms = [by_name[n] for n in self.store.order]
-        return torch.linalg.vector_norm(torch.stack(norms), 2)
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([g for _, g in self.named_grads()], 2)), 2)
+        return self._global_norm(per_unit)
+
+    def _global_norm(self, per_unit: list[torch.Tensor]) -> torch.Tensor:
+        """The norm of every parameter's norm, in the model's parameter order (clip_grad_norm_'s),
+        from each unit's per-parameter norms in slot order."""
+        by_name = {s.name: per_unit[u.index][j] for u in self.units for j, s in enumerate(u.train_slots)}
+        return torch.linalg.vector_norm(torch.stack([by_name[n] for n in self.store.order]), 2)
 
     def named_master_params(self):
         """(name, fp32 CPU master weight) for every parameter of the original model."""
@@ -560,11 +563,8 @@ class StreamingEngine(nn.Module):
             if cuda:
                 torch.cuda.set_rng_state(rng[1], self.device)
         measured, pipe.measured = pipe.measured, {}
-        by_name = {}
-        for u in self.units:
-            norms = measured[u.index].cpu() if u.index in measured else torch.zeros(len(u.train_slots))
-            by_name.update((s.name, norms[j]) for j, s in enumerate(u.train_slots))
-        return torch.linalg.vector_norm(torch.stack([by_name[n] for n in self.store.order]), 2)
+        return self._global_norm([measured[u.index].cpu() if u.index in measured else torch.zeros(len(u.train_slots))
+                                  for u in self.units])
 
     def _forward_backward(self, batches: list[dict], num_items_in_batch, scale: float,
                           aux_scale: float) -> list[torch.Tensor]:
