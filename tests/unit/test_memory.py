@@ -266,11 +266,14 @@ def test_projection_uses_measured_layer_costs_and_the_planner():
     spec.loader.exec_module(project)
     rec = {"shape": "llama-3.1-70b", "layers": 11, "tokens_per_step": 16384, "layer_forward_s": 0.044,
            "layer_backward_s": 0.149, "host_adamw_unit_s": 0.364, "peak": {"sustained_tflops": 656.6}}
-    both = project.project(rec, "llama-3.1-70b", 139, 982, 16384, "lean_streamed + transient_grads")
-    clipped = project.project(rec, "llama-3.1-70b", 139, 982, 16384, "lean_streamed")
+    both = project.project(rec, "llama-3.1-70b", 139, 982, 16384, "lean_streamed + transient_grads", False)
+    clipped = project.project(rec, "llama-3.1-70b", 139, 982, 16384, "lean_streamed", True)
     assert both["fits"] and not both["clipping"] and both["host_needed_gib"] < 750
     assert not clipped["fits"] and clipped["host_needed_gib"] > 960  # 16 bytes per streamed parameter
     assert both["step_s"] < clipped["step_s"]  # without clipping the host AdamW overlaps the backward
+    measured = project.project(rec, "llama-3.1-70b", 139, 982, 16384, "lean_streamed + transient_grads", True)
+    assert measured["fits"] and measured["norm_pass"] and measured["host_needed_gib"] == both["host_needed_gib"]
+    assert measured["step_s"] > both["step_s"]  # clipping through the norm pass: one more forward and backward
 
 
 def test_small_numbers_read_as_written(tmp_path, capsys):
