@@ -83,7 +83,9 @@ class MegaTrainTrainer(Trainer):
     ):
         check_trainer_hooks()  # a transformers release that renamed a hook we replace fails here, loudly
         args = megatrain_arguments(args)  # our own checked copy: the user's object is never changed
-        show_logs(args.get_process_log_level())  # the memory plan and the modes chosen, as Trainer's log_level says
+        # the memory plan and the modes chosen: at INFO on the main process unless log_level says otherwise
+        # (its "passive" would mean transformers' verbosity, WARNING by default, and hide them)
+        show_logs(None if args.log_level == "passive" and args.should_log else args.get_process_log_level())
         if peft_config is not None:  # where TRL users put it; the same as args.peft_config
             if args.peft_config is not None and args.peft_config is not peft_config:
                 raise MegaTrainError("peft_config was given twice (as an argument and in args); keep one.")

@@ -100,7 +100,15 @@ def test_the_planner_counts_the_cuda_buffers_the_engine_allocates(resident, lean
 
     assert plan.gpu["weight ring (prefetch slots)"] == nbytes(b.data for b in pipe.ring)
     assert plan.gpu["gradient ring (fp32)"] == nbytes(b.data for b in pipe.grad_ring)
-    assert plan.host["pinned staging slabs"] == nbytes(pipe.slabs)
+    # the staging slabs are allocated at their first use (a unit's second contribution in a step), each
+    # of the planned size: none before, and one (staging_slabs=1) after two micro-batches one at a time
+    assert all(s is None for s in pipe.slabs)
+    if resident < 4:
+        engine.train()
+        for seed in (1, 2):
+            engine.forward_backward(make_batch(seed=seed), None, 0.5)
+        engine.wait_for_gradients()
+    assert plan.host["pinned staging slabs"] == nbytes([s for s in pipe.slabs if s is not None])
     streamed_fixed = [pipe.fixed[u.index].data for u in engine.units if not u.resident and u.index in pipe.fixed]
     assert plan.gpu["embedding + head buffers"] == nbytes(streamed_fixed)
     store = engine.store
