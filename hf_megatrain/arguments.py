@@ -189,7 +189,10 @@ def check_arguments(args, before_init: bool = False) -> None:
     parse_switch(args.layer_major_accumulation, "layer_major_accumulation")
     if args.max_seq_length < 1:
         raise MegaTrainError("max_seq_length must be a positive number of tokens.")
-    engine_config(args, torch.device("cpu"))  # the engine's own checks of its knobs, on any machine
+    # The engine's own checks of its knobs, on any machine. Background host jobs left on auto count as on
+    # (a GPU's default): transient_grads=true needs them, and a CPU run, where they are off by default, is
+    # refused, saying so, once the trainer knows its device.
+    engine_config(args, torch.device("cpu"), host_jobs=True)
 
 
 def megatrain_arguments(args) -> MegaTrainArguments:
@@ -242,9 +245,10 @@ def transient_grads(args, device: torch.device) -> bool | None:
     return asked
 
 
-def engine_config(args, device: torch.device) -> EngineConfig:
+def engine_config(args, device: torch.device, host_jobs: bool | None = None) -> EngineConfig:
     """The EngineConfig these arguments ask for on `device`; the placements stay None where they
-    say 'auto' (memory.resolve_placement decides them)."""
+    say 'auto' (memory.resolve_placement decides them). host_jobs: background_host_jobs where the
+    arguments leave it on auto (None: the device's default)."""
     from .memory import mlp_tile
 
     grad_layers = parse_count(args.gpu_grad_layers, "gpu_grad_layers")
@@ -261,5 +265,5 @@ def engine_config(args, device: torch.device) -> EngineConfig:
         gpu_grad_layers=grad_layers if device.type == "cuda" else 0,  # no GPU, no gradients to keep there
         prefetch_depth=args.prefetch_depth,
         host_threads=args.host_threads,
-        background_host_jobs=args.background_host_jobs,
+        background_host_jobs=host_jobs if args.background_host_jobs is None else args.background_host_jobs,
     )

@@ -296,6 +296,12 @@ def test_transient_grads_refuse_what_would_need_a_persistent_gradient(tmp_path):
         StreamingEngine(make_model("llama"), compute_dtype=torch.bfloat16, transient_grads=True)
     common = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], compute_dtype="bfloat16",
                   background_host_jobs=True, transient_grads=True)
+    # asked for in the arguments without background_host_jobs: accepted (a GPU's default runs them), and
+    # refused on the CPU, where they are off by default, by the trainer that knows the device
+    asked = MegaTrainArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], transient_grads="true",
+                               max_grad_norm=0)
+    with pytest.raises(MegaTrainError, match="needs background_host_jobs"):
+        MegaTrainTrainer(make_model("llama"), asked, train_dataset=rows(4, 0))
     with pytest.raises(MegaTrainError, match="layer_major_accumulation=true"):
         MegaTrainTrainer(make_model("llama"), MegaTrainArguments(**common, max_grad_norm=0,
                                                                  gradient_accumulation_steps=2),
