@@ -247,8 +247,13 @@ def lean_verdict(with_it: StepTime, without: StepTime) -> str:
     hidden = with_it.gains.get("PCIe", 0.0) < 0.02 * with_it.step_s
     pcie = ("its weights' PCIe time stays hidden" if hidden else
             f"PCIe binds: a free PCIe would save {with_it.gains['PCIe']:.2f} s/step")
-    return (f"the step-time model gives {with_it.step_s:.2f} s/step with it against {without.step_s:.2f} "
-            f"without, {without.step_s / with_it.step_s:.2f}x the tokens/s; {pcie}")
+    return f"{compared(with_it, without, 'without')}; {pcie}"
+
+
+def compared(with_it: StepTime, other: StepTime, other_is: str) -> str:
+    """The modelled step with a mode against another plan ("without", "as asked"), in words."""
+    return (f"the step-time model gives {with_it.step_s:.2f} s/step with it against {other.step_s:.2f} "
+            f"{other_is}, {other.step_s / with_it.step_s:.2f}x the tokens/s")
 
 
 def mode_cost(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 1, together: bool = True,
@@ -264,7 +269,6 @@ def mode_cost(config, rows: int, seq: int, engine, rates, *, micro_batches: int 
                   routed=routed_per_layer(config) if routed is None else routed)
         asked = predict(config, rows, seq, engine, rates, clip=clip, **kw)
         with_it = predict(config, rows, seq, mode_engine(engine, fields), rates, clip=clip, **kw)
-        return (f"the step-time model gives {with_it.step_s:.2f} s/step with it against {asked.step_s:.2f} as asked, "
-                f"{asked.step_s / with_it.step_s:.2f}x the tokens/s")
+        return compared(with_it, asked, "as asked")
 
     return cost
