@@ -48,7 +48,7 @@ from .memory import (admit, allocator_advice, estimate, gpu_available, host_avai
 from .patcher.adapters import base_model
 from .preflight import check_data, check_disk, check_outputs, check_resume
 from .probe import rates_for_planning
-from .steptime import lean_verdict, mode_cost, predict
+from .steptime import lean_verdict, mode_cost, predict, routed_per_layer
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class MegaTrainTrainer(Trainer):
                 n = args.gradient_accumulation_steps * self._split
                 try:  # a diagnostic: a config it cannot read costs the prediction, never the run
                     model_step = partial(predict, config, batch, seq, rates=rates_for_planning(), micro_batches=n,
-                                         together=bool(self._together) or n == 1,
+                                         together=bool(self._together) or n == 1, routed=routed_per_layer(config),
                                          clip=bool(args.max_grad_norm) and args.max_grad_norm > 0)
                     self.step_time = model_step(engine=placement.engine)
                     logger.info("hf_megatrain step-time model: %s", self.step_time.describe())
