@@ -92,6 +92,11 @@ def _check_model(model: nn.Module, spec, skeleton: bool) -> None:
         raise MegaTrainError("the model has parameters on the meta device; load real weights first.")
 
 
+def _snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of `t` that nothing else writes (.cpu() of a host tensor is the tensor itself)."""
+    return t.clone() if t.device.type == "cpu" else t.cpu()
+
+
 class StreamingEngine(nn.Module):
     """Owns the host store and the templates; runs forward/backward unit by unit.
 
@@ -325,12 +330,20 @@ class StreamingEngine(nn.Module):
 
     # -- inspection API (tests rely on it) -------------------------------------------------
     def named_grads(self):
-        """(name, fp32 CPU gradient) for every parameter of the original model.
+        """(name, fp32 CPU gradient) for every parameter of the original model: a copy, as it is
+        now. The host accumulators are reused by every step (the next first contribution is
+        copied in, the clipped step scales them in place), so views of them would change under
+        whoever keeps them, and views of host gradients beside copies of GPU-kept ones would
+        change unevenly.
 
         Waits for every pending host job that writes gradients: accumulation, and a step that
         is still clipping them in place."""
+        yield from self._grad_views(_snapshot)
+
+    def _grad_views(self, take=lambda t: t):
+        """named_grads without the copy: host accumulators as views (read them before the next step)."""
         self.synchronize()
-        grads = [self.store.grad_or_zeros(u.index) for u in self.units]
+        grads = [take(self.store.grad_or_zeros(u.index)) for u in self.units]
         yield from self.store.named([self.store.full(grads, u.index) for u in self.units])
 
     def grad_norm(self) -> torch.Tensor:
@@ -348,7 +361,7 @@ class StreamingEngine(nn.Module):
             return self.store.sharding.all_reduce(local).sqrt().float()
         per_unit = self.pipeline.grad_norms()
         if per_unit is None:
-            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([g for _, g in self.named_grads()], 2)), 2)
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([g for _, g in self._grad_views()], 2)), 2)
         return self._global_norm(per_unit)
 
     def _global_norm(self, per_unit: list[torch.Tensor]) -> torch.Tensor:
@@ -358,9 +371,10 @@ class StreamingEngine(nn.Module):
         return torch.linalg.vector_norm(torch.stack([by_name[n] for n in self.store.order]), 2)
 
     def named_master_params(self):
-        """(name, fp32 CPU master weight) for every parameter of the original model."""
+        """(name, fp32 CPU master weight) for every parameter of the original model: a copy, as it
+        is now (named_grads says why)."""
         self.synchronize()
-        masters = [m.cpu() for m in self.store.master]
+        masters = [_snapshot(m) for m in self.store.master]
         yield from self.store.named([self.store.full(masters, u.index) for u in self.units])
 
     @property

@@ -151,3 +151,26 @@ def test_span_threads_run_on_one_core_and_leave_other_threads_alone():
             pool.run(lambda i: 1 / i, [3, 2, 0, 1])
     finally:
         torch.set_num_threads(before)
+
+
+def test_named_grads_and_masters_are_snapshots():
+    """What named_grads() and named_master_params() return keeps its values through later steps: the
+    host accumulators and masters are reused in place (the next step's first contribution is copied
+    in, clipping scales in place, AdamW writes the masters), so views of them would change under
+    the caller; before this, a gradient kept in one tensor read differently than one kept in another."""
+    engine = StreamingEngine(make_model("llama", num_hidden_layers=3, seed=2), compute_dtype=torch.float32,
+                             resident_layers=1, gpu_grad_layers=1).train()
+    opt = HostAdamW(engine, lr=1e-2)
+    engine.forward_backward(make_batch(seed=0), None, 1.0)
+    grads, masters = dict(engine.named_grads()), dict(engine.named_master_params())
+    kept = {n: t.clone() for n, t in {**grads, **{"m." + k: v for k, v in masters.items()}}.items()}
+    opt.clip_grad_norm_(1e-3)
+    opt.step()
+    engine.zero_grad()
+    engine.forward_backward(make_batch(seed=1), None, 1.0)
+    later = dict(engine.named_grads())
+    assert any(not torch.equal(later[n], g) for n, g in grads.items())  # the accumulators did change
+    for name, g in grads.items():
+        assert torch.equal(g, kept[name]), name
+    for name, m in masters.items():
+        assert torch.equal(m, kept["m." + name]), name
