@@ -157,7 +157,8 @@ def test_named_grads_and_masters_are_snapshots():
     """What named_grads() and named_master_params() return keeps its values through later steps: the
     host accumulators and masters are reused in place (the next step's first contribution is copied
     in, clipping scales in place, AdamW writes the masters), so views of them would change under
-    the caller; before this, a gradient kept in one tensor read differently than one kept in another."""
+    the caller (they were views of host buffers and copies of device ones). Gradients kept apart
+    (gpu_grad_layers) and a resident layer beside streamed ones: each kind of buffer."""
     engine = StreamingEngine(make_model("llama", num_hidden_layers=3, seed=2), compute_dtype=torch.float32,
                              resident_layers=1, gpu_grad_layers=1).train()
     opt = HostAdamW(engine, lr=1e-2)
