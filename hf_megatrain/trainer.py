@@ -142,7 +142,7 @@ class MegaTrainTrainer(Trainer):
             step = split_step(config, batch, seq, wanted, ga, asked=asked, host_free=host_free)
             self._split, self._together, placement = step
             if step.together or step.split > 1:
-                logger.info("hf_megatrain step: %s", step.describe(batch, ga))
+                logger.info("step: %s", step.describe(batch, ga))
             if placement.engine.transient_grads and one_at_a_time(ga, step.split, step.together):
                 raise MegaTrainError("transient_grads with gradient accumulation needs a step's micro-batches "
                                      "through each layer together (a unit's gradient has no buffer to be added "
@@ -184,12 +184,12 @@ class MegaTrainTrainer(Trainer):
                                          together=bool(self._together) or n == 1, routed=routed_per_layer(config),
                                          clip=bool(args.max_grad_norm) and args.max_grad_norm > 0)
                     self.step_time = model_step(engine=placement.engine)
-                    logger.info("hf_megatrain step-time model: %s", self.step_time.describe())
+                    logger.info("step-time model: %s", self.step_time.describe())
                     if placement.engine.lean_streamed and wanted.lean_streamed is None:  # taken on auto: its cost
                         without = model_step(engine=replace(placement.engine, lean_streamed=False))
-                        logger.info("hf_megatrain lean_streamed: %s", lean_verdict(self.step_time, without))
+                        logger.info("lean_streamed: %s", lean_verdict(self.step_time, without))
                 except Exception as e:  # noqa: BLE001
-                    logger.warning("hf_megatrain step-time model unavailable for this model (%s: %s)",
+                    logger.warning("step-time model unavailable for this model (%s: %s)",
                                    type(e).__name__, e)
         if device.type == "cpu":
             args.dataloader_pin_memory = False  # nothing to pin for
