@@ -327,15 +327,16 @@ class CudaPipeline(Pipeline):
         self._pending.clear()
         self.accumulator.drain()
 
-    def grad_norms(self) -> list[torch.Tensor] | None:
-        """Per-parameter norms of every unit (in unit/slot order), or None if one is missing."""
+    def grad_norms(self) -> list[torch.Tensor]:
+        """The norms taken on the GPU as each gradient passed (one not taken: from its accumulator,
+        on the host)."""
         self.finish()
         out = []
         for u in self.store.units:
             if self.store.grad_count[u.index] == 0:
                 out.append(torch.zeros(len(u.train_slots)))
             elif self.norms[u.index] is None:
-                return None
+                out.append(slot_norms(u, self.store.grad[u.index].cpu()))
             else:
                 out.append(self.norms[u.index].cpu())
         return out

@@ -58,8 +58,9 @@ class Pipeline(Protocol):
     def finish(self) -> None:
         """Block until every emitted gradient is in the host accumulators."""
 
-    def grad_norms(self) -> list[torch.Tensor] | None:
-        """Per-parameter gradient norms of every unit, taken as they passed; None: not taken."""
+    def grad_norms(self) -> list[torch.Tensor]:
+        """Per-parameter gradient norms of every unit (in unit/slot order, on the host; zeros for a unit
+        with no gradient this step), as clip_grad_norm_ would take them from the accumulators."""
 
 
 def slot_norms(unit, grad: torch.Tensor) -> torch.Tensor:
@@ -141,11 +142,9 @@ class HostPipeline(Pipeline):
         if self.accumulator is not None:
             self.accumulator.drain()
 
-    def grad_norms(self) -> list[torch.Tensor] | None:
-        """None: the engine takes the norms from the accumulators, as stock does. With transient
-        gradients, the per-parameter norms taken as each landed (the same values)."""
-        if not self.store.transient:
-            return None
+    def grad_norms(self) -> list[torch.Tensor]:
+        """From the accumulators, as stock takes them; a transient gradient's, taken as it landed
+        (the same values: it is gone once stepped)."""
         self.finish()
         out = []
         for u in self.store.units:

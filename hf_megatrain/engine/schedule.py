@@ -338,12 +338,8 @@ class StreamingEngine(nn.Module):
 
         Waits for every pending host job that writes gradients: accumulation, and a step that
         is still clipping them in place."""
-        yield from self._grad_views(_snapshot)
-
-    def _grad_views(self, take=lambda t: t):
-        """named_grads without the copy: host accumulators as views (read them before the next step)."""
         self.synchronize()
-        grads = [take(self.store.grad_or_zeros(u.index)) for u in self.units]
+        grads = [_snapshot(self.store.grad_or_zeros(u.index)) for u in self.units]
         yield from self.store.named([self.store.full(grads, u.index) for u in self.units])
 
     def grad_norm(self) -> torch.Tensor:
@@ -359,10 +355,7 @@ class StreamingEngine(nn.Module):
                 if self.store.grad_count[u.index]:
                     local += self.store.grad[u.index].double().square().sum().cpu()
             return self.store.sharding.all_reduce(local).sqrt().float()
-        per_unit = self.pipeline.grad_norms()
-        if per_unit is None:
-            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([g for _, g in self._grad_views()], 2)), 2)
-        return self._global_norm(per_unit)
+        return self._global_norm(self.pipeline.grad_norms())
 
     def _global_norm(self, per_unit: list[torch.Tensor]) -> torch.Tensor:
         """The norm of every parameter's norm, in the model's parameter order (clip_grad_norm_'s),

@@ -392,13 +392,14 @@ class HostStore:
             acc.copy_(grad)
 
     def grad_or_zeros(self, index: int) -> torch.Tensor:
+        """Unit `index`'s accumulator itself, wherever it lives (zeros if it got no gradient this step)."""
         if self.transient:
             raise MegaTrainError("transient_grads keeps no gradient once its step has run: there is none to read "
                                  "(named_grads, grad_norm); leave transient_grads off to inspect gradients.")
         lo, hi = self.bounds[index]
         if self.grad_count[index] == 0:
             return torch.zeros(hi - lo, dtype=torch.float32)
-        return self.grad[index].cpu()
+        return self.grad[index]
 
     def zero_grad(self) -> None:
         self.grad_count = [0] * len(self.units)
