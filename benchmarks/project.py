@@ -33,12 +33,13 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+
 def project(record: dict, shape: str, gpu_gib: float, host_gib: float, tokens: int, mode: str, clip: bool) -> dict:
     from hf_megatrain.engine.config import EngineConfig
     from hf_megatrain.memory import MODES, GiB, estimate, model_shapes, resolve_placement, shortfalls
     from hf_megatrain.probe import REFERENCE
     from hf_megatrain.shapes import make_config
-    from hf_megatrain.steptime import LayerCosts, predict
+    from hf_megatrain.steptime import LayerCosts, norm_pass, predict
 
     fields = dict(MODES)[mode]  # the modes `hf-megatrain estimate` shows
     measured = model_shapes(make_config(record["shape"], record["layers"]))
@@ -59,7 +60,7 @@ def project(record: dict, shape: str, gpu_gib: float, host_gib: float, tokens: i
     return {
         "shape": shape, "params_b": round(shapes.params / 1e9, 1), "gpu_gib": gpu_gib, "host_gib": host_gib,
         "tokens_per_step": tokens, "mode": mode, "clipping": clip,
-        "norm_pass": clip and bool(engine.transient_grads), "resident_layers": engine.resident_layers,
+        "norm_pass": norm_pass(engine, clip), "resident_layers": engine.resident_layers,
         "gpu_grad_layers": engine.gpu_grad_layers, "offloaded_inputs": engine.offload_activations,
         "host_needed_gib": round(plan.host_total / GiB, 1), "gpu_needed_gib": round(plan.gpu_total / GiB, 1),
         "fits": not shortfalls(plan, host_gib * GiB, gpu_gib * GiB),  # admission's own test

@@ -299,7 +299,7 @@ def _estimate(argv: list[str]) -> int:
     timed_here = a.device == "cuda" and a.world_size == 1  # the step-time model prices the plan and its modes
     if timed_here:
         from .probe import rates_for_planning
-        from .steptime import mode_cost, predict, routed_per_layer
+        from .steptime import mode_cost, norm_pass, predict, routed_per_layer
 
         rates, n = rates_for_planning(), a.grad_accum * step.split
         together = bool(step.together) or n == 1
@@ -339,7 +339,7 @@ def _estimate(argv: list[str]) -> int:
                                                                                                  shapes.params), 2),
                               host_gib=round(mode_plan.host_per_host / GiB, 1), gpu_gib=round(mode_plan.gpu_total / GiB, 1),
                               step_s=round(timed(eng, clip).step_s, 2), clipping=clip,
-                              norm_pass=clip and bool(eng.transient_grads), fits=fits))
+                              norm_pass=norm_pass(eng, clip), fits=fits))
     if a.json:
         import json
 
@@ -358,7 +358,7 @@ def _estimate(argv: list[str]) -> int:
         print(plan.table())
         if timing is not None:
             clipping = f"clipping at {a.max_grad_norm:g}" if a.max_grad_norm > 0 else "no clipping"
-            if a.max_grad_norm > 0 and placement.engine.transient_grads:
+            if norm_pass(placement.engine, a.max_grad_norm > 0):
                 clipping += " through a norm pass, transient_grads"
             print(f"\nstep time (model, {clipping}): {timing.describe()}")
         if modes:

@@ -97,6 +97,12 @@ class LayerCosts:
     tokens: int
 
 
+def norm_pass(engine, clip: bool) -> bool:
+    """Exact clipping with transient_grads runs a norm pass before each step's backward
+    (StreamingEngine.gradient_norm): no gradient outlives its step to take the norm from."""
+    return clip and bool(engine.transient_grads)
+
+
 def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 1, together: bool = True,
             clip: bool = True, shapes=None, routed=None, layer_costs: LayerCosts | None = None) -> StepTime:
     """The step time of `micro_batches` micro-batches of `rows` x `seq` tokens per optimizer step.
@@ -119,7 +125,7 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
     cbytes = engine.compute_dtype.itemsize
     n = max(1, micro_batches)
     passes = 1 if together else n  # weight passes per step
-    measure = clip and bool(engine.transient_grads)  # StreamingEngine.gradient_norm's pass first
+    measure = norm_pass(engine, clip)
     tokens = rows * seq * n
     flops_rate = rates.matmul_tflops * 1e12 * GPU_EFFICIENCY
     heads = config.num_attention_heads
