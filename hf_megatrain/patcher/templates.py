@@ -81,7 +81,8 @@ def recompute_grads(slots, flat: torch.Tensor, grad_flat: torch.Tensor | None, r
     grad_seeds. Returns the gradients of those extra inputs (e.g. the layer's input).
     """
     named, leaves = {}, []
-    for s, v in zip(slots, Template.views(flat, slots)):
+    for s in slots:
+        v = _own_view(flat, s)
         if s.trainable:
             v = v.detach().requires_grad_()
             leaves.append(v)
@@ -100,3 +101,12 @@ def recompute_grads(slots, flat: torch.Tensor, grad_flat: torch.Tensor | None, r
         # One kernel writes every weight gradient into its place in the flat layout.
         torch.cat([g.reshape(-1) for g in grads[n:]], out=grad_flat)
     return grads[:n]
+
+
+def _own_view(flat: torch.Tensor, slot) -> torch.Tensor:
+    """Slot `slot` of `flat`, as a tensor over the same memory with an autograd version counter of its
+    own. Views of one buffer share the buffer's counter, so an in-place op on one weight would mark
+    every weight of the unit that the recompute saved as modified. PEFT's LoRA on parameters
+    (`target_parameters`, e.g. MoE experts) does one: `nn.utils.parametrize` `set_`s the parameter
+    it wraps to itself, which then fails the backward of the router before it."""
+    return flat.new_empty(0).set_(flat.untyped_storage(), flat.storage_offset() + slot.offset, slot.shape)

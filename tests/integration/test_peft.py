@@ -39,6 +39,30 @@ def test_lora_gradients_match_stock_peft(kind):
         torch.testing.assert_close(g, expected[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss", "mixtral"])
+def test_lora_on_moe_expert_parameters_gradients_match_stock_peft(kind):
+    """LoRA on the fused expert tensors (target_parameters): PEFT parametrizes them during the forward,
+    which `set_`s the wrapped weight; the recompute's other weights (the router's) must not look
+    modified. Router aux loss on, one padded row."""
+    pm = lora(kind, target_modules=[], target_parameters=EXPERTS)
+    ref = copy.deepcopy(pm)
+    batch = make_batch()
+    nib = batch["labels"][..., 1:].ne(-100).sum()
+    out = ref(**batch, num_items_in_batch=nib)
+    out.loss.backward()
+    engine = StreamingEngine(pm, compute_dtype=torch.float32).train()
+    loss = engine.forward_backward(batch, num_items_in_batch=nib)
+    assert float(loss) == pytest.approx(float(out.loss), abs=1e-6)
+    grads = dict(engine.named_grads())
+    expected = {n.removeprefix(PREFIX): p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    assert list(grads) == list(expected) and all(".experts." in n and "lora_" in n for n in grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, expected[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_frozen_base_has_no_master_grad_or_moments():
     pm = lora()
     engine = StreamingEngine(pm, compute_dtype=torch.bfloat16)
