@@ -119,9 +119,10 @@ class MegaTrainArguments(TrainingArguments):
         metadata={"help": "Hash every checkpoint file into its manifest (checked on resume); sizes are always checked."},
     )
     log_pipeline: bool = field(
-        default=True,
-        metadata={"help": "Add to every training log: real tokens/s, model TFLOPS, and the busy fraction of H2D, "
-                  "compute, D2H and the host optimizer (a GPU sync per log)."},
+        default=False,
+        metadata={"help": "Add to every training log: real tokens/s, model TFLOPS (MFU with gpu_peak_tflops), the "
+                  "step-time model's prediction and, on a GPU, the busy fraction of H2D, compute, D2H and the host "
+                  "optimizer (a GPU sync per log). Off by default, so logs carry stock Trainer's keys."},
     )
     gpu_peak_tflops: float | None = field(
         default=None, metadata={"help": "The GPU's bf16 matmul peak; when set, logs include MFU."}
@@ -147,23 +148,48 @@ class MegaTrainArguments(TrainingArguments):
     )
 
     def __post_init__(self):
-        check_arguments(self, before_init=True)
+        if self.deepspeed:  # refused before TrainingArguments builds DeepSpeed's config, a process-wide setting
+            refuse_deepspeed()
         super().__post_init__()
-        check_arguments(self)
+        check_own_fields(self)
 
 
-def check_arguments(args, before_init: bool = False) -> None:
-    """Refuse, with a reason and a way out, what the streaming engine cannot honour."""
+def refuse_deepspeed() -> None:
+    raise MegaTrainError(
+        "a DeepSpeed config was given, but hf_megatrain replaces DeepSpeed's offload with its own engine. "
+        "Remove `deepspeed=` from the arguments."
+    )
+
+
+def check_own_fields(args) -> None:
+    """Malformed values of this library's own fields, refused when the arguments are built (a parser
+    setup shared with stock Trainer never sets them). What the engine cannot honour among Trainer's
+    own options is refused later, when a trainer is built (check_arguments): code that only parses
+    arguments keeps working."""
+    if args.compute_dtype != "auto" and args.compute_dtype not in DTYPES:
+        raise MegaTrainError(f"compute_dtype={args.compute_dtype!r}; choose auto, bfloat16 or float32.")
+    if args.save_dtype not in SAVE_DTYPES:
+        raise MegaTrainError(f"save_dtype={args.save_dtype!r}; choose {', '.join(SAVE_DTYPES)}.")
+    parse_switch(args.layer_major_accumulation, "layer_major_accumulation")
+    if args.max_seq_length < 1:
+        raise MegaTrainError("max_seq_length must be a positive number of tokens.")
+    # The engine's own checks of its knobs, on any machine. Background host jobs left on auto count as on
+    # (a GPU's default): transient_grads=true needs them, and a CPU run, where they are off by default, is
+    # refused, saying so, once the trainer knows its device.
+    engine_config(args, torch.device("cpu"), host_jobs=True)
+
+
+def check_arguments(args) -> None:
+    """Refuse, with a reason and a way out, what the streaming engine cannot honour: called when a
+    trainer is built, before any weight is read."""
+    check_own_fields(args)
     if args.fp16 or args.fp16_full_eval:
         raise MegaTrainError(
             "fp16=True is not supported: hf_megatrain keeps fp32 master weights and needs no GradScaler. "
             "Use bf16=True (or leave compute_dtype='auto') for 16-bit compute."
         )
     if args.deepspeed:
-        raise MegaTrainError(
-            "a DeepSpeed config was given, but hf_megatrain replaces DeepSpeed's offload with its own engine. "
-            "Remove `deepspeed=` from the arguments."
-        )
+        refuse_deepspeed()
     if args.fsdp:
         raise MegaTrainError("FSDP is not supported together with hf_megatrain; remove `fsdp=` from the arguments.")
     if args.torch_compile:
@@ -182,17 +208,6 @@ def check_arguments(args, before_init: bool = False) -> None:
         raise MegaTrainError(
             f"optim={optim!r} is not supported: hf_megatrain runs AdamW on the host. Use one of {SUPPORTED_OPTIM}."
         )
-    if args.compute_dtype != "auto" and args.compute_dtype not in DTYPES:
-        raise MegaTrainError(f"compute_dtype={args.compute_dtype!r}; choose auto, bfloat16 or float32.")
-    if args.save_dtype not in SAVE_DTYPES:
-        raise MegaTrainError(f"save_dtype={args.save_dtype!r}; choose {', '.join(SAVE_DTYPES)}.")
-    parse_switch(args.layer_major_accumulation, "layer_major_accumulation")
-    if args.max_seq_length < 1:
-        raise MegaTrainError("max_seq_length must be a positive number of tokens.")
-    # The engine's own checks of its knobs, on any machine. Background host jobs left on auto count as on
-    # (a GPU's default): transient_grads=true needs them, and a CPU run, where they are off by default, is
-    # refused, saying so, once the trainer knows its device.
-    engine_config(args, torch.device("cpu"), host_jobs=True)
 
 
 def megatrain_arguments(args) -> MegaTrainArguments:

@@ -70,19 +70,34 @@ class MegaTrainTrainer(Trainer):
 
     def __init__(
         self,
-        model,
+        model=None,
         args: MegaTrainArguments | None = None,
+        data_collator=None,
         train_dataset=None,
         eval_dataset=None,
-        data_collator=None,
         processing_class=None,
+        model_init=None,
+        compute_loss_func=None,
+        compute_metrics=None,
         callbacks=None,
         optimizers=(None, None),
+        optimizer_cls_and_kwargs=None,
+        preprocess_logits_for_metrics=None,
         peft_config=None,
         **kwargs,
     ):
+        # Trainer's own parameters, in Trainer's order (positional calls mean what they mean there).
         check_trainer_hooks()  # a transformers release that renamed a hook we replace fails here, loudly
+        check_overrides(type(self))  # a subclass's hook the engine would silently skip is refused here
+        if model_init is not None:
+            raise MegaTrainError(
+                "model_init is not supported: Trainer calls it again at every train() (and per trial in "
+                "hyperparameter_search) for a fresh model, which the engine's host store, filled once, does not "
+                "follow. Build the model yourself and pass it as model=.")
+        if model is None:
+            raise MegaTrainError("MegaTrainTrainer needs a model: a hub id, a local folder or a loaded CPU model.")
         args = megatrain_arguments(args)  # our own checked copy: the user's object is never changed
+        self._adamw = check_optimizers(optimizers, optimizer_cls_and_kwargs)
         # the memory plan and the modes chosen: at INFO on the main process unless log_level says otherwise
         # (its "passive" would mean transformers' verbosity, WARNING by default, and hide them)
         show_logs(None if args.log_level == "passive" and args.should_log else args.get_process_log_level())
@@ -91,8 +106,6 @@ class MegaTrainTrainer(Trainer):
                 raise MegaTrainError("peft_config was given twice (as an argument and in args); keep one.")
             args.peft_config = peft_config
         check_launch(args)  # several processes but no process group: refused before any weight is read
-        if optimizers[0] is not None and not isinstance(optimizers[0], HostAdamW):
-            raise MegaTrainError("a custom optimizer was passed; hf_megatrain steps its own HostAdamW on the host.")
         # Preflight: what can be checked without the weights is checked before any is read (loading
         # a 70B model takes minutes). The model id resolves to a config and a meta skeleton here.
         check_outputs(args)
@@ -217,7 +230,8 @@ class MegaTrainTrainer(Trainer):
             set_seed(args.seed)
             model = with_adapters(model, args.peft_config, weights_from, placement.engine.compute_dtype)
             weights_from = None
-        decay = Trainer.get_decay_parameter_names(None, base_model(model))
+        self.args = args  # what a subclass's get_decay_parameter_names may read (Trainer sets it again)
+        decay = self.get_decay_parameter_names(base_model(model))
         sharding = None
         if world > 1:  # data parallel: each rank keeps a slice of the optimizer state
             from .engine.distributed import Sharding
@@ -230,22 +244,24 @@ class MegaTrainTrainer(Trainer):
             self.engine = engine_from_checkpoint(model, weights_from, progress=not args.disable_tqdm, **build)
         self.engine.writer = model_writer(base_model(model))  # trainer.engine.save_pretrained works as well
 
-        if data_collator is None and train_dataset is not None:
-            data_collator = CausalCollator(_pad_id(processing_class, config))
-
+        # Rows the engine tokenized itself got its CausalCollator above; anything else gets Trainer's own
+        # default (DataCollatorWithPadding for a tokenizer, else default_data_collator), as in stock.
+        if compute_loss_func is not None:
+            raise MegaTrainError("compute_loss_func is not supported: the engine computes the causal-LM loss in "
+                                 "chunks itself and never calls it. Remove it.")
         super().__init__(
             model=model,
             args=args,
+            data_collator=data_collator,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
-            data_collator=data_collator,
             processing_class=processing_class,
+            compute_metrics=compute_metrics,
             callbacks=callbacks,
             optimizers=optimizers,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
             **kwargs,
         )
-        if self.label_smoother is not None or self.compute_loss_func is not None:
-            raise MegaTrainError("custom losses (compute_loss_func, label smoothing) are not supported by the engine.")
         # What the logs show besides Trainer's own: real tokens/s, model TFLOPS (6 * P * tokens),
         # MFU against args.gpu_peak_tflops, and how busy each pipeline lane was.
         self._tokens_since_log = 0
@@ -291,10 +307,9 @@ class MegaTrainTrainer(Trainer):
     def create_optimizer(self, model=None):
         if self.optimizer is None:
             a = self.args
-            self.optimizer = HostAdamW(
-                self.engine, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
-                weight_decay=a.weight_decay,
-            )
+            hyper = self._adamw or dict(lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon)
+            # weight decay as Trainer's two groups set it (optimizer_cls_and_kwargs cannot change it there either)
+            self.optimizer = HostAdamW(self.engine, weight_decay=a.weight_decay, **hyper)
         return self.optimizer
 
     @property
@@ -320,6 +335,12 @@ class MegaTrainTrainer(Trainer):
         return 0, [inputs]
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if inputs.get("labels") is None:  # stock's model returns no loss then, and stock's compute_loss says so
+            raise ValueError(
+                "The model did not return a loss from the inputs, only the following keys: logits. For reference, "
+                f"the inputs it received are {','.join(inputs.keys())}. (hf_megatrain trains on 'labels': give "
+                "the rows labels, or a data_collator that makes them, e.g. DataCollatorForLanguageModeling(tokenizer, "
+                "mlm=False).)")
         self.engine.train()
         # Same loss scaling rule as Trainer.training_step: HF causal LMs divide by
         # num_items_in_batch themselves; otherwise the mean loss is divided by the GA steps.
@@ -366,7 +387,9 @@ class MegaTrainTrainer(Trainer):
         return 1.0
 
     def log(self, logs, start_time=None):
-        if "loss" in logs and self._last_log is not None:
+        # The engine's own speed keys only when asked (log_pipeline): by default the logs, and what they
+        # send to TensorBoard, W&B or MLflow, carry stock Trainer's keys.
+        if self.args.log_pipeline and "loss" in logs and self._last_log is not None:
             logs.update(self._throughput())
         super().log(logs, start_time)
 
@@ -645,6 +668,57 @@ def split_rows(batch: dict, parts: int) -> list[dict]:
         for piece, part in zip(pieces, out):
             part[key] = piece
     return out
+
+# Trainer methods that the engine's path never calls, so that a subclass's override of one would be skipped
+# without a word: refused when the trainer is built, saying what to do. Every other hook (log,
+# create_scheduler, get_train_dataloader, evaluate, prediction_step, callbacks...) runs as in stock.
+SKIPPED_HOOKS = {
+    "compute_loss": "the engine computes the causal-LM loss itself, in chunks of tokens, one layer at a time, and "
+                    "never calls compute_loss. Remove the override (a custom loss needs stock Trainer for now).",
+    "create_optimizer": "the engine steps its own AdamW on the host over flat per-layer buffers. Remove the "
+                        "override and set learning_rate, weight_decay, adam_beta1/adam_beta2 and adam_epsilon in "
+                        "the arguments (parameter groups follow get_decay_parameter_names, which may be overridden).",
+    "_prepare_inputs": "the engine takes each batch on the CPU and moves it to the GPU itself. Remove the override "
+                       "and shape the batch in a data_collator instead.",
+}
+
+
+def check_overrides(cls) -> None:
+    """Refuse a subclass whose own version of a SKIPPED_HOOKS method the engine would never run. The
+    library's classes (and TRL's SFTTrainer, whose loss and metrics the engine reproduces) are exempt."""
+    for name, why in SKIPPED_HOOKS.items():
+        owner = next(c for c in cls.__mro__ if name in vars(c))
+        if owner is Trainer or owner.__module__.startswith("hf_megatrain") or \
+                (owner.__module__.startswith("trl.") and owner.__name__ == "SFTTrainer"):
+            continue
+        raise MegaTrainError(f"{owner.__name__}.{name} overrides Trainer.{name}, but {why}")
+
+
+def check_optimizers(optimizers, optimizer_cls_and_kwargs) -> dict | None:
+    """Trainer's `optimizers` and `optimizer_cls_and_kwargs`, as far as the host AdamW honours them.
+    Returns the AdamW hyperparameters that replace the arguments' (None: the arguments'): torch's AdamW
+    class with its own kwargs gives what stock builds from it, `AdamW(param_groups, **kwargs)`, where the
+    groups set weight decay and the kwargs (or torch's defaults) the rest. Anything else: one line."""
+    optimizer, scheduler = optimizers
+    if optimizer is not None and not isinstance(optimizer, HostAdamW):
+        raise MegaTrainError(f"optimizers=({type(optimizer).__name__}, ...): the engine steps its own AdamW on the "
+                             "host over flat per-layer buffers; leave optimizers unset and set learning_rate, "
+                             "weight_decay and adam_* in the arguments.")
+    if scheduler is not None and optimizer is None:
+        raise MegaTrainError("optimizers=(None, scheduler): a scheduler built beforehand drives an optimizer the "
+                             "engine does not step. Set lr_scheduler_type (and lr_scheduler_kwargs), or override "
+                             "create_scheduler, which runs as in stock Trainer.")
+    if optimizer_cls_and_kwargs is None:
+        return None
+    cls, kw = optimizer_cls_and_kwargs
+    honoured = {"lr", "betas", "eps", "weight_decay", "foreach", "fused"}  # the last two: kernels, same numbers
+    if cls is not torch.optim.AdamW or set(kw) - honoured:
+        raise MegaTrainError(f"optimizer_cls_and_kwargs=({getattr(cls, '__name__', cls)}, {kw}): the engine runs "
+                             "AdamW on the host; only torch.optim.AdamW with lr, betas and eps is honoured (or "
+                             "set them in the arguments).")
+    defaults = inspect.signature(torch.optim.AdamW).parameters
+    return {k: kw.get(k, defaults[k].default) for k in ("lr", "betas", "eps")}
+
 
 # The Trainer methods MegaTrainTrainer replaces. Most are private, so a transformers release may rename
 # or re-sign one; then Trainer would go on calling its own (moving the model to the GPU, stepping a torch

@@ -189,7 +189,7 @@ def test_trainer_loss_curve_matches_stock_bf16(tmp_path):
     stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "s"), **kw),
                     train_dataset=train, data_collator=default_data_collator)
     stock.train()
-    mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "m"), **kw),
+    mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "m"), log_pipeline=True, **kw),
                             train_dataset=train, data_collator=default_data_collator)
     mega.train()
     a = [h["loss"] for h in stock.state.log_history if "loss" in h]

@@ -132,7 +132,8 @@ def test_trainer_recompute_flag_is_switched_off(tmp_path):
 
 def test_logs_show_throughput_and_pipeline(tmp_path):
     train = rows(16, 0)
-    args = MegaTrainArguments(output_dir=str(tmp_path), **dict(COMMON, eval_strategy="no", gpu_peak_tflops=1.0))
+    args = MegaTrainArguments(output_dir=str(tmp_path), **dict(COMMON, eval_strategy="no", gpu_peak_tflops=1.0,
+                                                                log_pipeline=True))
     trainer = MegaTrainTrainer(make_model("llama"), args, train_dataset=train, data_collator=default_data_collator)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -142,13 +143,14 @@ def test_logs_show_throughput_and_pipeline(tmp_path):
 
 
 def test_tensorboard_logs_offline(tmp_path, monkeypatch):
-    """report_to tensorboard writes event files with the engine's metrics, no network involved."""
+    """report_to tensorboard writes event files with the engine's metrics (log_pipeline), no network involved."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
     args = MegaTrainArguments(output_dir=str(tmp_path),
-                              **dict(COMMON, eval_strategy="no", max_steps=3, report_to=["tensorboard"]))
+                              **dict(COMMON, eval_strategy="no", max_steps=3, report_to=["tensorboard"],
+                                     log_pipeline=True))
     trainer = MegaTrainTrainer(make_model("llama"), args, train_dataset=rows(12, 0),
                                data_collator=default_data_collator)
     trainer.train()

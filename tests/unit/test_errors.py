@@ -30,8 +30,13 @@ def test_unsupported_architectures_name_the_supported_ones():
     ],
 )
 def test_refused_options(kwargs, pattern, tmp_path):
+    """Trainer's options the engine cannot honour are refused when a trainer is built (code that only parses
+    arguments keeps working); malformed values of the engine's own fields already when the arguments are."""
+    own = "prefetch_depth" in kwargs
     with pytest.raises(MegaTrainError, match=pattern):
-        MegaTrainArguments(output_dir=str(tmp_path), report_to=[], **kwargs)
+        args = MegaTrainArguments(output_dir=str(tmp_path), report_to=[], **kwargs)
+        assert not own, "an engine field's bad value is refused with the arguments"
+        MegaTrainTrainer(make_model("llama"), args)
 
 
 def test_empty_dataset(tmp_path):
