@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from ..errors import MegaTrainError
-from ..patcher.adapters import is_peft_model
+from ..patcher.adapters import check_adapter_config, check_peft_model, is_peft_model
 from ..patcher.specs import spec_for
 from .stream_load import resolve_folder, shard_files
 
@@ -33,7 +33,12 @@ def with_adapters(model, peft_config, folder: str | None, compute_dtype: torch.d
     if is_peft_model(model):
         raise MegaTrainError("the model already has adapters; pass either a PEFT model or peft_config, not both.")
     if folder is not None:  # a meta skeleton: LoRA needs the real base weights to wrap
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=compute_dtype, device_map="cpu")
+        # with the skeleton's attention, and its own modeling code where the skeleton was built from it
+        # (load_model_and_tokenizer with trust_remote_code)
+        own_code = not type(model).__module__.startswith("transformers.")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=compute_dtype, device_map="cpu",
+                                                     attn_implementation=model.config._attn_implementation,
+                                                     **({"trust_remote_code": True} if own_code else {}))
     return get_peft_model(model, peft_config)
 
 
@@ -60,14 +65,19 @@ def lora_config(peft_config):
         peft_config = LoraConfig(**{"task_type": "CAUSAL_LM", **peft_config})
     if not isinstance(peft_config, PeftConfig):
         raise MegaTrainError(f"peft_config must be a peft config, a dict or a JSON path, not {type(peft_config).__name__}")
+    check_adapter_config(peft_config)
     return peft_config
 
 
-def meta_skeleton(config, attn_implementation: str | None = None) -> PreTrainedModel:
-    """The model class built on meta; non-persistent buffers (rotary inv_freq) are rebuilt real."""
+def meta_skeleton(config, attn_implementation: str | None = None, trust_remote_code: bool | None = None
+                  ) -> PreTrainedModel:
+    """The model class built on meta; non-persistent buffers (rotary inv_freq) are rebuilt real.
+    `trust_remote_code` as from_pretrained takes it: a config with its own modeling code builds that."""
     kwargs = {"dtype": torch.float32}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    if trust_remote_code is not None:
+        kwargs["trust_remote_code"] = trust_remote_code
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, **kwargs)
     for name, module in list(model.named_modules()):
@@ -86,12 +96,16 @@ def meta_skeleton(config, attn_implementation: str | None = None) -> PreTrainedM
     return model
 
 
-def load_model_and_tokenizer(model, attn_implementation: str | None = None, revision: str | None = None):
+def load_model_and_tokenizer(model, attn_implementation: str | None = None, revision: str | None = None,
+                             trust_remote_code: bool | None = None):
     """Returns (model, tokenizer or None, weights folder or None).
 
     With a folder, `model` is a meta skeleton to be filled from it (StreamingEngine weights_from).
+    `trust_remote_code` reaches the config, model and tokenizer loaders as it does in from_pretrained
+    (None: transformers asks, where the folder has code of its own).
     """
     if isinstance(model, PreTrainedModel) or is_peft_model(model):
+        check_peft_model(model)
         spec_for(model.config if isinstance(model, PreTrainedModel) else model.get_base_model().config)
         devices = {p.device.type for p in model.parameters()}
         if devices - {"cpu"}:
@@ -106,16 +120,22 @@ def load_model_and_tokenizer(model, attn_implementation: str | None = None, revi
         )
     folder = resolve_folder(str(model), revision)
     try:
-        config = AutoConfig.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise MegaTrainError(f"cannot find a model config for {model!r} in {folder}: {e}") from e
+        raise MegaTrainError(f"cannot read a model config for {model!r} in {folder}: {e}") from e
+    skeleton = None
+    if trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
+        # The model's own code, built first (on meta, no weights): from_config registers its class for
+        # its config, so that the architecture check below, which builds the config too, builds that class.
+        skeleton = meta_skeleton(config, attn_implementation, trust_remote_code)
     spec_for(config)  # refuse unsupported architectures before touching any weights
     shard_files(folder)
-    skeleton = meta_skeleton(config, attn_implementation)
+    if skeleton is None:
+        skeleton = meta_skeleton(config, attn_implementation)
     if os.path.isfile(os.path.join(folder, "generation_config.json")):
         skeleton.generation_config = GenerationConfig.from_pretrained(folder)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
         logger.warning("no tokenizer found in %s (%s); pass processing_class= to save one", folder, e)
         tokenizer = None
