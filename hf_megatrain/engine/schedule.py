@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -39,6 +40,8 @@ from .selfcheck import verify
 from .store import HostStore, build_units
 
 _DENSE_MASK_LIMIT = 2 << 30  # bytes of a boolean [batch, 1, T, T] mask we let HF build
+
+logger = logging.getLogger(__name__)
 
 
 class _Embed(nn.Module):
@@ -92,6 +95,23 @@ def _check_model(model: nn.Module, spec, skeleton: bool) -> None:
         raise MegaTrainError("the model has parameters on the meta device; load real weights first.")
 
 
+def _say_what_the_model_shows(store: HostStore, sharding) -> None:
+    """One line where the model object's parameters cannot be the fp32 weights that stock's would
+    show (HostStore.bind), saying where those are; nothing where they are."""
+    if sharding is not None and sharding.rank != 0:
+        return
+    lower = store.compute_dtype != torch.float32
+    dtype = str(store.compute_dtype).replace("torch.", "")
+    if store.views_compute and lower and any(u.n_train for u in store.units):
+        logger.warning(
+            "data parallel: each rank holds only a slice of the fp32 master weights, so the model object "
+            "(trainer.model) shows the %s compute copy, not the trained fp32 weights; save_model() (or "
+            "engine.save_pretrained) writes those, gathered from every rank.", dtype)
+    elif lower and any(s.numel and not s.trainable for u in store.units for s in u.slots):
+        logger.info("the frozen weights (a LoRA base) exist only as the %s copy that streams, so the model "
+                    "object's frozen parameters are %s; its trained ones are the fp32 masters.", dtype, dtype)
+
+
 def _snapshot(t: torch.Tensor) -> torch.Tensor:
     """A CPU copy of `t` that nothing else writes (.cpu() of a host tensor is the tensor itself)."""
     return t.clone() if t.device.type == "cpu" else t.cpu()
@@ -103,8 +123,9 @@ class StreamingEngine(nn.Module):
     Parameters
     ----------
     model: a loaded HF causal LM on the CPU (or a PEFT model around one). Its parameters are
-        moved into the host store and the model keeps views of the compute copies (it stays a
-        usable skeleton). With `load_weights`, `model` is a meta skeleton instead.
+        moved into the host store and keep their identity as views of it (HostStore.bind): what
+        trains views its fp32 master, so the model object is the model that trains, as usable
+        and savable as stock's. With `load_weights`, `model` is a meta skeleton instead.
     config: an EngineConfig (engine/config.py); or its fields as keywords (`device=`,
         `compute_dtype=`, `resident_layers=`, ...), not both.
     decay_names: parameter names that get weight decay (Trainer.get_decay_parameter_names).
@@ -173,6 +194,7 @@ class StreamingEngine(nn.Module):
                                    transient_grads=config.transient_grads)
             load_weights(self.store)
             self.store.bind(model)
+        _say_what_the_model_shows(self.store, sharding)
         self._templates = self._build_templates(model)
         self.set_mlp_tiling(config.mlp_tile_tokens)
         cfg = self.config

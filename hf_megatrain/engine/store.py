@@ -262,9 +262,10 @@ class HostStore:
                    device=None, sharding=None, transient_grads: bool = False):
         """Copy a loaded model into flat buffers, unit by unit, and re-point its parameters.
 
-        After this the model's parameters are views of the compute buffers (so the model
-        object stays a usable, savable skeleton) and its original storage is freed as we go:
-        peak memory is the store plus one unit of the original.
+        After this the model's parameters (the same objects) are views of the store (`bind`: the
+        fp32 masters of what trains), so the model object shows the training state and stays
+        usable and savable; its original storage is freed as we go: peak memory is the store
+        plus one unit of the original.
         """
         store = cls(units, compute_dtype, pin, device, sharding, transient_grads)
         params = dict(model.named_parameters())
@@ -286,24 +287,54 @@ class HostStore:
         return store
 
     def bind(self, model: nn.Module, index: int | None = None) -> None:
-        """Make the model's parameters views of the compute copies (all units, or one); a lean
-        unit's, of its fp32 master (the one copy it has).
+        """Point the model's parameters at the store (all units, or one), so that the model shows
+        what trains, in the precision stock's model shows it:
 
-        The Parameter objects are replaced (this also works for a meta skeleton), in every
-        module that holds them, so tied weights stay one object.
+          trainable  its fp32 master, where the master is whole (on the host, or on the device for a
+                     resident unit): the optimizer's own result, at no cost (a view)
+          frozen     the compute copy (a LoRA base exists only as the streamed copy)
+          data parallel: each rank holds a slice of the master, so every parameter views the compute
+                     copy, which the all-gather keeps whole (`views_compute`; the engine says so once)
+
+        The model's own Parameter objects are kept (`p.data = view`), so whatever holds them (an
+        optimizer or EMA built beforehand, a dict of parameters, hooks, PEFT's bookkeeping) sees
+        training. A meta skeleton's cannot take host or device storage: those are replaced, in
+        every module that holds them, so tied weights stay one object.
         """
         units = self.units if index is None else [self.units[index]]
         views = {}
         for unit in units:
-            flat = self.master[unit.index] if unit.lean else self.compute[unit.index]
-            for s, v in zip(unit.slots, self.views(unit.index, flat)):
-                views[s.name] = v
+            views.update(self.param_views(unit.index))
         named = dict(model.named_parameters())
-        replace = {id(named[n]): nn.Parameter(v, requires_grad=named[n].requires_grad) for n, v in views.items()}
-        for module in model.modules():
-            for key, p in list(module._parameters.items()):
-                if p is not None and id(p) in replace:
-                    module._parameters[key] = replace[id(p)]
+        replace = {}
+        for name, v in views.items():
+            p = named[name]
+            if p.device.type == "meta":
+                replace[id(p)] = nn.Parameter(v, requires_grad=p.requires_grad)
+            else:
+                p.data = v  # the same object, now a view of the store (any dtype, any device)
+        if replace:
+            for module in model.modules():
+                for key, p in list(module._parameters.items()):
+                    if p is not None and id(p) in replace:
+                        module._parameters[key] = replace[id(p)]
+
+    @property
+    def views_compute(self) -> bool:
+        """Data parallel: the model's trainable parameters view the compute copy, not the master
+        (each rank holds only a slice of that)."""
+        return self.sharding is not None
+
+    def param_views(self, index: int) -> dict[str, torch.Tensor]:
+        """{name: view} of what the model's parameters show for unit `index` (see `bind`)."""
+        unit = self.units[index]
+        compute = self.compute[index]
+        master = None if self.views_compute else self.master[index]  # a lean unit's one copy
+        out = {}
+        for s in unit.slots:
+            flat = master if s.trainable and master is not None else compute
+            out[s.name] = flat[s.offset : s.offset + s.numel].view(s.shape)
+        return out
 
     # -- views ------------------------------------------------------------------------------
     def views(self, index: int, flat: torch.Tensor) -> list[torch.Tensor]:
