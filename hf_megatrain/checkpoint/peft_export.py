@@ -12,7 +12,8 @@ import torch
 from transformers.core_model_loading import revert_weight_conversion
 
 from ..errors import MegaTrainError
-from .hf_format import save_hf_model
+from ..patcher.adapters import base_model
+from .hf_format import model_dtype, save_hf_model
 
 PEFT_PREFIX = "base_model.model."
 
@@ -38,8 +39,10 @@ def _lora_layers(base) -> dict[str, object]:
 
 
 def save_merged(engine, out_dir: str, dtype: torch.dtype | None = None) -> list[str]:
-    """A full HF checkpoint of base + merged adapters; from_pretrained loads it as the base class."""
+    """A full HF checkpoint of base + merged adapters; from_pretrained loads it as the base class.
+    dtype: by default the model's own, as its writer remembered it (ModelWriter.dtype)."""
     engine.synchronize()
+    dtype = dtype or getattr(engine.writer, "dtype", None)
     store, base = engine.store, engine.peft_model.get_base_model()
     lora = _lora_layers(base)
     adapters = {name: m.active_adapters[0] if m.active_adapters else "default" for name, m in lora.items()}
@@ -74,13 +77,25 @@ def save_merged(engine, out_dir: str, dtype: torch.dtype | None = None) -> list[
     return save_hf_model(store, base, out_dir, dtype=dtype, unit_tensors=merged_unit)
 
 
-def model_writer(skeleton):
-    """The writer StreamingEngine.save_pretrained calls: the adapters of a LoRA engine, else the
-    whole model as `skeleton`'s class (the engine's meta or CPU skeleton) loads it."""
-    def write(engine, output_dir: str, dtype=None, write: bool = True) -> None:
+class ModelWriter:
+    """What StreamingEngine.save_pretrained (and the trainer's saves) call: the adapters of a LoRA
+    engine, else the whole model as `skeleton`'s class (the engine's meta or CPU skeleton) loads it.
+
+    `dtype`: the dtype the files hold when no other is asked, the model's own as it declared it when
+    the writer was made (fp32 for a model loaded in fp32). It is not read from the config at save time:
+    the model's own `save_pretrained()` rewrites `config.dtype` to the dtype of whatever its parameters
+    view, and a save must not depend on what was called before it."""
+
+    def __init__(self, skeleton):
+        self.skeleton = skeleton
+        self.dtype = model_dtype(base_model(skeleton).config)
+
+    def __call__(self, engine, output_dir: str, dtype=None, write: bool = True) -> None:
         if engine.peft_model is not None:
             save_adapter(engine, output_dir)
         else:  # write=False: a data-parallel rank that only takes part in the gathers
-            save_hf_model(engine.store, skeleton, output_dir, dtype=dtype, write=write)
+            save_hf_model(engine.store, self.skeleton, output_dir, dtype=dtype or self.dtype, write=write)
 
-    return write
+
+def model_writer(skeleton) -> ModelWriter:
+    return ModelWriter(skeleton)
