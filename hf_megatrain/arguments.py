@@ -197,8 +197,6 @@ def check_arguments(args) -> None:
             "torch_compile=True is not supported: the engine runs HF's layer code one unit at a time. "
             "Set torch_compile=False."
         )
-    if args.label_smoothing_factor:
-        raise MegaTrainError("label_smoothing_factor > 0 is not supported by the chunked loss; set it to 0.")
     if args.neftune_noise_alpha:
         raise MegaTrainError("neftune_noise_alpha is not supported; leave it unset.")
     if args.use_liger_kernel:

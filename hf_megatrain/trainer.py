@@ -21,6 +21,7 @@ import torch
 from transformers import Trainer, TrainingArguments, set_seed
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy, rotate_checkpoints
 
 from .arguments import MegaTrainArguments, engine_config, megatrain_arguments, save_dtype
@@ -246,9 +247,6 @@ class MegaTrainTrainer(Trainer):
 
         # Rows the engine tokenized itself got its CausalCollator above; anything else gets Trainer's own
         # default (DataCollatorWithPadding for a tokenizer, else default_data_collator), as in stock.
-        if compute_loss_func is not None:
-            raise MegaTrainError("compute_loss_func is not supported: the engine computes the causal-LM loss in "
-                                 "chunks itself and never calls it. Remove it.")
         super().__init__(
             model=model,
             args=args,
@@ -256,12 +254,26 @@ class MegaTrainTrainer(Trainer):
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
+            compute_loss_func=compute_loss_func,
             compute_metrics=compute_metrics,
             callbacks=callbacks,
             optimizers=optimizers,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
             **kwargs,
         )
+        # A loss of the user's (a compute_loss override, compute_loss_func, label smoothing) is honoured through
+        # Trainer's compute_loss over the whole logits the engine builds for it; what it cannot meet is refused.
+        self._custom = custom_loss(type(self), compute_loss_func, args)
+        if self._custom:
+            if self._split > 1:
+                raise MegaTrainError(f"{self._custom} needs each micro-batch's logits at once, but the memory plan "
+                                     f"splits micro-batches of {args.per_device_train_batch_size} rows into "
+                                     f"{self._split}: lower per_device_train_batch_size (raise "
+                                     "gradient_accumulation_steps instead).")
+            if world > 1:
+                raise MegaTrainError(f"{self._custom} is not combined with data parallel yet; run one process.")
+            logger.info("%s: the engine builds each micro-batch's whole [batch, seq, vocab] logits for it, as the "
+                        "model's own forward does", self._custom)
         # What the logs show besides Trainer's own: real tokens/s, model TFLOPS (6 * P * tokens),
         # MFU against args.gpu_peak_tflops, and how busy each pipeline lane was.
         self._tokens_since_log = 0
@@ -343,9 +355,12 @@ class MegaTrainTrainer(Trainer):
                 "mlm=False).)")
         self.engine.train()
         # Same loss scaling rule as Trainer.training_step: HF causal LMs divide by
-        # num_items_in_batch themselves; otherwise the mean loss is divided by the GA steps.
+        # num_items_in_batch themselves; otherwise the mean loss is divided by the GA steps
+        # (not a compute_loss_func's, which Trainer leaves as it is).
         scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
-        ga = self.current_gradient_accumulation_steps
+        divide = not scaled and self.compute_loss_func is None
+        # read only where it divides, as stock does: a training_step called before train() has none
+        ga = self.current_gradient_accumulation_steps if divide else 1
         k, group = self._micro_batch(inputs)
         self._micro_index = k
         if k == 0:
@@ -357,30 +372,41 @@ class MegaTrainTrainer(Trainer):
             self._owner = [i for i, parts in enumerate(chunks) for _ in parts]  # which micro-batch each chunk is of
             if items is None and len(self._owner) > len(group):  # the mean over the micro-batch's tokens
                 items = [loss_denominator(group[i]["labels"], None) for i in self._owner]
-            step = ([c for parts in chunks for c in parts], items, 1.0 if scaled else 1.0 / ga)
+            step = ([c for parts in chunks for c in parts], items, 1.0 / ga if divide else 1.0)
             aux = self._aux_loss_scale(items if scaled else None)
+            custom = dict(head_loss=self._custom_loss(group, num_items_in_batch)) if self._custom else {}
             clip = self.args.max_grad_norm
             if clip > 0 and self.engine.store.transient:
                 # No gradient outlives its step, so the global norm is measured first, by a pass that
                 # keeps none; then each unit is stepped, clipped by it, as its gradient lands.
-                self._measured_norm = self.engine.gradient_norm(*step, aux_scale=aux)
+                self._measured_norm = self.engine.gradient_norm(*step, aux_scale=aux, **custom)
                 self.host_optimizer.step_during_backward(clip_norm=(self._measured_norm, clip))
             elif clip <= 0 and (len(group) > 1 or self.accelerator.sync_gradients):
                 # No clipping: the norm is not needed before stepping, so each unit is stepped on the
                 # host as soon as its gradient is final, overlapping the CPU optimizer with the backward.
                 self.host_optimizer.step_during_backward()
-            losses = self.engine.forward_backward_many(*step, aux_scale=aux)
+            losses = self.engine.forward_backward_many(*step, aux_scale=aux, **custom)
             self._losses = [sum(x for x, o in zip(losses, self._owner) if o == i) for i in range(len(group))] \
                 if len(losses) > len(group) else losses
         self._tokens_since_log += count_real_tokens(inputs)
         loss = self._losses[k]
-        if not scaled:
+        if divide:
             loss = loss / ga
-        elif self.args.average_tokens_across_devices and self.args.world_size > 1:
+        elif scaled and not self._custom and self.args.average_tokens_across_devices and self.args.world_size > 1:
             # Stock Trainer reports loss * world here (num_items_in_batch counts every rank's
             # tokens) and its logging averages over ranks; the gradients are already exact.
             loss = loss * self.args.world_size
         return loss.to(self.args.device)
+
+    def _custom_loss(self, group: list, num_items_in_batch):
+        """The engine's head_loss for a loss of the user's (a compute_loss override, compute_loss_func, label
+        smoothing): Trainer's own compute_loss, called as stock's training_step calls it, with a model that
+        gives the logits the engine built for that micro-batch (LogitsModel)."""
+        def head_loss(k, logits, aux):
+            model = LogitsModel(self.model, group[k], logits=logits, aux=aux)
+            return self.compute_loss(model, dict(group[k]), num_items_in_batch=num_items_in_batch)
+
+        return head_loss
 
     def _aux_loss_scale(self, num_items_in_batch) -> float:
         """Weight of the MoE load-balancing loss in this micro-batch's loss: 1, as the model adds it."""
@@ -423,6 +449,9 @@ class MegaTrainTrainer(Trainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         self.engine.eval()
+        if self._custom:  # the user's loss: stock's own prediction_step, with the engine's forward as the model
+            return Trainer.prediction_step(self, LogitsModel(self.model, inputs, engine=self.engine), inputs,
+                                           prediction_loss_only, ignore_keys)
         has_labels = inputs.get("labels") is not None
         want_logits = not prediction_loss_only
         with torch.no_grad():
@@ -673,8 +702,6 @@ def split_rows(batch: dict, parts: int) -> list[dict]:
 # without a word: refused when the trainer is built, saying what to do. Every other hook (log,
 # create_scheduler, get_train_dataloader, evaluate, prediction_step, callbacks...) runs as in stock.
 SKIPPED_HOOKS = {
-    "compute_loss": "the engine computes the causal-LM loss itself, in chunks of tokens, one layer at a time, and "
-                    "never calls compute_loss. Remove the override (a custom loss needs stock Trainer for now).",
     "create_optimizer": "the engine steps its own AdamW on the host over flat per-layer buffers. Remove the "
                         "override and set learning_rate, weight_decay, adam_beta1/adam_beta2 and adam_epsilon in "
                         "the arguments (parameter groups follow get_decay_parameter_names, which may be overridden).",
@@ -683,15 +710,85 @@ SKIPPED_HOOKS = {
 }
 
 
+def _own(cls, name: str) -> type | None:
+    """The class below Trainer that defines `name` for `cls`, when it is the user's (not this library's,
+    not Trainer's, not TRL's SFTTrainer, whose loss and metrics the engine reproduces)."""
+    owner = next(c for c in cls.__mro__ if name in vars(c))
+    if owner is Trainer or owner.__module__.startswith("hf_megatrain") or \
+            (owner.__module__.startswith("trl.") and owner.__name__ == "SFTTrainer"):
+        return None
+    return owner
+
+
+def custom_loss(cls, compute_loss_func, args) -> str | None:
+    """What makes the loss the user's rather than the causal LM's own, named; None when nothing does."""
+    owner = _own(cls, "compute_loss")
+    if any(c.__name__ == "SFTTrainer" for c in cls.__mro__):  # TRL's loss runs a fused head the engine reproduces
+        if owner is not None:
+            raise MegaTrainError(f"{owner.__name__}.compute_loss overrides SFTTrainer.compute_loss, whose fused "
+                                 "head the engine reproduces but cannot call; remove the override.")
+        if args.label_smoothing_factor:
+            raise MegaTrainError("label_smoothing_factor is not applied by TRL's SFT loss, which the engine "
+                                 "reproduces; set it to 0.")
+        return None
+    if owner is not None:
+        return f"{owner.__name__}.compute_loss"
+    if compute_loss_func is not None:
+        return "compute_loss_func"
+    return "label_smoothing_factor" if args.label_smoothing_factor else None
+
+
+class LogitsModel:
+    """What a user's compute_loss gets as `model` under the engine. In training (`logits=` given) the
+    engine has already run the layers on the micro-batch and built its logits with autograd; calling
+    this returns the model's outputs over them: `loss` as the model computes it (its loss_function, plus
+    an MoE's load-balancing term), `logits`, and for an MoE `aux_loss`. In evaluation (`engine=`) a call
+    runs the engine's forward. Every other attribute is the real model's (config, loss_function, ...)."""
+
+    def __init__(self, model, batch: dict, logits=None, aux=None, engine=None):
+        self._model, self._batch, self._logits, self._aux, self._engine = model, batch, logits, aux, engine
+        self._called = False
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def _get_name(self):  # what Trainer's label smoother reads to know it is a causal LM
+        return base_model(self._model)._get_name()
+
+    def __call__(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, num_items_in_batch=None,
+                 **kwargs):
+        if self._engine is not None:
+            return self._engine(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                                position_ids=position_ids, num_items_in_batch=num_items_in_batch)
+        if self._called:
+            raise MegaTrainError("compute_loss called the model twice for one micro-batch; under the engine it "
+                                 "runs one forward per micro-batch (the batch the Trainer gave).")
+        self._called = True
+        given = self._batch.get("input_ids")
+        if input_ids is not None and input_ids is not given and not torch.equal(input_ids.cpu(), given.cpu()):
+            raise MegaTrainError("compute_loss called the model with input_ids other than the batch's; the engine "
+                                 "has run the layers on the batch as the Trainer gave it.")
+        inner = base_model(self._model)
+        loss = aux_loss = None
+        if labels is not None:
+            extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
+            loss = inner.loss_function(logits=self._logits, labels=labels, vocab_size=inner.config.vocab_size, **extra)
+        if self._aux is not None:
+            coef = inner.config.router_aux_loss_coef
+            aux_loss = self._aux / coef if coef else None  # the leaf is coef * aux, as the model adds it
+            if loss is not None:
+                loss = loss + self._aux
+            return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=self._logits)
+        return CausalLMOutputWithPast(loss=loss, logits=self._logits)
+
+
 def check_overrides(cls) -> None:
     """Refuse a subclass whose own version of a SKIPPED_HOOKS method the engine would never run. The
     library's classes (and TRL's SFTTrainer, whose loss and metrics the engine reproduces) are exempt."""
     for name, why in SKIPPED_HOOKS.items():
-        owner = next(c for c in cls.__mro__ if name in vars(c))
-        if owner is Trainer or owner.__module__.startswith("hf_megatrain") or \
-                (owner.__module__.startswith("trl.") and owner.__name__ == "SFTTrainer"):
-            continue
-        raise MegaTrainError(f"{owner.__name__}.{name} overrides Trainer.{name}, but {why}")
+        owner = _own(cls, name)
+        if owner is not None:
+            raise MegaTrainError(f"{owner.__name__}.{name} overrides Trainer.{name}, but {why}")
 
 
 def check_optimizers(optimizers, optimizer_cls_and_kwargs) -> dict | None:

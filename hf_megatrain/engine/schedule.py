@@ -23,7 +23,7 @@ from typing import Callable, Protocol
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ..errors import MegaTrainError
 from ..patcher.adapters import is_peft_model
@@ -89,7 +89,7 @@ def _check_model(model: nn.Module, spec, skeleton: bool) -> None:
         except AttributeError:
             raise MegaTrainError(
                 f"{type(model).__name__} has no submodule {path!r}; hf_megatrain needs the causal-LM class "
-                f"(e.g. AutoModelForCausalLM), not the bare base model."
+                f"(e.g. AutoModelForCausalLM), not a base model or another task's head."
             ) from None
     if not skeleton and any(p.device.type == "meta" for p in model.parameters()):
         raise MegaTrainError("the model has parameters on the meta device; load real weights first.")
@@ -214,9 +214,10 @@ class StreamingEngine(nn.Module):
         self._grad_scratch: torch.Tensor | None = None  # their weight gradients, before they are summed
         self._listener: GradListener | None = None
         self.writer = None  # (engine, output_dir, dtype) -> files; see save_pretrained
-        # Set to a list to have each training call leave there, per micro-batch, a dict of its head
-        # statistics (token count, summed entropy, top-1 hits: loss.chunked_head_loss); TRL's SFT
-        # metrics read them.
+        # Set to a list to have each training call (and each evaluation forward) leave there, per
+        # micro-batch, a dict of its head statistics (token count, summed entropy, top-1 hits:
+        # loss.chunked_head_loss) and, for a MoE with its router loss on, the load-balancing loss
+        # before its coefficient ('aux_loss', the model's `outputs.aux_loss`); TRL's SFT metrics read them.
         self.head_stats: list[dict] | None = None
         self._warned_length = False
 
@@ -543,7 +544,7 @@ class StreamingEngine(nn.Module):
         return self.forward_backward_many([batch], num_items_in_batch, scale, aux_scale)[0]
 
     def forward_backward_many(self, batches: list[dict], num_items_in_batch=None, scale: float = 1.0,
-                              aux_scale: float = 1.0) -> list[torch.Tensor]:
+                              aux_scale: float = 1.0, head_loss=None) -> list[torch.Tensor]:
         """`forward_backward` of each micro-batch of one optimizer step, run layer by layer.
 
         Every micro-batch goes through a unit while its weights are in, so each streamed unit
@@ -554,9 +555,10 @@ class StreamingEngine(nn.Module):
         every micro-batch are kept at once. Returns each micro-batch's loss.
 
         num_items_in_batch: one count for all (Trainer's, for the whole step), or one per batch.
+        head_loss: a loss of the caller's in place of the causal-LM loss (see _custom_head_loss).
         """
         try:
-            return self._forward_backward(batches, num_items_in_batch, scale, aux_scale)
+            return self._forward_backward(batches, num_items_in_batch, scale, aux_scale, head_loss)
         except BaseException:
             listener = self._listener
             if listener is not None:  # an early step armed for this backward must not outlive it
@@ -565,7 +567,7 @@ class StreamingEngine(nn.Module):
             raise
 
     def gradient_norm(self, batches: list[dict], num_items_in_batch=None, scale: float = 1.0,
-                      aux_scale: float = 1.0) -> torch.Tensor:
+                      aux_scale: float = 1.0, head_loss=None) -> torch.Tensor:
         """The global gradient norm that `forward_backward_many` of these micro-batches would leave
         for clipping, computed as grad_norm() computes it, by a forward and backward that keeps no
         gradient and steps nothing: each unit's per-parameter norms are taken as its gradient is
@@ -584,7 +586,7 @@ class StreamingEngine(nn.Module):
         self._listener, pipe.on_final_grad = None, None  # nothing is stepped by this pass
         pipe.measured, pipe.measure_only = {}, True
         try:
-            self._forward_backward(batches, num_items_in_batch, scale, aux_scale)
+            self._forward_backward(batches, num_items_in_batch, scale, aux_scale, head_loss)
         finally:
             pipe.measure_only = False
             self.listen(listener)
@@ -596,7 +598,7 @@ class StreamingEngine(nn.Module):
                                   for u in self.units])
 
     def _forward_backward(self, batches: list[dict], num_items_in_batch, scale: float,
-                          aux_scale: float) -> list[torch.Tensor]:
+                          aux_scale: float, head_loss=None) -> list[torch.Tensor]:
         if self.store.transient and self.training and self._listener is None and not self.pipeline.measure_only:
             raise MegaTrainError("transient_grads keeps each gradient only until its step, so every backward must "
                                  "step its units as they finish: call HostAdamW.step_during_backward() before it "
@@ -621,11 +623,16 @@ class StreamingEngine(nn.Module):
         for k, (ids, mask, labels, pos, rows, docs) in enumerate(preps):
             items = num_items_in_batch[k] if isinstance(num_items_in_batch, (list, tuple)) else num_items_in_batch
             denom = loss_denominator(labels, items)
+            stats = self.head_stats[k] if self.head_stats is not None else None
             with pipe.span("compute"):
-                loss, grad_x, grad_w = chunked_head_loss(
-                    self._run_head(names), weights, xs[k], labels, denom, seed, self.loss_chunk_tokens, rows,
-                    trainable, stats=self.head_stats[k] if self.head_stats is not None else None,
-                )
+                if head_loss is None:
+                    loss, grad_x, grad_w = chunked_head_loss(
+                        self._run_head(names), weights, xs[k], labels, denom, seed, self.loss_chunk_tokens, rows,
+                        trainable, stats=stats,
+                    )
+                else:
+                    loss, grad_x, grad_w, custom_seeds = self._custom_head_loss(
+                        head_loss, k, names, weights, xs[k], trainable, seed, routers[k], mask)
                 xs[k] = None
                 own = [g.reshape(-1) for g in grad_w[:n_own] if g is not None]
                 if own:  # summed over micro-batches in their order, as the host accumulator would
@@ -633,8 +640,10 @@ class StreamingEngine(nn.Module):
             tied_grads.append(grad_w[n_own].reshape(-1) if head.tied_local and grad_w[n_own] is not None else None)
             grad_xs.append(grad_x)
             r_seeds = {}
-            if routers[k]:
-                aux, r_seeds = self._router_loss(routers[k], mask, seed * aux_scale)  # times 1.0 is exact
+            if head_loss is not None:
+                r_seeds = custom_seeds  # the caller's loss holds the router loss as far as it took it
+            elif routers[k]:
+                aux, r_seeds = self._router_loss(routers[k], mask, seed * aux_scale, stats)  # times 1.0 is exact
                 loss = loss + aux * aux_scale
             router_seeds.append(r_seeds)
             losses.append(loss.detach())
@@ -659,6 +668,31 @@ class StreamingEngine(nn.Module):
 
         self._embed_backward(e_w, preps, grad_xs, tied_grads)
         return losses
+
+    def _custom_head_loss(self, head_loss, k, names, weights, hidden, trainable, seed, routers, mask):
+        """The head under a loss of the caller's (Trainer's compute_loss, a compute_loss_func, label
+        smoothing) instead of the chunked causal-LM loss: the whole [B, T, vocab] logits are built with
+        autograd, as the model's own forward builds them, and `head_loss(k, logits, aux)` returns micro-batch
+        k's loss over them. `aux` (an MoE's load-balancing term times its coefficient, what the model adds to
+        its loss; None without routers) is a leaf: its gradient says how much of it the loss took, and each
+        layer's router gets that share of its own gradient, exactly. Returns (loss, grad_hidden, fp32 grads
+        of `weights` (None where frozen), router seeds per layer)."""
+        h = hidden.detach().requires_grad_()
+        bound = [w.detach().requires_grad_() if t else w for w, t in zip(weights, trainable)]
+        leaves = [b for b, t in zip(bound, trainable) if t]
+        aux = unit_seeds = None
+        if routers:
+            aux, unit_seeds = self._router_loss(routers, mask, torch.ones((), device=self.device))
+            aux = aux.detach().requires_grad_()
+        with torch.enable_grad():
+            loss = head_loss(k, self._run_head(names)(bound, h), aux)
+            wrt = [h] + leaves + ([aux] if aux is not None else [])
+            grads = torch.autograd.grad(loss, wrt, grad_outputs=seed.to(loss.dtype), materialize_grads=True,
+                                        allow_unused=True)
+        of_weights = iter(grads[1:1 + len(leaves)])
+        grad_w = [next(of_weights).float() if t else None for t in trainable]
+        seeds = {layer: g * grads[-1] for layer, g in unit_seeds.items()} if aux is not None else {}
+        return loss.detach().float(), grads[0], grad_w, seeds
 
     def _grad_target(self, unit, k: int, n: int) -> torch.Tensor | None:
         """Where micro-batch k writes unit's weight gradient: the pipeline's buffer for the first
@@ -723,7 +757,7 @@ class StreamingEngine(nn.Module):
         self.pipeline.emit_grad(embed.index, acc)
         self.pipeline.release(embed.index)
 
-    def _router_loss(self, routers, mask, seed):
+    def _router_loss(self, routers, mask, seed, stats: dict | None = None):
         """Mixtral-style load-balancing loss and d(loss)/d(router logits) for each layer.
 
         HF adds `coef * aux` to the loss when labels are given. The aux loss couples all
@@ -733,22 +767,31 @@ class StreamingEngine(nn.Module):
         """
         leaves = {layer: r.detach().requires_grad_() for layer, r in routers.items()}
         with torch.enable_grad():
-            aux = self._aux_loss(leaves, mask)
+            aux = self._aux_loss(leaves, mask, stats)
             seeds = torch.autograd.grad(aux, list(leaves.values()), grad_outputs=seed, materialize_grads=True,
                                         allow_unused=True)
         return aux.detach(), dict(zip(leaves, seeds))
 
-    def _aux_loss(self, routers: dict, mask) -> torch.Tensor:
+    def _aux_loss(self, routers: dict, mask, stats: dict | None = None) -> torch.Tensor:
         """coef * the family's own load-balancing loss over every MoE layer's router logits, as the
-        causal LM adds it to the loss (number of experts from the config attribute the spec names)."""
+        causal LM adds it to the loss (number of experts from the config attribute the spec names).
+        `stats` (a head_stats dict) receives the loss before the coefficient, as `outputs.aux_loss`."""
         cfg = self.config
         fn = self.spec.aux_loss(self.model_class)
         aux = fn(tuple(routers.values()), getattr(cfg, self.spec.experts), cfg.num_experts_per_tok, mask)
+        if stats is not None:
+            stats["aux_loss"] = aux.detach()
         return cfg.router_aux_loss_coef * aux
 
     # -- evaluation -------------------------------------------------------------------------
     def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, return_logits=True, **kw):
         """Eval-mode forward: loss (when labels are given) and, optionally, the logits."""
+        if self.training and torch.is_grad_enabled():
+            # A training step that calls the model for a loss to backpropagate (stock Trainer's training_step
+            # body, copied into an override) would get a loss that carries no gradient: say so instead.
+            raise MegaTrainError("the engine was called as a model for a loss to backpropagate: its forward "
+                                 "computes no gradients. Training runs through MegaTrainTrainer.training_step (an "
+                                 "override must call super().training_step) or engine.forward_backward.")
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "position_ids": position_ids}
         ids, mask, labels, pos, rows, docs = self._prepare(batch)
         pipe = self.pipeline
@@ -758,15 +801,27 @@ class StreamingEngine(nn.Module):
         names, weights, _ = self._head_weights(pipe.weights(head.index), e_w)
         run_head = self._run_head(names)
         loss = logits = None
+        stats = None
+        if self.head_stats is not None:  # what TRL's evaluation logs (entropy, token accuracy, aux loss)
+            self.head_stats[:] = [{}] if labels is not None else []
+            stats = self.head_stats[0] if labels is not None else None
+        router = {}
+        if routers:  # the model's outputs.aux_loss (before its coefficient), with or without labels
+            weighted = self._aux_loss(routers, mask, router)
+            if stats is not None:
+                stats["aux_loss"] = router["aux_loss"]
         if labels is not None:
             denom = loss_denominator(labels, kw.get("num_items_in_batch"))
-            loss, _, _ = chunked_head_loss(run_head, weights, x, labels, denom, None, self.loss_chunk_tokens, rows)
+            loss, _, _ = chunked_head_loss(run_head, weights, x, labels, denom, None, self.loss_chunk_tokens, rows,
+                                           stats=stats)
             if routers:
-                loss = loss + self._aux_loss(routers, mask)
+                loss = loss + weighted
         if return_logits:
             logits = full_logits(run_head, weights, x, self.loss_chunk_tokens)
         pipe.release(head.index)
         pipe.release(self.units[0].index)
+        if routers:
+            return MoeCausalLMOutputWithPast(loss=loss, aux_loss=router["aux_loss"], logits=logits)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 

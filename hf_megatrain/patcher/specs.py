@@ -189,6 +189,11 @@ def spec_for(config) -> ArchSpec:
     model_type = getattr(config, "model_type", None)
     spec = _REGISTRY.get(model_type) or _generic(config)
     if spec is None:
+        if not model_type:  # a PreTrainedModel of the user's own, no transformers family at all
+            raise MegaTrainError(
+                f"hf_megatrain trains transformers' decoder-only causal LMs; this model's config "
+                f"({type(config).__name__}) names no model type. Supported decoder-only families: "
+                f"{', '.join(supported_model_types())}.")
         raise MegaTrainError(
             f"hf_megatrain does not support model type {model_type!r} "
             f"(architectures: {getattr(config, 'architectures', None)}): {_why_not(config)}. "

@@ -90,12 +90,6 @@ def test_pipeline_metrics_when_asked(tmp_path):
     assert all("tokens_per_second" in h and "model_tflops" in h for h in logged)
 
 
-class DoubledLoss(MegaTrainTrainer):
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        return loss * 2
-
-
 class OwnOptimizer(MegaTrainTrainer):
     def create_optimizer(self, model=None):
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
@@ -107,8 +101,7 @@ class OwnInputs(MegaTrainTrainer):
         return super()._prepare_inputs(inputs)
 
 
-@pytest.mark.parametrize("cls, hook", [(DoubledLoss, "compute_loss"), (OwnOptimizer, "create_optimizer"),
-                                       (OwnInputs, "_prepare_inputs")])
+@pytest.mark.parametrize("cls, hook", [(OwnOptimizer, "create_optimizer"), (OwnInputs, "_prepare_inputs")])
 def test_overrides_the_engine_never_calls_are_refused_when_built(cls, hook, tmp_path):
     with pytest.raises(MegaTrainError, match=rf"^{cls.__name__}\.{hook} overrides Trainer\.{hook}") as e:
         cls(make_model("llama"), MegaTrainArguments(output_dir=str(tmp_path), **KW), train_dataset=padded_rows())
@@ -188,7 +181,7 @@ def test_positional_arguments_mean_what_they_mean_in_trainer(tmp_path):
 
 
 @pytest.mark.parametrize("option", [dict(torch_compile=True), dict(neftune_noise_alpha=5.0), dict(optim="sgd"),
-                                    dict(label_smoothing_factor=0.1), dict(use_liger_kernel=True)])
+                                    dict(use_liger_kernel=True)])
 def test_arguments_build_and_the_trainer_refuses(option, tmp_path):
     """Code that only parses arguments (a shared HfArgumentParser setup) keeps working; the trainer refuses."""
     args = MegaTrainArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **option)
@@ -218,3 +211,113 @@ def test_metrics_and_logits_preprocessing_as_stock(tmp_path):
         seen[name] = t
     assert out["stock"]["eval_hits"] == out["mega"]["eval_hits"]
     assert abs(out["stock"]["eval_loss"] - out["mega"]["eval_loss"]) < 1e-5
+
+
+# -- a loss of the user's: honoured through Trainer's compute_loss over the logits the engine builds --------
+def weighted_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """The common customization: the model's own loss (through Trainer's compute_loss) plus a term over
+    the logits, with a per-token weight."""
+    loss, outputs = Trainer.compute_loss(self, model, inputs, return_outputs=True,
+                                         num_items_in_batch=num_items_in_batch)
+    logits = outputs.logits.float()
+    weight = inputs["attention_mask"].unsqueeze(-1).float() if "attention_mask" in inputs else 1.0
+    loss = 2.0 * loss + 1e-3 * (logits.pow(2) * weight).mean()
+    return (loss, outputs) if return_outputs else loss
+
+
+def own_cross_entropy(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """A loss that pops the labels and ignores the model's loss (and, for an MoE, its router loss)."""
+    labels = inputs.pop("labels")
+    outputs = model(**inputs)
+    logits = outputs.logits[:, :-1].float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                             ignore_index=-100)
+    return (loss, outputs) if return_outputs else loss
+
+
+def uses_aux_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """An MoE's outputs.aux_loss, weighted the user's own way."""
+    outputs = model(**inputs)
+    loss = outputs.loss + 0.5 * outputs.aux_loss
+    return (loss, outputs) if return_outputs else loss
+
+
+def trainers_with(loss_fn):
+    return (type("Stock", (Trainer,), {"compute_loss": loss_fn}),
+            type("Mega", (MegaTrainTrainer,), {"compute_loss": loss_fn}))
+
+
+@pytest.mark.parametrize("kind, loss_fn", [("llama", weighted_loss), ("llama_tied", own_cross_entropy),
+                                           ("mixtral", weighted_loss), ("mixtral", own_cross_entropy),
+                                           ("mixtral", uses_aux_loss)])
+def test_compute_loss_override_trains_and_evaluates_as_stock(kind, loss_fn, tmp_path):
+    """GA 2 with clipping and weight decay: the same logged losses, norms, eval_loss and final weights."""
+    stock_cls, mega_cls = trainers_with(loss_fn)
+    model = make_model(kind)
+    ref = copy.deepcopy(model)
+    args = dict(KW, eval_strategy="steps", eval_steps=2)
+    if loss_fn is uses_aux_loss:
+        # The router's share (1 + 0.5 / coef) multiplies its gradient after autograd rather than inside it: the
+        # same number to the last bits, which Adam's first steps at lr 1e-2 magnify past 1e-5 where |g| ~ eps.
+        args["learning_rate"] = 1e-3
+    train, ev = padded_rows(side="right"), padded_rows(6, seed=5, side="right")
+    stock = stock_cls(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "s"), **args),
+                      train_dataset=train, eval_dataset=ev)
+    mega = mega_cls(model=model, args=MegaTrainArguments(output_dir=str(tmp_path / "m"), **args),
+                    train_dataset=train, eval_dataset=ev)
+    assert_same_training(stock, mega, ref)
+    a = [h["eval_loss"] for h in stock.state.log_history if "eval_loss" in h]
+    b = [h["eval_loss"] for h in mega.state.log_history if "eval_loss" in h]
+    assert len(a) == len(b) == 2 and all(abs(x - y) < 1e-5 for x, y in zip(a, b)), (a, b)
+
+
+def test_compute_loss_func_and_label_smoothing_train_as_stock(tmp_path):
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        logits = outputs.logits[:, :-1].float()
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                               ignore_index=-100, reduction="sum")
+        return ce / num_items_in_batch
+
+    for extra, given in ((dict(), dict(compute_loss_func=loss_func)), (dict(label_smoothing_factor=0.1), dict())):
+        model = make_model("llama")
+        ref = copy.deepcopy(model)
+        args = dict(KW, **extra)
+        out = tmp_path / str(len(extra))
+        stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(out / "s"), **args),
+                        train_dataset=padded_rows(side="right"), **given)
+        mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(out / "m"), **args),
+                                train_dataset=padded_rows(side="right"), **given)
+        assert_same_training(stock, mega, ref)
+
+
+def test_compute_loss_that_calls_the_model_twice_is_refused(tmp_path):
+    def twice(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return model(**inputs).loss + model(**inputs).loss
+
+    _, mega_cls = trainers_with(twice)
+    mega = mega_cls(make_model("llama"), MegaTrainArguments(output_dir=str(tmp_path), **KW),
+                    train_dataset=padded_rows())
+    with pytest.raises(MegaTrainError, match="twice"):
+        mega.train()
+
+
+def test_training_step_override_without_super_says_so(tmp_path):
+    """Stock's training_step body copied into an override calls the model for a loss to backpropagate."""
+    def stock_body(self, model, inputs, num_items_in_batch=None):
+        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        self.accelerator.backward(loss)
+        return loss.detach()
+
+    def wrapped(self, model, inputs, num_items_in_batch=None):
+        wrapped.calls += 1
+        return MegaTrainTrainer.training_step(self, model, inputs, num_items_in_batch)
+
+    wrapped.calls = 0
+    plain = type("Plain", (MegaTrainTrainer,), {"training_step": stock_body})
+    with pytest.raises(MegaTrainError, match=r"must call super\(\)\.training_step"):
+        plain(make_model("llama"), MegaTrainArguments(output_dir=str(tmp_path / "a"), **KW),
+              train_dataset=padded_rows()).train()
+    around = type("Around", (MegaTrainTrainer,), {"training_step": wrapped})
+    around(make_model("llama"), MegaTrainArguments(output_dir=str(tmp_path / "b"), **KW),
+           train_dataset=padded_rows()).train()
+    assert wrapped.calls == KW["max_steps"] * KW["gradient_accumulation_steps"]

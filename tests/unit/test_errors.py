@@ -25,7 +25,6 @@ def test_unsupported_architectures_name_the_supported_ones():
         (dict(deepspeed={"zero_optimization": {"stage": 3}}), "DeepSpeed"),
         (dict(torch_compile=True), "torch_compile"),
         (dict(optim="sgd"), "optim"),
-        (dict(label_smoothing_factor=0.1), "label_smoothing"),
         (dict(prefetch_depth=1), "prefetch_depth"),
     ],
 )
