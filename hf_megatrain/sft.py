@@ -12,7 +12,9 @@ order makes that work: SFTTrainer's `__init__` prepares the data and then calls 
 `__init__` in line, which is MegaTrainTrainer's (it builds the engine and then calls Trainer's),
 and every hook the engine replaces comes from MegaTrainTrainer unless SFTTrainer wraps it
 around a `super()` call. The loss is the same number: TRL's 'nll' is the token-summed negative
-log-likelihood over `num_items_in_batch`, which the engine's chunked loss computes.
+log-likelihood over `num_items_in_batch`, which the engine's chunked loss computes. The logs are
+TRL's too: `entropy`, `mean_token_accuracy`, `num_tokens` and a MoE's `aux_loss` from the engine's
+head, in training and (as `eval_*`, which `evaluate()` returns) in evaluation.
 
 Other TRL trainers (DPO, KTO, ORPO, GRPO, RLOO, reward modelling, distillation) compute their
 losses from forwards the engine does not run (a reference model, generations, a value head);
@@ -22,6 +24,7 @@ their configs are refused by name.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import MISSING, dataclass, field, fields
 
 import torch
@@ -32,11 +35,14 @@ try:
 except ImportError as e:  # an optional extra
     raise ImportError("hf_megatrain.sft needs TRL: pip install 'hf_megatrain[trl]'") from e
 
-from .arguments import MegaTrainArguments, check_arguments, megatrain_arguments
+from .arguments import MegaTrainArguments, check_arguments, compute_dtype, megatrain_arguments
 from .checkpoint.loading import load_model_and_tokenizer
 from .errors import MegaTrainError
+from .patcher.adapters import check_adapter_config
 from .preflight import check_outputs, check_resume
 from .trainer import MegaTrainTrainer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,6 +110,7 @@ def check_sft(args, kwargs: dict) -> None:
     if kwargs.get("quantization_config") is not None or (args.model_init_kwargs or {}).get("quantization_config"):
         raise MegaTrainError("quantization_config is not supported: hf_megatrain trains at full precision (fp32 "
                              "master weights); a frozen LoRA base streams in bf16. Remove it.")
+    check_adapter_config(kwargs.get("peft_config") or args.peft_config)  # prompt learning: refused in one line
     if kwargs.get("compute_loss_func") is not None:
         raise MegaTrainError("compute_loss_func is not supported: the engine computes the causal-LM loss itself.")
     template = args.chat_template_path
@@ -120,30 +127,38 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
 
     Takes what SFTTrainer takes; `args` may be an SFTConfig (the engine's options at their
     defaults) or a MegaTrainSFTConfig. `model` is a hub id, a folder (its weights are streamed
-    into host RAM, never loaded whole) or a CPU model; `peft_config` trains LoRA adapters."""
+    into host RAM, never loaded whole) or a CPU model (without `processing_class`, its tokenizer
+    is loaded from `config._name_or_path`, as stock does); `peft_config` trains LoRA adapters
+    (also on parameters, e.g. MoE experts); prompt learning is refused."""
 
     def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, peft_config=None, **kwargs):
         args = sft_arguments(args, model)
-        check_sft(args, kwargs)
-        check_outputs(args)
-        check_resume(args.resume_from_checkpoint, args.output_dir)
         if peft_config is not None:  # the engine wraps the base itself (SFTTrainer would wrap a meta skeleton)
             if args.peft_config is not None and args.peft_config is not peft_config:
                 raise MegaTrainError("peft_config was given twice (as an argument and in args); keep one.")
             args.peft_config = peft_config
+        check_sft(args, kwargs)
+        check_outputs(args)
+        check_resume(args.resume_from_checkpoint, args.output_dir)
         # A folder or hub id becomes a meta skeleton here and is filled by the engine, so SFTTrainer
         # never loads the whole model into RAM; MegaTrainTrainer.__init__ picks up what was resolved.
-        # Of model_init_kwargs, the revision and attention implementation apply; the weights are fp32
-        # masters whatever dtype they ask for.
-        init = dict(args.model_init_kwargs or {}) if isinstance(model, str) else {}
-        args.model_init_kwargs = None  # used here, so SFTTrainer does not warn that it ignores them
+        # Of model_init_kwargs, the revision, attention implementation and trust_remote_code apply (the
+        # last defaulting to args.trust_remote_code, as in SFTTrainer); what else is asked is said.
+        if isinstance(model, str):
+            init = dict(args.model_init_kwargs or {})
+            init.setdefault("trust_remote_code", args.trust_remote_code)
+            _say_unapplied(init, args)
+            args.model_init_kwargs = None  # used here, so SFTTrainer does not warn that it ignores them
+        else:  # a loaded model: SFTTrainer warns that model_init_kwargs are ignored, as stock does
+            init = {}
         self._loaded = load_model_and_tokenizer(model, attn_implementation=init.get("attn_implementation"),
-                                                revision=init.get("revision"))
+                                                revision=init.get("revision"),
+                                                trust_remote_code=init.get("trust_remote_code"))
         skeleton, tokenizer, _ = self._loaded
         if processing_class is None:
-            if tokenizer is None:
-                raise MegaTrainError("no tokenizer was found with the model; pass processing_class=.")
+            # the folder's tokenizer; for a loaded model None, and SFTTrainer loads it as stock does, from the
+            # model's config._name_or_path (AutoProcessor, with args.trust_remote_code)
             processing_class = tokenizer
         if args.device.type == "cuda":
             args._n_gpu = 1  # one GPU per process: SFTTrainer would refuse nn.DataParallel on a multi-GPU host
@@ -155,43 +170,83 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         for name in ("output_router_logits", "router_aux_loss_coef"):
             if hasattr(text, name):
                 setattr(own, name, getattr(text, name))
-        self.engine.head_stats = []  # entropy and top-1 hits for TRL's metrics, from the engine's loss
+        # entropy, top-1 hits and the MoE aux loss for TRL's metrics, from the engine's loss
+        self.engine.head_stats = []
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        # SFTTrainer's own training_step only adds its activation offloading (refused above).
+        # SFTTrainer's own training_step only adds its activation offloading (refused above). Trainer's puts
+        # the model it runs (stock: self.model) in training mode, which TRL's log reads to pick its metrics.
+        self.model.train()
         loss = MegaTrainTrainer.training_step(self, model, inputs, num_items_in_batch)
-        self._record_metrics(inputs)
+        self._record_metrics(inputs, "train")
         return loss
 
-    def _record_metrics(self, inputs) -> None:
-        """TRL's training metrics, counted as SFTTrainer.compute_loss counts them, kept as device
-        tensors (no sync per micro-batch) until the next log."""
-        k = self._micro_index
-        chunks = [c for c, o in zip(self.engine.head_stats, self._owner) if o == k]  # the chunks it ran as
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # SFTTrainer's own evaluation step runs its fused head through the model; the engine has its own.
+        # Trainer's evaluation loop puts the model it runs (stock: self.model) in eval mode: TRL's log then
+        # reports the "eval" metrics, under eval_ names, and leaves the training ones alone.
+        self.model.eval()
+        out = MegaTrainTrainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
+        if inputs.get("labels") is not None:
+            self._record_metrics(inputs, "eval")
+        return out
+
+    def _record_metrics(self, inputs, mode: str) -> None:
+        """TRL's metrics, counted as SFTTrainer.compute_loss counts them, kept as device tensors (no
+        sync per micro-batch) until the next log. Training counts the tokens; evaluation repeats the count."""
+        if mode == "train":
+            k = self._micro_index
+            chunks = [c for c, o in zip(self.engine.head_stats, self._owner) if o == k]  # the chunks it ran as
+        else:
+            chunks = list(self.engine.head_stats)
         stats = {key: sum(c[key] for c in chunks) for key in ("tokens", "entropy", "correct")}
         gather = self.accelerator.gather_for_metrics
         valid = gather(stats["tokens"]).sum()
-        metrics = self._metrics["train"]
+        metrics = self._metrics[mode]
         metrics["entropy"].append(gather(stats["entropy"]).sum() / valid.clamp(min=1))
         metrics["mean_token_accuracy"].append(gather(stats["correct"]).sum() / valid.clamp(min=1))
-        if "attention_mask" in inputs:
-            tokens = torch.as_tensor(inputs["attention_mask"]).sum()
-        else:  # padding-free rows: every position counts, as in TRL
-            tokens = torch.tensor(inputs["position_ids"].size(1))
-        if self.args.world_size > 1:
-            tokens = gather(tokens.to(self.args.device)).sum()
-        self._total_train_tokens += int(tokens) // self._tp_size
+        if mode == "train":
+            if "attention_mask" in inputs:
+                tokens = torch.as_tensor(inputs["attention_mask"]).sum()
+            else:  # padding-free rows: every position counts, as in TRL
+                tokens = torch.tensor(inputs["position_ids"].size(1))
+            if self.args.world_size > 1:
+                tokens = gather(tokens.to(self.args.device)).sum()
+            self._total_train_tokens += int(tokens) // self._tp_size
         metrics["num_tokens"] = [self._total_train_tokens]
+        aux = [c["aux_loss"] for c in chunks if "aux_loss" in c]
+        if self.aux_loss_enabled and aux:
+            # the model's outputs.aux_loss (before its coefficient); a micro-batch the engine ran in row
+            # chunks (memory.split_step) has one per chunk: their mean
+            metrics["aux_loss"].append(gather(sum(aux) / len(aux)).mean())
 
     def log(self, logs, start_time=None):
-        for values in self._metrics["train"].values():  # device tensors become numbers once per log
-            values[:] = [float(v) for v in values]
+        for buffer in self._metrics.values():  # device tensors become numbers once per log
+            for values in buffer.values():
+                values[:] = [float(v) for v in values]
         super().log(logs, start_time)
-
-    # SFTTrainer's own evaluation step runs its fused head through the model; the engine has its own.
-    prediction_step = MegaTrainTrainer.prediction_step
 
     def _aux_loss_scale(self, num_items_in_batch) -> float:
         # TRL averages the MoE load-balancing loss over the accumulation steps when the token loss is
         # normalised by num_items_in_batch (SFTTrainer.compute_loss); stock Trainer does not.
         return 1.0 / self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1.0
+
+
+_APPLIED = ("revision", "attn_implementation", "trust_remote_code")
+
+
+def _say_unapplied(init: dict, args) -> None:
+    """A warning line for each model_init_kwargs setting the engine's loader does not apply."""
+    dtype = init.get("dtype", init.get("torch_dtype"))
+    if dtype is not None and str(dtype).removeprefix("torch.") != "float32":
+        compute = str(compute_dtype(args, args.device)).removeprefix("torch.")
+        logger.warning(
+            "model_init_kwargs dtype=%s is not applied: stock SFTTrainer would load the model in %s, while "
+            "hf_megatrain keeps fp32 master weights and AdamW state in host RAM and computes in %s (set "
+            "compute_dtype, or bf16, to choose the compute dtype).", str(dtype).removeprefix("torch."),
+            "the checkpoint's dtype" if dtype == "auto" else str(dtype).removeprefix("torch."), compute)
+    other = sorted(k for k, v in init.items()
+                   if k not in _APPLIED + ("dtype", "torch_dtype", "device_map") and v is not None)
+    if other:
+        logger.warning("model_init_kwargs %s are not applied: hf_megatrain's loader builds the model from its "
+                       "config and streams the weights (it applies %s).", ", ".join(other), ", ".join(_APPLIED))

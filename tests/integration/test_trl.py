@@ -48,7 +48,9 @@ KW = dict(bf16=False, use_cpu=True, max_steps=4, per_device_train_batch_size=4, 
           learning_rate=1e-3, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0,
           disable_tqdm=True, dataloader_num_workers=0)
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
-METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens", "grad_norm")
+# LoRA on the fused MoE expert tensors (PEFT parametrizes them during the forward)
+LORA_EXPERTS = dict(LORA, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens", "grad_norm", "aux_loss")
 
 
 def run(trainer_cls, config_cls, folder, out, data, lora=None, **extra):
@@ -69,7 +71,12 @@ CASES = {
     "moe_aux_loss": ("mixtral", "completion", None, {}),
     # the step's micro-batches through each layer together: metrics still per micro-batch
     "moe_layer_major": ("mixtral", "completion", None, dict(layer_major_accumulation="true")),
+    # Qwen3-MoE's load-balancing loss, logged as aux_loss (as every MoE case above)
+    "qwen3_moe_aux_loss": ("qwen3_moe", "completion", None, {}),
+    "lora_moe_experts_qwen3": ("qwen3_moe", "completion", LORA_EXPERTS, {}),
+    "lora_moe_experts_gpt_oss": ("gpt_oss", "completion", LORA_EXPERTS, {}),
 }
+MOE = ("mixtral", "qwen3_moe", "gpt_oss")
 OURS_ONLY = ("layer_major_accumulation",)  # MegaTrainSFTConfig fields that stock SFTConfig lacks
 
 
@@ -87,7 +94,8 @@ def test_sft_equals_stock_sfttrainer(case, tmp_path):
     assert len(logs) == len(stock_logs) == KW["max_steps"]
     for ours, theirs in zip(logs, stock_logs):
         assert ours.keys() == theirs.keys(), (ours, theirs)
-        for k in METRICS:
+        assert ("aux_loss" in ours) == (kind in MOE), ours  # the router loss is on in every tiny MoE
+        for k in ours:
             assert ours[k] == pytest.approx(theirs[k], rel=1e-5, abs=1e-6), (k, ours, theirs)
     assert weights.keys() == stock_weights.keys()
     if lora:

@@ -1,0 +1,184 @@
+"""MegaTrainSFTTrainer as a drop-in for TRL's SFTTrainer (issue 32, items 2 to 4), each through the classes a
+user swaps, against stock SFTTrainer on the CPU in fp32: evaluation metrics under eval_ names (and as
+metric_for_best_model), prompt learning refused in one line, the tokenizer of a loaded model found as stock
+finds it, trust_remote_code reaching the loader, and a dtype in model_init_kwargs said to be unapplied. The
+MoE aux_loss log and LoRA on MoE expert parameters are cases of test_trl.test_sft_equals_stock_sfttrainer."""
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+from peft import PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+from hf_megatrain import MegaTrainArguments, MegaTrainError, MegaTrainTrainer  # noqa: E402
+from hf_megatrain.sft import MegaTrainSFTTrainer  # noqa: E402
+from tests.integration.test_trl import DATA, KW, datasets_cache, model_folder  # noqa: E402,F401
+
+EVAL = ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens", "eval_aux_loss")
+TRAIN = ("loss", "entropy", "mean_token_accuracy", "num_tokens", "aux_loss", "grad_norm")
+
+
+def close(a, b):
+    return a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
+def test_eval_metrics_as_stock_and_metric_for_best_model(tmp_path):
+    """Evaluation logs TRL's eval_entropy / eval_mean_token_accuracy / eval_num_tokens (and eval_aux_loss of a
+    MoE) from the eval buffer, equal to stock's; evaluate() returns them, so eval_mean_token_accuracy works as
+    metric_for_best_model with load_best_model_at_end; the training logs around the evaluations stay stock's."""
+    folder = model_folder(tmp_path, "qwen3_moe")  # router aux loss on (tests/support/tiny.py FAMILIES)
+    # one training log at step 4: its metrics average steps 1 to 4, across the evaluation at step 2
+    kw = dict(KW, max_steps=4, logging_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+              per_device_eval_batch_size=4, load_best_model_at_end=True,
+              metric_for_best_model="eval_mean_token_accuracy")
+    runs = {}
+    for name, cls in (("stock", SFTTrainer), ("mega", MegaTrainSFTTrainer)):
+        trainer = cls(model=folder, args=SFTConfig(output_dir=str(tmp_path / name), **kw),
+                      train_dataset=DATA["completion"], eval_dataset=DATA["completion"].select(range(12)))
+        trainer.train()
+        final = trainer.evaluate()
+        runs[name] = (trainer, final)
+    (stock, stock_final), (mega, mega_final) = runs["stock"], runs["mega"]
+    evals = [[h for h in t.state.log_history if "eval_loss" in h] for t in (stock, mega)]
+    trains = [[h for h in t.state.log_history if "loss" in h] for t in (stock, mega)]
+    assert len(evals[0]) == len(evals[1]) == 3 and len(trains[0]) == len(trains[1]) == 1  # steps 2, 4; the last
+    assert all(mega_final[k] == evals[1][-1][k] for k in EVAL)  # evaluate() returns what it logs
+    for theirs, ours in zip(evals[0][:2], evals[1]):
+        assert {k for k in ours if k in EVAL} == set(EVAL), ours
+        assert not {k for k in ours if k in TRAIN}, ours  # no training buffer under training names
+        for k in EVAL:
+            assert close(ours[k], theirs[k]), (k, ours, theirs)
+    assert mega.state.best_global_step == stock.state.best_global_step
+    assert close(mega.state.best_metric, stock.state.best_metric)
+    assert os.path.basename(mega.state.best_model_checkpoint) == os.path.basename(stock.state.best_model_checkpoint)
+    # After load_best_model_at_end the engine evaluates the best checkpoint's weights: the metrics stock logged
+    # at that step (the number of training tokens aside, which counts on). Stock's own final evaluation is not
+    # the reference: transformers 5.17's _load_best_model loads the checkpoint with load_state_dict(strict=False),
+    # and a MoE checkpoint names its experts one by one (experts.0.gate_proj...), so stock keeps the last
+    # step's experts under the best step's other weights.
+    best = next(h for h in evals[0] if h["step"] == stock.state.best_global_step)
+    assert {k for k in mega_final if k in EVAL} == set(EVAL) and not {k for k in mega_final if k in TRAIN}
+    for k in EVAL:
+        if k != "eval_num_tokens":
+            assert close(mega_final[k], best[k]), (k, mega_final, best)
+    assert mega_final["eval_num_tokens"] == stock_final["eval_num_tokens"]
+    for theirs, ours in zip(*trains):  # the training buffer is neither emptied nor logged by the evaluation
+        assert {k for k in ours if k in TRAIN} == set(TRAIN), ours
+        for k in TRAIN:
+            assert close(ours[k], theirs[k]), (k, ours, theirs)
+    assert not mega.model.training and not stock.model.training  # both left in eval mode by evaluate()
+
+
+PROMPT_LEARNING = {
+    "prompt_tuning": PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+    "prefix_tuning": PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+    "p_tuning": PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, encoder_hidden_size=16),
+}
+
+
+@pytest.mark.parametrize("kind", list(PROMPT_LEARNING))
+def test_prompt_learning_is_refused_at_construction_in_one_line(kind, tmp_path, monkeypatch):
+    """Prompt/prefix tuning and p-tuning would get no gradient (their virtual tokens enter through
+    PeftModel.forward, which the engine does not run): refused before any data is tokenized, as a
+    peft_config and as a PEFT model, instead of failing in train() with an empty parameter list."""
+    folder = model_folder(tmp_path, "llama")
+    config = PROMPT_LEARNING[kind]
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("the data was prepared before the refusal")
+
+    monkeypatch.setattr(SFTTrainer, "_prepare_dataset", no_tokenizing)
+    args = SFTConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, report_to=[])
+    with pytest.raises(MegaTrainError, match=f"{config.peft_type.value}.*prompt learning") as refused:
+        MegaTrainSFTTrainer(folder, args, train_dataset=DATA["completion"], peft_config=config)
+    assert "\n" not in str(refused.value)
+    prompted = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), config)
+    with pytest.raises(MegaTrainError, match="prompt learning") as refused:
+        MegaTrainSFTTrainer(prompted, args, train_dataset=DATA["completion"])
+    assert "\n" not in str(refused.value)
+    with pytest.raises(MegaTrainError, match="prompt learning"):
+        MegaTrainTrainer(AutoModelForCausalLM.from_pretrained(folder),
+                         MegaTrainArguments(output_dir=str(tmp_path / "t"), use_cpu=True, report_to=[]),
+                         peft_config=config)
+
+
+def test_loaded_model_without_processing_class_gets_its_tokenizer_as_stock(tmp_path):
+    """Stock loads the tokenizer from model.config._name_or_path; so does the engine's trainer, and the
+    two train alike."""
+    folder = model_folder(tmp_path, "llama")
+    trainers = {}
+    for name, cls in (("stock", SFTTrainer), ("mega", MegaTrainSFTTrainer)):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        trainer = cls(model=model, args=SFTConfig(output_dir=str(tmp_path / name), **dict(KW, max_steps=2)),
+                      train_dataset=DATA["completion"])
+        trainer.train()
+        trainers[name] = trainer
+    stock, mega = trainers["stock"].processing_class, trainers["mega"].processing_class
+    assert type(mega) is type(stock) and mega.name_or_path == stock.name_or_path == folder
+    assert mega.get_vocab() == stock.get_vocab() and mega.pad_token == stock.pad_token
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in trainers.values()]
+    assert len(losses[0]) == 2 and all(close(a, b) for a, b in zip(*losses))
+
+
+def remote_code_folder(tmp_path):
+    """A tiny model whose config names a model type transformers does not know, with its own configuration
+    and modeling code (a Llama underneath): it loads only with trust_remote_code."""
+    folder = model_folder(tmp_path, "llama")
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(model_type="megatrain_remote_llama", architectures=["RemoteLlamaForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_remote.RemoteLlamaConfig",
+                            "AutoModelForCausalLM": "modeling_remote.RemoteLlamaForCausalLM"})
+    with open(path, "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(folder, "configuration_remote.py"), "w") as f:
+        f.write("from transformers import LlamaConfig\n\n\nclass RemoteLlamaConfig(LlamaConfig):\n"
+                "    model_type = 'megatrain_remote_llama'\n")
+    with open(os.path.join(folder, "modeling_remote.py"), "w") as f:
+        f.write("from transformers import LlamaForCausalLM\n\nfrom .configuration_remote import RemoteLlamaConfig\n\n\n"
+                "class RemoteLlamaForCausalLM(LlamaForCausalLM):\n    config_class = RemoteLlamaConfig\n")
+    return folder
+
+
+@pytest.mark.parametrize("where", ["args", "model_init_kwargs"])
+def test_trust_remote_code_reaches_the_loader(where, tmp_path):
+    """SFTConfig(trust_remote_code=True), or trust_remote_code in model_init_kwargs, builds the folder's own
+    model class, as stock's loader does, and trains as stock; without it both refuse (no prompt)."""
+    folder = remote_code_folder(tmp_path)
+    trust = dict(trust_remote_code=True) if where == "args" else dict(model_init_kwargs={"trust_remote_code": True})
+    kw = dict(KW, max_steps=2)
+    logs = {}
+    for name, cls in (("stock", SFTTrainer), ("mega", MegaTrainSFTTrainer)):
+        with pytest.raises(ValueError, match="trust_remote_code"):
+            cls(model=folder, args=SFTConfig(output_dir=str(tmp_path / name), **kw), train_dataset=DATA["completion"])
+        trainer = cls(model=folder, args=SFTConfig(output_dir=str(tmp_path / name), **kw, **trust),
+                      train_dataset=DATA["completion"])
+        assert type(trainer.model).__name__ == "RemoteLlamaForCausalLM"
+        trainer.train()
+        logs[name] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(logs["mega"]) == 2 and all(close(a, b) for a, b in zip(logs["stock"], logs["mega"]))
+
+
+def test_dtype_in_model_init_kwargs_is_said_to_be_unapplied(tmp_path, caplog):
+    """Stock would load the model in that dtype; the engine keeps fp32 masters: one warning line says so.
+    float32 (what the masters are) says nothing."""
+    folder = model_folder(tmp_path, "llama")
+    for dtype, lines in (("bfloat16", 1), (torch.float32, 0)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hf_megatrain"):
+            trainer = MegaTrainSFTTrainer(
+                folder, SFTConfig(output_dir=str(tmp_path / "o"), **dict(KW, max_steps=1),
+                                  model_init_kwargs={"dtype": dtype}), train_dataset=DATA["completion"])
+        said = [r.getMessage() for r in caplog.records if "model_init_kwargs" in r.getMessage()]
+        assert len(said) == lines, said
+        if lines:
+            assert "dtype=bfloat16 is not applied" in said[0] and "fp32 master weights" in said[0]
+            assert "float32" in said[0] and "\n" not in said[0]
+        assert all(p.dtype == torch.float32 for _, p in trainer.engine.named_master_params())
