@@ -63,8 +63,10 @@ def save_hf_model(store, skeleton, out_dir: str, dtype: torch.dtype | None = Non
                   write: bool = True) -> list[str]:
     """Write `out_dir` so that `AutoModelForCausalLM.from_pretrained(out_dir)` loads the masters.
 
-    unit_tensors(index, dtype) -> {name: tensor} replaces the default per-unit source (the LoRA
-    export merges adapters there). Data parallel: every rank calls this (the masters are
+    dtype: None reads `skeleton.config` now, which the model's own save_pretrained() rewrites to the
+    dtype of whatever its parameters view: callers that save repeatedly pass the dtype they remembered
+    (ModelWriter.dtype). unit_tensors(index, dtype) -> {name: tensor} replaces the default per-unit
+    source (the LoRA export merges adapters there). Data parallel: every rank calls this (the masters are
     gathered unit by unit) and only the one with write=True writes.
     """
     unit_tensors = unit_tensors or (lambda index, dt: unit_state_dict(store, skeleton, index, dt))
