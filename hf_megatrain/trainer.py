@@ -1,7 +1,8 @@
 """MegaTrainTrainer: transformers.Trainer with its forward/backward/step path on the engine.
 
-Thin glue. `self.model` stays the real PreTrainedModel (config, save hooks, generate); its
-parameters are views of the host store's compute copies. `_wrap_model` hands Trainer the
+Thin glue. `self.model` stays the real PreTrainedModel the user gave (config, save hooks, generate),
+its Parameter objects kept: what trains views its fp32 master in the host store (engine/store.py,
+HostStore.bind), current after train() returns. `_wrap_model` hands Trainer the
 engine instead, so accelerate never prepares or moves the model. Everything else (the loop,
 gradient accumulation, schedulers, callbacks, logging, evaluation, checkpoint rotation) is
 stock Trainer, driven through the hook methods it offers for exactly this.
@@ -629,13 +630,19 @@ class MegaTrainTrainer(Trainer):
         final = {}
         for entry in self.state.log_history:  # the last value of each metric
             final.update({k: v for k, v in entry.items() if k in ("loss", "train_loss", "eval_loss", "epoch")})
+        world = max(1, a.world_size)
+        if self.engine.device.type == "cuda":
+            where = "layers streamed through one GPU" if world == 1 else \
+                f"layers streamed through each of {world} GPUs (data parallel)"
+        else:
+            where = "trained on the CPU" + (f" in {world} processes (data parallel)" if world > 1 else "")
         lines = ["---", "library_name: transformers", "tags: [hf_megatrain]"]
         if base and not os.path.isdir(base):
             lines.append(f"base_model: {base}")
         lines += ["---", "", f"# {self.hub_model_id if getattr(self, 'hub_model_id', None) else os.path.basename(out)}",
                   "", f"Fine-tuned from {f'`{base}`' if base else f'a {config.model_type} model'} with "
-                  f"hf_megatrain {__version__} (fp32 master weights and AdamW "
-                  "state in host RAM, layers streamed through one GPU).", "",
+                  f"hf_megatrain {__version__} (fp32 master weights and AdamW state in host RAM, "
+                  f"{where}).", "",
                   "## Data", ""] + ([f"- `{d}`" for d in data] or ["- (a dataset passed in memory, unnamed)"])
         lines += ["", "## Hyperparameters", "", "| name | value |", "| --- | --- |"]
         lines += [f"| {k} | {v} |" for k, v in hyper.items()]

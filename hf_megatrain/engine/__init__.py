@@ -17,10 +17,10 @@ H2D and D2H. "Waits on" is what orders a reader after the writer.
 
   buffer              written by                        readers, and what orders them
   ------------------  --------------------------------  -----------------------------------------
-  store.master[i]     unit i's AdamW step: A (T on the   the next step; checkpoints and
-  store.compute[i]    device stream for a resident       named_master_params after synchronize();
-                      unit); cleared `ready[i]` before   the H2D load or the CPU compute of unit i,
-                      the step is queued, set after      which waits on ready[i]
+  store.master[i]     unit i's AdamW step: A (T on the   the next step; checkpoints, named_master_params
+  store.compute[i]    device stream for a resident       and the model's own parameters (views of the
+                      unit); cleared `ready[i]` before   master) after synchronize(); the H2D load or
+                      the step is queued, set after      the CPU compute of unit i, which waits on ready[i]
   store.grad[i]       1st contribution of a step: D2H    norms, named_grads, grad_norm and the step,
                       stream (T on the CPU or for a      after pipeline.finish() (every contribution
                       resident unit); later ones: C      landed); outside the step also after

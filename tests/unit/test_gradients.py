@@ -71,8 +71,13 @@ def test_master_params_are_the_model_weights():
     for n, t in masters.items():
         assert t.dtype == torch.float32
         torch.testing.assert_close(t, expected[n], atol=0, rtol=0)
-    # the model object stays usable: its parameters now view the bf16 compute copies
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    # the model object is the model that trains: its parameters (the same objects) view the fp32 masters,
+    # not the bf16 copy that streams
+    views = dict(model.named_parameters())
+    assert all(p.dtype == torch.float32 for p in views.values())
+    for unit in engine.units:
+        for slot, view in zip(unit.train_slots, engine.store.views(unit.index, engine.store.master[unit.index])):
+            assert views[slot.name].data_ptr() == view.data_ptr(), slot.name
 
 
 class _LargestLogits(TorchDispatchMode):
