@@ -38,6 +38,7 @@ except ImportError as e:  # an optional extra
 from .arguments import MegaTrainArguments, check_arguments, compute_dtype, megatrain_arguments
 from .checkpoint.loading import load_model_and_tokenizer
 from .errors import MegaTrainError
+from .logs import show_logs
 from .patcher.adapters import check_adapter_config
 from .preflight import check_outputs, check_resume
 from .trainer import MegaTrainTrainer
@@ -146,6 +147,7 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         # Of model_init_kwargs, the revision, attention implementation and trust_remote_code apply (the
         # last defaulting to args.trust_remote_code, as in SFTTrainer); what else is asked is said.
         if isinstance(model, str):
+            show_logs(None if args.log_level == "passive" and args.should_log else args.get_process_log_level())
             init = dict(args.model_init_kwargs or {})
             init.setdefault("trust_remote_code", args.trust_remote_code)
             _say_unapplied(init, args)
@@ -248,5 +250,5 @@ def _say_unapplied(init: dict, args) -> None:
     other = sorted(k for k, v in init.items()
                    if k not in _APPLIED + ("dtype", "torch_dtype", "device_map") and v is not None)
     if other:
-        logger.warning("model_init_kwargs %s are not applied: hf_megatrain's loader builds the model from its "
-                       "config and streams the weights (it applies %s).", ", ".join(other), ", ".join(_APPLIED))
+        logger.warning("model_init_kwargs %s: not applied; hf_megatrain's loader builds the model from its config "
+                       "and streams the weights (it applies %s).", ", ".join(other), ", ".join(_APPLIED))
