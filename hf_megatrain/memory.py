@@ -17,8 +17,10 @@ running L of the ranks needs L times their total; that per-host figure is what a
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -52,10 +54,46 @@ class Shapes:
     units: list = field(default_factory=list, repr=False)  # the engine's own units (engine.layout)
 
 
+_UNITS: OrderedDict = OrderedDict()  # config's contents -> its units (a meta build each: ~0.1-0.3 s)
+_UNITS_KEPT = 8
+
+
+def _config_key(config):
+    """What a config's units depend on, as a key (None: not serialisable, so not memoized)."""
+    try:
+        return type(config).__qualname__, config.to_json_string(use_diff=False)
+    except Exception:  # noqa: BLE001 - an odd attribute costs the memo, never the plan
+        return None
+
+
+def config_units_memo(config) -> list:
+    """engine.layout.config_units(config), built on the meta device once per config's contents
+    (the planner's search asks for the same config's units hundreds of times). Each call returns
+    fresh Unit objects (shallow copies: mark_resident sets flags on them, the slots are shared and
+    never written), so a caller that marks them marks only its own."""
+    key = _config_key(config)
+    units = _UNITS.get(key) if key is not None else None
+    if units is None:
+        units = config_units(config)
+        if key is not None:
+            _UNITS[key] = units
+            while len(_UNITS) > _UNITS_KEPT:
+                _UNITS.popitem(last=False)
+    else:
+        _UNITS.move_to_end(key)
+    return copy_units(units)
+
+
+def copy_units(units) -> list:
+    """Units of one's own to mark (mark_resident), sharing the slot lists that nothing writes."""
+    return [copy.copy(u) for u in units]
+
+
 def model_shapes(config) -> Shapes:
     """Parameter counts per unit, laid out as the engine lays them out (engine.layout.config_units:
-    a meta copy of the model, no memory), plus the widths the activation terms need."""
-    units = config_units(config)
+    a meta copy of the model, no memory, built once per config: config_units_memo), plus the widths
+    the activation terms need. The units are the caller's own."""
+    units = config_units_memo(config)
     h = config.hidden_size
     heads = config.num_attention_heads
     hd = getattr(config, "head_dim", None) or h // heads
@@ -154,8 +192,9 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     cuda = eng.device.type == "cuda"
     tokens = batch * seq
     world = max(1, world_size)
-    # data parallel streams every layer (residency is not combined with sharding yet)
-    units = s.units
+    # data parallel streams every layer (residency is not combined with sharding yet); marked on a
+    # copy: the units handed in (shapes=) stay as they were
+    units = copy_units(s.units)
     resident_layers = mark_resident(units, 0 if world > 1 else eng.resident_layers or 0, eng.lean_resident,
                                     eng.lean_streamed and world == 1,
                                     0 if world > 1 or not cuda else eng.gpu_grad_layers)

@@ -23,7 +23,6 @@ launch gaps, and padding (it counts every token as real).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 from .engine.layout import mark_resident
@@ -63,22 +62,19 @@ class StepTime:
 
 
 def routed_per_layer(config) -> dict[int, tuple[int, float]]:
-    """{layer: (routed expert parameters, fraction active per token)} from a meta copy of the model:
+    """{layer: (routed expert parameters, fraction active per token)} from the model's units (a meta copy):
     a routed expert's weights (named `.experts.`, HF v5's fused tensors) count top_k / experts."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from .memory import config_units_memo
 
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     if not experts:
         return {}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     out: dict[int, tuple[int, float]] = {}
-    for name, p in model.named_parameters():
-        if ".experts." in name and ".layers." in name:
-            layer = int(name.split(".layers.", 1)[1].split(".", 1)[0])
-            n, _ = out.get(layer, (0, 0.0))
-            out[layer] = (n + p.numel(), config.num_experts_per_tok / experts)
+    for u in config_units_memo(config):  # the planner's meta build, not one of its own
+        for slot in u.slots:
+            if u.kind == "layer" and ".experts." in slot.name and ".layers." in slot.name:
+                n, _ = out.get(u.layer, (0, 0.0))
+                out[u.layer] = (n + slot.shape.numel(), config.num_experts_per_tok / experts)
     return out
 
 
@@ -115,10 +111,10 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
     each unit is stepped, clipped, as its gradient lands.
     layer_costs: measured per-layer seconds to use for the decoder layers' compute and host AdamW
     instead of the rates (a projection of a model this box cannot hold from one it trained)."""
-    from .memory import model_shapes
+    from .memory import copy_units, model_shapes
 
     s = shapes or model_shapes(config)
-    units = copy.deepcopy(s.units)
+    units = copy_units(s.units)  # marked here: the units handed in stay as they were
     mark_resident(units, engine.resident_layers or 0, engine.lean_resident, engine.lean_streamed,
                   engine.gpu_grad_layers or 0)
     routed = routed_per_layer(config) if routed is None else routed

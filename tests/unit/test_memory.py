@@ -361,3 +361,58 @@ def test_allocator_advice_near_a_full_gpu(monkeypatch):
         with pytest.raises(Stop):
             cli._train(["--model", "m", "--output_dir", "o"])
         assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == after
+
+
+# -- the planner's speed (issue 33) -----------------------------------------------------------------
+def _count_meta_builds(monkeypatch):
+    """Count engine.layout.config_units calls (each builds the model on the meta device), with the memo
+    emptied first."""
+    from hf_megatrain import memory
+
+    builds = []
+    real = memory.config_units
+
+    def counting(config, *a, **kw):
+        builds.append(config.model_type)
+        return real(config, *a, **kw)
+
+    monkeypatch.setattr(memory, "config_units", counting)
+    monkeypatch.setattr(memory, "_UNITS", type(memory._UNITS)())
+    return builds
+
+
+@pytest.mark.parametrize("shape", ["llama-3.1-70b", "mixtral-8x7b"])
+def test_a_plan_builds_the_model_on_the_meta_device_once(monkeypatch, shape):
+    """The planner's search (split_step -> resolve_placement -> place_layers -> plan_placement ->
+    estimate), the step-time model and a refusal's costs ask for the same config's units hundreds of
+    times: the meta build runs once per config (it once ran 105-115 times for the 70B shape)."""
+    from hf_megatrain.engine.config import EngineConfig
+    from hf_megatrain.memory import split_step
+    from hf_megatrain.probe import REFERENCE as rates
+    from hf_megatrain.shapes import make_config
+    from hf_megatrain.steptime import mode_cost, predict, routed_per_layer
+
+    builds = _count_meta_builds(monkeypatch)
+    cfg = make_config(shape)
+    auto = EngineConfig(device="cuda", resident_layers=None, offload_activations=None, lean_resident=None,
+                        lean_streamed=None, transient_grads=None, gpu_grad_layers=None)
+    step = split_step(cfg, 4, 4096, auto, 8, host_free=400 * GiB, gpu_free=70 * GiB)
+    predict(cfg, 4 // step.split, 4096, step.placement.engine, rates, micro_batches=8 * step.split)
+    mode_cost(cfg, 4, 4096, step.placement.engine, rates)({"lean_streamed": True})
+    routed_per_layer(cfg)
+    estimate(make_config(shape), 1, 1024)  # another object with the same contents: the same units
+    assert builds == [cfg.model_type]
+
+
+def test_estimate_and_predict_leave_the_units_they_are_handed_as_they_were():
+    """estimate and steptime.predict mark residency on units of their own: the Shapes handed in (shapes=)
+    keep their marks, so one Shapes serves every plan of a search."""
+    from hf_megatrain.shapes import make_config
+
+    cfg = make_config("qwen2.5-14b")
+    shapes = model_shapes(cfg)
+    before = [(u.resident, u.lean, u.grad_on_gpu) for u in shapes.units]
+    estimate(cfg, 16, 1024, shapes=shapes, resident_layers=20, lean_resident=True, lean_streamed=True,
+             gpu_grad_layers=3)
+    assert [(u.resident, u.lean, u.grad_on_gpu) for u in shapes.units] == before
+    assert model_shapes(cfg).units is not shapes.units  # each caller gets units of its own
