@@ -355,6 +355,7 @@ class MegaTrainTrainer(Trainer):
                 "the rows labels, or a data_collator that makes them, e.g. DataCollatorForLanguageModeling(tokenizer, "
                 "mlm=False).)")
         self.engine.train()
+        self.model.train()  # as stock's training_step leaves the model it trains (callbacks and TRL read it)
         # Same loss scaling rule as Trainer.training_step: HF causal LMs divide by
         # num_items_in_batch themselves; otherwise the mean loss is divided by the GA steps
         # (not a compute_loss_func's, which Trainer leaves as it is).
@@ -450,6 +451,7 @@ class MegaTrainTrainer(Trainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         self.engine.eval()
+        self.model.eval()  # as stock's evaluation leaves the model it evaluates
         if self._custom:  # the user's loss: stock's own prediction_step, with the engine's forward as the model
             return Trainer.prediction_step(self, LogitsModel(self.model, inputs, engine=self.engine), inputs,
                                            prediction_loss_only, ignore_keys)

@@ -321,3 +321,28 @@ def test_training_step_override_without_super_says_so(tmp_path):
     around(make_model("llama"), MegaTrainArguments(output_dir=str(tmp_path / "b"), **KW),
            train_dataset=padded_rows()).train()
     assert wrapped.calls == KW["max_steps"] * KW["gradient_accumulation_steps"]
+
+
+def test_the_model_is_in_train_or_eval_mode_as_in_stock(tmp_path):
+    """A callback reading trainer.model.training sees what it sees under stock Trainer."""
+    from transformers import TrainerCallback
+
+    class Record(TrainerCallback):
+        def __init__(self):
+            self.seen = []
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            self.seen.append(("step", model.training))
+
+        def on_evaluate(self, args, state, control, model=None, **kw):
+            self.seen.append(("eval", model.training))
+
+    seen = {}
+    for name, cls, args_cls in (("stock", Trainer, TrainingArguments), ("mega", MegaTrainTrainer, MegaTrainArguments)):
+        record = Record()
+        t = cls(model=make_model("llama"), args=args_cls(output_dir=str(tmp_path / name), eval_strategy="steps",
+                                                          eval_steps=2, **KW),
+                train_dataset=padded_rows(), eval_dataset=padded_rows(4), callbacks=[record])
+        t.train()
+        seen[name] = record.seen
+    assert seen["stock"] == seen["mega"] and ("eval", False) in seen["mega"]
