@@ -758,7 +758,9 @@ class LogitsModel:
         self._model, self._batch, self._logits, self._aux, self._engine = model, batch, logits, aux, engine
         self._called = False
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # only for what __init__ did not set
+        if name in ("_model", "_batch", "_logits", "_aux", "_engine", "_called"):
+            raise AttributeError(name)  # a copy made without __init__ must not recurse
         return getattr(self._model, name)
 
     def _get_name(self):  # what Trainer's label smoother reads to know it is a causal LM
