@@ -12,7 +12,8 @@ order makes that work: SFTTrainer's `__init__` prepares the data and then calls 
 `__init__` in line, which is MegaTrainTrainer's (it builds the engine and then calls Trainer's),
 and every hook the engine replaces comes from MegaTrainTrainer unless SFTTrainer wraps it
 around a `super()` call. The loss is the same number: TRL's 'nll' is the token-summed negative
-log-likelihood over `num_items_in_batch`, which the engine's chunked loss computes. The logs are
+log-likelihood over `num_items_in_batch`, which the engine's chunked loss computes, and its 'dft'
+the same sum with each token's term weighted by its detached probability. The logs are
 TRL's too: `entropy`, `mean_token_accuracy`, `num_tokens` and a MoE's `aux_loss` from the engine's
 head, in training and (as `eval_*`, which `evaluate()` returns) in evaluation.
 
@@ -37,6 +38,7 @@ except ImportError as e:  # an optional extra
 
 from .arguments import MegaTrainArguments, check_arguments, compute_dtype, megatrain_arguments
 from .checkpoint.loading import load_model_and_tokenizer
+from .engine.loss import LOSS_TYPES
 from .errors import MegaTrainError
 from .logs import show_logs
 from .patcher.adapters import check_adapter_config
@@ -102,9 +104,9 @@ def sft_arguments(args, model) -> MegaTrainSFTConfig:
 
 def check_sft(args, kwargs: dict) -> None:
     """What SFTTrainer offers that the engine cannot honour, refused before any data is tokenized."""
-    if args.loss_type != "nll":
-        raise MegaTrainError(f"loss_type={args.loss_type!r} is not supported: the engine's chunked loss is the "
-                             "negative log-likelihood (loss_type='nll', the default).")
+    if args.loss_type not in LOSS_TYPES:  # SFTTrainer raises its own ValueError later; say it before tokenizing
+        raise MegaTrainError(f"loss_type={args.loss_type!r} is not supported: the engine's chunked loss computes "
+                             f"{' and '.join(repr(t) for t in LOSS_TYPES)}, as SFTTrainer does.")
     if args.activation_offloading:
         raise MegaTrainError("activation_offloading=True is TRL's offload for a model on the GPU; the engine keeps "
                              "activations itself (MegaTrainSFTConfig.offload_activations). Leave it False.")
@@ -174,6 +176,7 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
                 setattr(own, name, getattr(text, name))
         # entropy, top-1 hits and the MoE aux loss for TRL's metrics, from the engine's loss
         self.engine.head_stats = []
+        self.engine.loss_type = args.loss_type  # 'dft' weights each token's NLL in the engine's chunked head
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         # SFTTrainer's own training_step only adds its activation offloading (refused above). Trainer's puts

@@ -3,6 +3,9 @@
 Exactly `ForCausalLMLoss` (transformers.loss.loss_utils): labels are shifted left with
 -100 padding, logits are upcast to fp32, cross-entropy ignores -100, and the loss is
 sum / num_items_in_batch when that is given, otherwise the mean over counted tokens.
+With loss_type='dft' (TRL's SFTConfig, Dynamic Fine-Tuning) each token's negative log-likelihood
+is weighted by its probability, detached (exp(log_p).detach(), as SFTTrainer.compute_loss does),
+with the same normalisation; the gradient is that of the weighted sum with the weight constant.
 
 Only rows whose shifted label is not -100 contribute, so only those rows are pushed through
 lm_head: padding and prompt tokens cost no vocabulary matmul. At most `chunk` rows of
@@ -15,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+LOSS_TYPES = ("nll", "dft")
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -47,6 +51,7 @@ def chunked_head_loss(
     rows: torch.Tensor | None = None,
     trainable: list[bool] | None = None,
     stats: dict | None = None,
+    loss_type: str = "nll",
 ):
     """Loss of the head over `hidden`, and (when `seed` is given) its gradients.
 
@@ -57,9 +62,13 @@ def chunked_head_loss(
     stats: when a dict, it receives device tensors over the counted tokens: 'tokens', the
     summed 'entropy' of the predicted distributions and 'correct' top-1 predictions (TRL's
     SFT metrics), at the cost of a softmax over each chunk's logits.
+    loss_type: 'nll' (the causal LM's loss) or 'dft' (TRL's: each token's NLL times its detached
+    probability).
 
     Returns (loss, grad_hidden or None, fp32 grads of `weights` or None).
     """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, not {loss_type!r}")
     trainable = trainable if trainable is not None else [True] * len(weights)
     hidden_size = hidden.shape[-1]
     flat_h = hidden.reshape(-1, hidden_size)
@@ -85,7 +94,7 @@ def chunked_head_loss(
         if seed is None:
             with torch.no_grad():
                 logits = run_head(weights, h).float()
-                total += F.cross_entropy(logits, target, reduction="sum")
+                total += _summed_loss(logits, target, loss_type)
                 _add_stats(stats, logits, target)
             continue
         bound = [w.detach().requires_grad_() if t else w for w, t in zip(weights, trainable)]
@@ -93,7 +102,7 @@ def chunked_head_loss(
         h.requires_grad_()
         with torch.enable_grad():
             logits = run_head(bound, h).float()
-            ce = F.cross_entropy(logits, target, reduction="sum")
+            ce = _summed_loss(logits, target, loss_type)
             _add_stats(stats, logits, target)
             grads = torch.autograd.grad(ce, [h] + leaves, grad_outputs=chunk_seed, materialize_grads=True, allow_unused=True)
         total += ce.detach()
@@ -105,6 +114,14 @@ def chunked_head_loss(
     if grad_h is not None:
         grad_h = grad_h.view_as(hidden)
     return loss, grad_h, grad_w
+
+
+def _summed_loss(logits: torch.Tensor, target: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """The chunk's summed token loss over fp32 logits."""
+    if loss_type == "dft":  # -log_p * exp(log_p).detach()
+        nll = F.cross_entropy(logits, target, reduction="none")
+        return (nll * torch.exp(-nll).detach()).sum()
+    return F.cross_entropy(logits, target, reduction="sum")
 
 
 def _add_stats(stats: dict | None, logits: torch.Tensor, target: torch.Tensor) -> None:

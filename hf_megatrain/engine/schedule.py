@@ -219,6 +219,8 @@ class StreamingEngine(nn.Module):
         # loss.chunked_head_loss) and, for a MoE with its router loss on, the load-balancing loss
         # before its coefficient ('aux_loss', the model's `outputs.aux_loss`); TRL's SFT metrics read them.
         self.head_stats: list[dict] | None = None
+        # The token loss of the chunked head (loss.chunked_head_loss): 'nll', or TRL's 'dft' (SFTConfig.loss_type).
+        self.loss_type = "nll"
         self._warned_length = False
 
     @property
@@ -628,7 +630,7 @@ class StreamingEngine(nn.Module):
                 if head_loss is None:
                     loss, grad_x, grad_w = chunked_head_loss(
                         self._run_head(names), weights, xs[k], labels, denom, seed, self.loss_chunk_tokens, rows,
-                        trainable, stats=stats,
+                        trainable, stats=stats, loss_type=self.loss_type,
                     )
                 else:
                     loss, grad_x, grad_w, custom_seeds = self._custom_head_loss(
@@ -813,7 +815,7 @@ class StreamingEngine(nn.Module):
         if labels is not None:
             denom = loss_denominator(labels, kw.get("num_items_in_batch"))
             loss, _, _ = chunked_head_loss(run_head, weights, x, labels, denom, None, self.loss_chunk_tokens, rows,
-                                           stats=stats)
+                                           stats=stats, loss_type=self.loss_type)
             if routers:
                 loss = loss + weighted
         if return_logits:

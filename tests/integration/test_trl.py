@@ -75,6 +75,8 @@ CASES = {
     "qwen3_moe_aux_loss": ("qwen3_moe", "completion", None, {}),
     "lora_moe_experts_qwen3": ("qwen3_moe", "completion", LORA_EXPERTS, {}),
     "lora_moe_experts_gpt_oss": ("gpt_oss", "completion", LORA_EXPERTS, {}),
+    # TRL's DFT loss: each token's NLL weighted by its detached probability, in the engine's chunked head
+    "dft_loss": ("llama", "completion", None, dict(loss_type="dft")),
 }
 MOE = ("mixtral", "qwen3_moe", "gpt_oss")
 OURS_ONLY = ("layer_major_accumulation",)  # MegaTrainSFTConfig fields that stock SFTConfig lacks
@@ -129,7 +131,6 @@ def test_trl_configs_of_other_trainers_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("extra, match", [
-    (dict(loss_type="dft"), "loss_type='dft'"),
     (dict(activation_offloading=True), "activation_offloading"),
     (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
     (dict(chat_template_path="Qwen/Qwen2.5-0.5B-Instruct"), "clone_chat_template"),
@@ -178,3 +179,16 @@ def test_trl_script_runs_as_a_command_with_yaml_and_lora(tmp_path):
     trained = {k: v for k, v in model.state_dict().items() if "lora_B" in k}
     assert trained and all(v.abs().max() > 0 for v in trained.values())  # B starts at zero: it was trained
     assert len(saved) == 2 * len(trained)
+
+
+def test_sft_dft_evaluate_equals_stock(tmp_path):
+    """loss_type='dft' holds in evaluation too (SFTTrainer's compute_loss weights the eval loss as well)."""
+    folder = model_folder(tmp_path, "llama")
+    kw = dict(KW, max_steps=2, eval_strategy="no", per_device_eval_batch_size=4, loss_type="dft")
+    losses = {}
+    for name, cls in (("stock", SFTTrainer), ("mega", MegaTrainSFTTrainer)):
+        trainer = cls(model=folder, args=SFTConfig(output_dir=str(tmp_path / name), **kw),
+                      train_dataset=DATA["completion"], eval_dataset=DATA["completion"].select(range(8)))
+        trainer.train()
+        losses[name] = trainer.evaluate()["eval_loss"]
+    assert losses["mega"] == pytest.approx(losses["stock"], rel=1e-5)
