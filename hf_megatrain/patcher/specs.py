@@ -208,10 +208,10 @@ _GENERIC: dict[str, ArchSpec] = {}
 
 def _generic(config) -> ArchSpec | None:
     """A spec for a type outside the registry whose causal LM has the standard layout: the embedding,
-    a ModuleList of decoder layers taking (hidden_states, attention_mask, position_ids,
-    position_embeddings), a final norm, lm_head, a rotary module. The engine verifies it before
-    training (engine/selfcheck.py); None when the layout is not that or the config says it is not
-    a plain decoder stack."""
+    a ModuleList of decoder layers taking (hidden_states, attention_mask, position_embeddings, and
+    position_ids by name or through **kwargs), a final norm, lm_head, a rotary module. The engine
+    verifies it before training (engine/selfcheck.py); None when the layout is not that or the
+    config says it is not a plain decoder stack."""
     model_type = getattr(config, "model_type", None)
     if model_type in _GENERIC:
         return _GENERIC[model_type]
@@ -230,8 +230,10 @@ def _generic(config) -> ArchSpec | None:
         params = inspect.signature(type(layers[0]).forward).parameters
     except Exception:
         return None
-    wanted = {"hidden_states", "attention_mask", "position_ids", "position_embeddings"}
-    if not isinstance(layers, torch.nn.ModuleList) or not wanted <= set(params):
+    wanted = {"hidden_states", "attention_mask", "position_embeddings"}
+    # position_ids is passed by keyword too: named, or taken by **kwargs (the self-check decides the rest)
+    takes_position_ids = "position_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if not isinstance(layers, torch.nn.ModuleList) or not wanted <= set(params) or not takes_position_ids:
         return None
     _GENERIC[model_type] = spec
     return spec
@@ -279,6 +281,8 @@ register(ArchSpec("gemma2", _per_layer_types, logits=_softcap_logits))
 register(ArchSpec("gemma3_text", _per_layer_types, logits=_softcap_logits))  # a rotary base per attention kind
 register(ArchSpec("granite", _always_full, embed_multiplier="embedding_multiplier", logits=_divided_logits))
 register(ArchSpec("cohere", _always_full, logits=_scaled_logits))
+# Cohere 2: sliding and full layers by config.layer_types (its layers take position_ids through **kwargs)
+register(ArchSpec("cohere2", _per_layer_types, logits=_scaled_logits))
 # Mixture-of-experts families: HF's load-balancing loss, experts fused in memory as HF v5 does.
 _LBL = "load_balancing_loss_func"
 for _type, _kind, _inter in (("qwen2_moe", _per_layer_types, "moe_intermediate_size"),

@@ -161,3 +161,60 @@ def test_the_self_check_refuses_what_the_generic_spec_gets_wrong(monkeypatch):
     with pytest.raises(MegaTrainError, match="'granite' is outside the registry.*2-layer random copy the loss "
                                              "differs from stock autograd"):
         StreamingEngine(make_model("granite"), compute_dtype=torch.float32)
+
+
+# Families added after the shared tiny set (tests/support/tiny.py FAMILIES), with their tiny configs here:
+# Cohere 2 (sliding and full layers, a logit scale; its layers take position_ids through **kwargs).
+LATER = {
+    "cohere2": dict(logit_scale=0.5, sliding_window=5,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+}
+
+
+def _later_model(family, attn="eager"):
+    from transformers import AutoConfig
+
+    from tests.support.tiny import COMMON
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(family, **{**COMMON, **LATER[family]})
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).train()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", list(LATER))
+def test_later_families_gradients_match_stock(family, attn):
+    assert family in supported_model_types()
+    model = _later_model(family, attn)
+    batch = make_batch(batch=3, seq=12)  # one right-padded row
+    nib = batch["labels"][..., 1:].ne(-100).sum()
+    ref = copy.deepcopy(model)
+    torch.manual_seed(1234)
+    out = ref(**batch, num_items_in_batch=nib)
+    out.loss.backward()
+    engine = StreamingEngine(model, compute_dtype=torch.float32, loss_chunk_tokens=7).train()
+    torch.manual_seed(1234)
+    loss = engine.forward_backward(batch, num_items_in_batch=nib)
+    assert abs(float(loss) - float(out.loss)) < 1e-5
+    grads = dict(engine.named_grads())
+    assert list(grads) == [n for n, _ in ref.named_parameters()]
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("family", list(LATER))
+def test_later_families_count_stream_in_and_save(family, tmp_path):
+    src = _later_model(family)
+    assert model_shapes(src.config).params == sum(p.numel() for p in src.parameters())
+    src.save_pretrained(tmp_path / "src")
+    skeleton, _, folder = load_model_and_tokenizer(str(tmp_path / "src"))
+    engine = engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False)
+    masters = dict(engine.named_master_params())
+    for name, p in src.named_parameters():
+        assert torch.equal(masters[name], p.detach()), name
+    save_hf_model(engine.store, skeleton, str(tmp_path / "out"))
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    batch = make_batch(batch=2, seq=10, pad_rows=0)
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=batch["input_ids"]).logits,
+                                   src.eval()(input_ids=batch["input_ids"]).logits)
