@@ -45,12 +45,10 @@ from .engine.timeline import Timeline
 from .errors import MegaTrainError, counted
 from .checkpoint.stream_load import engine_from_checkpoint
 from .logs import show_logs
-from .memory import (admit, allocator_advice, estimate, gpu_available, host_available, longest_fitting_row,
-                     one_at_a_time, ranks_on_this_host, resolve_placement, split_step)
+from .memory import split_step
+from .planner import Machine, plan_run, request_from_arguments
 from .patcher.adapters import base_model
 from .preflight import check_data, check_disk, check_outputs, check_resume
-from .probe import rates_for_planning
-from .steptime import lean_verdict, mode_cost, predict, routed_per_layer
 
 logger = logging.getLogger(__name__)
 
@@ -128,84 +126,24 @@ class MegaTrainTrainer(Trainer):
             setattr(args, _RECOMPUTE_FLAG, False)
 
         config = base_model(model).config
-        world, local = args.world_size, ranks_on_this_host(args.world_size)
-        if parse_switch(args.transient_grads, "transient_grads") and args.max_grad_norm and args.max_grad_norm > 0:
-            logger.info("transient_grads with clipping (max_grad_norm=%g): each step first measures the global "
-                        "gradient norm with a forward and backward of its own, then steps each layer, clipped, as "
-                        "its gradient lands: exact, for one more forward and backward per step", args.max_grad_norm)
-        batch, seq = args.per_device_train_batch_size, args.max_seq_length
-        wanted = engine_config(args, device)
-        # Data parallel streams every layer (residency is not combined with sharding yet): the plan
-        # that admission checks says so, or it would count host memory the run does not save.
-        host_free = host_available() if device.type == "cuda" else None
-        asked = parse_switch(args.layer_major_accumulation, "layer_major_accumulation")
-        if world > 1:  # data parallel runs its micro-batches one at a time, as asked
-            if asked:
-                raise MegaTrainError("layer_major_accumulation is not combined with data parallel yet; leave it on auto.")
-            if wanted.transient_grads:
-                raise MegaTrainError("transient_grads is not combined with data parallel yet: the ranks' gradients "
-                                     "are summed before each step; leave it off.")
-            if parse_switch(args.lean_streamed, "lean_streamed"):
-                raise MegaTrainError("lean_streamed is not combined with data parallel yet: each rank holds only a "
-                                     "slice of the fp32 master, which therefore cannot be what streams; leave it off.")
-            self._split, self._together = 1, 0
-            placement = resolve_placement(config, batch, seq, wanted, world_size=world, local_ranks=local,
-                                          host_free=host_free,
-                                          later_contributions=one_at_a_time(args.gradient_accumulation_steps))
-        else:
-            ga = args.gradient_accumulation_steps
-            step = split_step(config, batch, seq, wanted, ga, asked=asked, host_free=host_free)
-            self._split, self._together, placement = step
-            if step.together or step.split > 1:
-                logger.info("step: %s", step.describe(batch, ga))
-            if placement.engine.transient_grads and one_at_a_time(ga, step.split, step.together):
-                raise MegaTrainError("transient_grads with gradient accumulation needs a step's micro-batches "
-                                     "through each layer together (a unit's gradient has no buffer to be added "
-                                     "to): set layer_major_accumulation=true, or leave transient_grads off.")
-            batch //= step.split
-        later = one_at_a_time(args.gradient_accumulation_steps, self._split, self._together)
-        plan = estimate(config, batch, seq, placement.engine, world_size=world, local_ranks=local,
-                        micro_batches=self._together or 1, later_contributions=later)
+        lora = args.peft_config is not None or hasattr(model, "peft_config")
+        run = plan_run(config, request_from_arguments(args, device, lora=lora), Machine.measured(device),
+                       split=split_step)
+        for line in run.notes if args.process_index == 0 else []:
+            logger.info(line)
+        self._split, self._together, self.step_time = run.split, run.together, run.step_time
+        placement, plan, batch, seq = run.step.placement, run.memory, run.rows, args.max_seq_length
+        world = args.world_size
         if batch * seq >= LONG_CONTEXT_TOKENS and args.process_index == 0 and device.type == "cuda":
             tiles = placement.engine.mlp_tile_tokens
             print(f"hf_megatrain memory plan for {batch} x {seq} tokens: "
                   f"{f'MLP tiles of {tiles} tokens' if tiles else 'MLP untiled'}, "
                   f"{counted(plan.offload_activations, 'layer input')} offloaded to host, "
                   f"{counted(plan.resident_layers, 'layer')} resident on the GPU\n{plan.table()}")
-        if args.memory_check:
-            hint = None
-            if device.type == "cuda" and batch * seq >= LONG_CONTEXT_TOKENS and world == 1:
-                # a long-context refusal also names the longest row that would fit
-                hint = partial(longest_fitting_row, config, batch, seq, engine=wanted,
-                               mlp_tile_tokens=args.mlp_tile_tokens, world_size=world, local_ranks=local,
-                               micro_batches=self._together or 1)
-            cost = None
-            if device.type == "cuda" and world == 1:  # a refusal naming a memory mode says what it costs
-                n = args.gradient_accumulation_steps * self._split
-                cost = mode_cost(config, batch, seq, placement.engine, rates_for_planning(), micro_batches=n,
-                                 together=bool(self._together) or n == 1,
-                                 clip=bool(args.max_grad_norm) and args.max_grad_norm > 0)
-            # before a single large allocation
-            admit(plan, hint=hint, residency_planned=placement.planned, step_cost=cost)
-        self.step_time = None  # the step-time model's prediction (steptime.py), for a GPU run of one process
-        if device.type == "cuda" and args.process_index == 0:
-            advice = allocator_advice(plan, gpu_available(device))
-            if advice:
-                logger.warning(advice)
-            if world == 1 and args.peft_config is None and not hasattr(model, "peft_config"):
-                n = args.gradient_accumulation_steps * self._split
-                try:  # a diagnostic: a config it cannot read costs the prediction, never the run
-                    model_step = partial(predict, config, batch, seq, rates=rates_for_planning(), micro_batches=n,
-                                         together=bool(self._together) or n == 1, routed=routed_per_layer(config),
-                                         clip=bool(args.max_grad_norm) and args.max_grad_norm > 0)
-                    self.step_time = model_step(engine=placement.engine)
-                    logger.info("step-time model: %s", self.step_time.describe())
-                    if placement.engine.lean_streamed and wanted.lean_streamed is None:  # taken on auto: its cost
-                        without = model_step(engine=replace(placement.engine, lean_streamed=False))
-                        logger.info("lean_streamed: %s", lean_verdict(self.step_time, without))
-                except Exception as e:  # noqa: BLE001
-                    logger.warning("step-time model unavailable for this model (%s: %s)",
-                                   type(e).__name__, e)
+        if run.refusal is not None:
+            raise MegaTrainError(run.refusal)  # before a single large allocation
+        for line in run.warnings if args.process_index == 0 else []:
+            logger.warning(line)
         if device.type == "cpu":
             args.dataloader_pin_memory = False  # nothing to pin for
         args._n_gpu = 1 if device.type == "cuda" else args._n_gpu
@@ -879,6 +817,7 @@ def check_trainer_hooks() -> None:
 
 
 LONG_CONTEXT_TOKENS = 65536  # from here on the plan (tiles, offload, residency) is printed
+
 
 
 def _untokenized(dataset) -> bool:

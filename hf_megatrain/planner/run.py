@@ -1,0 +1,246 @@
+"""plan_run: the planning sequence, written once (split -> placement -> estimate -> admission ->
+step time), for the trainer, `hf-megatrain estimate` and `prepare()`.
+
+What is decided here and nowhere else:
+- the auto rules of the host memory modes: transient_grads and gpu_grad_layers on auto are weighed
+  only where there is a machine to weigh them against (a GPU, its free memory and the host's), and
+  transient_grads only where it is free of time (one process, no clipping);
+- data parallel x memory modes: residency is not combined with sharding (streamed, said in a note);
+  layer_major_accumulation, transient_grads and lean_streamed asked for with it are refused;
+- transient_grads with micro-batches one at a time is refused;
+- admission (the refusal's words, with the longest row that fits and each mode's cost), the
+  allocator's advice, the step-time prediction and what lean_streamed taken on auto costs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from functools import partial
+
+from .. import memory
+from ..engine.config import EngineConfig
+from ..errors import MegaTrainError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asked for.
+
+    engine: the EngineConfig as asked, "auto" fields None (arguments.engine_config, or the flags).
+    batch x seq: rows per micro-batch as the loader gives them, and tokens per row.
+    grad_accum: micro-batches per optimizer step; layer_major: layer_major_accumulation (None: auto).
+    max_grad_norm: clipping (0: none). world_size / local_ranks: data-parallel ranks in all / on this
+    host (None: all). lora: adapters train, the base is frozen (no step-time prediction yet).
+    admit: check the plan against the machine (memory_check). suggest_row: a refusal also names the
+    longest row that fits (mlp_tile_tokens: the tile as asked, for that search)."""
+    engine: EngineConfig
+    batch: int
+    seq: int
+    grad_accum: int = 1
+    layer_major: bool | None = None
+    max_grad_norm: float = 1.0
+    world_size: int = 1
+    local_ranks: int | None = None
+    lora: bool = False
+    admit: bool = True
+    suggest_row: bool = True
+    mlp_tile_tokens: int | None = None
+
+    @property
+    def clip(self) -> bool:
+        return bool(self.max_grad_norm) and self.max_grad_norm > 0
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the machine has: free GPU and available host bytes (None: not known, so nothing auto is
+    weighed against it and admission does not check it), and the rates the step-time model runs on
+    (None: the cached probe of this GPU, else the reference rates)."""
+    gpu_free: float | None = None
+    host_free: float | None = None
+    rates: object | None = None
+
+    @classmethod
+    def measured(cls, device, *, max_gpu_memory: float | None = None, max_host_memory: float | None = None,
+                 rates=None) -> "Machine":
+        """This machine now (the GPU's free memory on a GPU run only), each capped where a cap is given
+        (a shared card, or planning for a smaller one)."""
+        import torch
+
+        device = torch.device(device)
+        gpu = memory.gpu_available(device) if device.type == "cuda" else None
+        host = memory.host_available()
+        if max_gpu_memory is not None and gpu is not None:
+            gpu = min(gpu, max_gpu_memory)
+        if max_host_memory is not None:
+            host = min(host, max_host_memory)
+        return cls(gpu, host, rates)
+
+    def planning_rates(self):
+        if self.rates is not None:
+            return self.rates
+        from ..probe import rates_for_planning
+
+        return rates_for_planning()
+
+
+@dataclass
+class RunPlan:
+    """What plan_run settled: the EngineConfig to build (every placement a number), how a step runs
+    (each loader micro-batch cut into `split` chunks of `rows` rows; `together` of them through each
+    layer at once, 0: one at a time), the memory plan, the step-time prediction (a GPU run of one
+    process, full fine-tuning), the refusal (admission's words) or None, and the lines to log."""
+    engine: EngineConfig
+    split: int
+    together: int
+    rows: int
+    memory: memory.MemoryPlan
+    placement_planned: bool
+    step: memory.StepSplit
+    step_time: object | None = None
+    refusal: str | None = None
+    notes: list = field(default_factory=list)  # INFO
+    warnings: list = field(default_factory=list)  # WARNING
+
+    def summary(self) -> dict:
+        """What must agree between the trainer, estimate and prepare() for one request."""
+        return {"engine": self.engine, "split": self.split, "together": self.together, "rows": self.rows,
+                "host": dict(self.memory.host), "gpu": dict(self.memory.gpu), "refusal": self.refusal}
+
+
+LONG_CONTEXT_TOKENS = 65536  # the trainer's: from here on a refusal names the longest row that fits
+
+
+def request_from_arguments(args, device, lora: bool = False) -> Request:
+    """The Request that MegaTrainArguments make on `device` (arguments.engine_config: autos None)."""
+    from ..arguments import engine_config
+    from ..engine.config import parse_switch
+
+    tokens = args.per_device_train_batch_size * args.max_seq_length
+    return Request(engine_config(args, device), args.per_device_train_batch_size, args.max_seq_length,
+                   grad_accum=args.gradient_accumulation_steps,
+                   layer_major=parse_switch(args.layer_major_accumulation, "layer_major_accumulation"),
+                   max_grad_norm=args.max_grad_norm or 0.0, world_size=args.world_size,
+                   local_ranks=memory.ranks_on_this_host(args.world_size), lora=lora, admit=bool(args.memory_check),
+                   suggest_row=args.world_size == 1 and tokens >= LONG_CONTEXT_TOKENS,
+                   mlp_tile_tokens=args.mlp_tile_tokens)
+
+
+def settle_autos(engine: EngineConfig, request: Request, machine: Machine) -> EngineConfig:
+    """The auto rules of the host memory modes, once: with nothing to weigh them against (no GPU, no
+    free memory given, data parallel), they are off; transient_grads on auto is offered only where
+    it costs no pass (no clipping)."""
+    cuda = engine.device.type == "cuda"
+    weighed = cuda and request.world_size <= 1 and machine.gpu_free is not None and machine.host_free is not None
+    fields = {}
+    if engine.transient_grads is None and not (weighed and not request.clip):
+        fields["transient_grads"] = False
+    if engine.gpu_grad_layers is None and not weighed:
+        fields["gpu_grad_layers"] = 0
+    if engine.lean_streamed is None and not weighed:
+        fields["lean_streamed"] = False
+    if not cuda or machine.gpu_free is None:  # no GPU to place for: what is not given stays off
+        fields.update(resident_layers=engine.resident_layers or 0, offload_activations=engine.offload_activations or 0,
+                      lean_resident=bool(engine.lean_resident))
+    return replace(engine, **fields) if fields else engine
+
+
+def refuse_data_parallel(request: Request) -> None:
+    """The memory modes data parallel does not combine with yet, asked for explicitly: refused."""
+    if request.world_size <= 1:
+        return
+    if request.layer_major:
+        raise MegaTrainError("layer_major_accumulation is not combined with data parallel yet; leave it on auto.")
+    if request.engine.transient_grads:
+        raise MegaTrainError("transient_grads is not combined with data parallel yet: the ranks' gradients "
+                             "are summed before each step; leave it off.")
+    if request.engine.lean_streamed:
+        raise MegaTrainError("lean_streamed is not combined with data parallel yet: each rank holds only a "
+                             "slice of the fp32 master, which therefore cannot be what streams; leave it off.")
+
+
+def plan_run(model_config, request: Request, machine: Machine | None = None, *, split=None) -> RunPlan:
+    """The plan for `request` on `machine` (default: nothing known, so nothing auto is weighed and
+    nothing is admitted). Raises MegaTrainError for a request that cannot run whatever the machine
+    (a mode refused with data parallel or with accumulation one at a time); a plan that does not fit
+    comes back with `refusal` set. split: the step-split search (memory.split_step; a seam for tests)."""
+    machine = machine or Machine()
+    refuse_data_parallel(request)
+    notes: list = []
+    if request.engine.transient_grads and request.clip:
+        notes.append(f"transient_grads with clipping (max_grad_norm={request.max_grad_norm:g}): each step first "
+                     "measures the global gradient norm with a forward and backward of its own, then steps each "
+                     "layer, clipped, as its gradient lands: exact, for one more forward and backward per step")
+    engine = settle_autos(request.engine, request, machine)
+    world, ga = max(1, request.world_size), request.grad_accum
+    local = request.local_ranks
+    ranks = dict(world_size=world, local_ranks=local)
+    cuda = engine.device.type == "cuda"
+    shapes = memory.model_shapes(model_config)
+    if world > 1:  # data parallel runs its micro-batches one at a time, as asked
+        step = memory.StepSplit(1, 0, memory.resolve_placement(
+            model_config, request.batch, request.seq, engine, gpu_free=machine.gpu_free, host_free=machine.host_free,
+            later_contributions=memory.one_at_a_time(ga), **ranks))
+    else:
+        asked = request.layer_major
+        if asked is None and cuda and (machine.gpu_free is None or machine.host_free is None):
+            asked = False  # auto weighs the machine: with none given, as asked
+        step = (split or memory.split_step)(model_config, request.batch, request.seq, engine, ga, asked=asked,
+                                           gpu_free=machine.gpu_free, host_free=machine.host_free)
+        if step.together or step.split > 1:
+            notes.append(f"step: {step.describe(request.batch, ga)}")
+        if step.placement.engine.transient_grads and memory.one_at_a_time(ga, step.split, step.together):
+            raise MegaTrainError("transient_grads with gradient accumulation needs a step's micro-batches "
+                                 "through each layer together (a unit's gradient has no buffer to be added "
+                                 "to): set layer_major_accumulation=true, or leave transient_grads off.")
+    placement, rows = step.placement, request.batch // step.split
+    later = memory.one_at_a_time(ga, step.split, step.together)
+    plan = memory.estimate(model_config, rows, request.seq, placement.engine, shapes=shapes,
+                           micro_batches=step.together or 1, later_contributions=later, **ranks)
+    n = ga * step.split
+    timed = dict(micro_batches=n, together=bool(step.together) or n == 1, clip=request.clip, shapes=shapes)
+    run = RunPlan(placement.engine, step.split, step.together, rows, plan, placement.planned, step, notes=notes)
+    if request.admit:
+        run.refusal = _admission(model_config, request, machine, run, timed, ranks)
+    if cuda and machine.gpu_free is not None:
+        advice = memory.allocator_advice(plan, machine.gpu_free)
+        if advice:
+            run.warnings.append(advice)
+    if cuda and world == 1 and not request.lora:
+        try:  # a diagnostic: a config it cannot read costs the prediction, never the run
+            from ..steptime import lean_verdict, predict, routed_per_layer
+
+            model_step = partial(predict, model_config, rows, request.seq, rates=machine.planning_rates(),
+                                 routed=routed_per_layer(model_config), **timed)
+            run.step_time = model_step(engine=placement.engine)
+            notes.append(f"step-time model: {run.step_time.describe()}")
+            if placement.engine.lean_streamed and request.engine.lean_streamed is None:  # taken on auto: its cost
+                without = model_step(engine=replace(placement.engine, lean_streamed=False))
+                notes.append(f"lean_streamed: {lean_verdict(run.step_time, without)}")
+        except Exception as e:  # noqa: BLE001
+            run.warnings.append(f"step-time model unavailable for this model ({type(e).__name__}: {e})")
+    return run
+
+
+def _admission(model_config, request: Request, machine: Machine, run: RunPlan, timed: dict, ranks: dict):
+    """Admission's refusal of `run` on `machine`, in its words, or None when it fits."""
+    cuda = run.engine.device.type == "cuda"
+    hint = cost = None
+    if cuda and request.suggest_row:  # the longest row that would fit
+        hint = partial(memory.longest_fitting_row, model_config, run.rows, request.seq, engine=request.engine,
+                       mlp_tile_tokens=request.mlp_tile_tokens, micro_batches=run.together or 1, **ranks)
+    if cuda and ranks["world_size"] == 1:  # a refusal naming a memory mode says what it costs
+        from ..steptime import mode_cost
+
+        cost = mode_cost(model_config, run.rows, request.seq, run.engine, machine.planning_rates(), **timed)
+    unknown = float("inf")  # what is not known of the machine is not checked
+    try:
+        memory.admit(run.memory, host_free=unknown if machine.host_free is None else machine.host_free,
+                     gpu_free=unknown if machine.gpu_free is None else machine.gpu_free, hint=hint,
+                     residency_planned=run.placement_planned, step_cost=cost)
+    except MegaTrainError as e:
+        return str(e)
+    return None

@@ -1,0 +1,63 @@
+"""plan_run (issue 33): one planning sequence, the same plan wherever it is asked for."""
+
+import pytest
+import torch
+
+from hf_megatrain import MegaTrainArguments, MegaTrainError, MegaTrainTrainer
+from hf_megatrain.engine.config import EngineConfig
+from hf_megatrain.memory import GiB, split_step
+from hf_megatrain.planner import Machine, Request, plan_run, request_from_arguments
+from hf_megatrain.shapes import make_config
+from tests.support.tiny import KINDS, make_model
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ga", [1, 2])
+def test_the_trainer_builds_what_plan_run_plans(tmp_path, kind, ga):
+    """The trainer's planning is plan_run on its arguments: the engine it builds is the plan's, and
+    so is its step split."""
+    args = MegaTrainArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_seq_length=16,
+                              gradient_accumulation_steps=ga, report_to=[], use_cpu=True)
+    model = make_model(kind)
+    trainer = MegaTrainTrainer(model, args)
+    run = plan_run(model.config, request_from_arguments(trainer.args, torch.device("cpu")),
+                   Machine.measured("cpu"))
+    assert run.refusal is None
+    assert trainer.engine.engine_config == run.engine
+    assert (trainer._split, trainer._together) == (run.split, run.together)
+
+
+def _auto(**kw):
+    return EngineConfig(**{**dict(device="cuda", resident_layers=None, offload_activations=None, lean_resident=None,
+                                  lean_streamed=None, transient_grads=None, gpu_grad_layers=None), **kw})
+
+
+def test_plan_run_settles_every_auto_and_agrees_with_the_split_search():
+    cfg = make_config("llama-3.1-70b")
+    machine = Machine(70 * GiB, 400 * GiB)
+    run = plan_run(cfg, Request(_auto(), 4, 4096, grad_accum=8), machine)
+    assert run.engine.planned
+    step = split_step(cfg, 4, 4096, _auto(transient_grads=False), 8, gpu_free=70 * GiB, host_free=400 * GiB)
+    assert (run.split, run.together, run.engine) == (step.split, step.together, step.placement.engine)
+    assert run.step_time is not None and run.refusal.startswith("this run does not fit: host RAM: needs 1174.5 GiB")
+
+
+def test_with_no_machine_the_autos_are_off_and_nothing_is_admitted():
+    run = plan_run(make_config("llama-3.1-8b"), Request(_auto(), 1, 4096))
+    e = run.engine
+    assert (e.resident_layers, e.offload_activations, e.lean_resident, e.lean_streamed, e.transient_grads,
+            e.gpu_grad_layers) == (0, 0, False, False, False, 0)
+    assert run.refusal is None
+
+
+def test_a_run_that_does_not_fit_is_refused_in_admissions_words():
+    run = plan_run(make_config("llama-3.1-70b"), Request(_auto(), 1, 4096), Machine(70 * GiB, 100 * GiB))
+    assert run.refusal.startswith("this run does not fit: host RAM")
+
+
+@pytest.mark.parametrize("asked", [dict(layer_major=True), dict(engine=EngineConfig(device="cuda", lean_streamed=True)),
+                                   dict(engine=EngineConfig(device="cuda", transient_grads=True))])
+def test_data_parallel_refuses_the_modes_it_does_not_combine_with(asked):
+    request = Request(**{"engine": _auto(), "batch": 1, "seq": 1024, "world_size": 2, **asked})
+    with pytest.raises(MegaTrainError, match="not combined with data parallel"):
+        plan_run(make_config("llama-3.2-1b"), request, Machine(70 * GiB, 400 * GiB))
