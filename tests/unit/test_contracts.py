@@ -15,7 +15,7 @@ import hf_megatrain
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
 from hf_megatrain.engine.config import EngineConfig, parse_count
 from hf_megatrain.engine.cuda_pipeline import CudaPipeline
-from hf_megatrain.engine.layout import loss_chunk
+from hf_megatrain.engine.layout import loss_chunk, mark_resident
 from hf_megatrain.engine.pipeline import HostPipeline, Pipeline
 from hf_megatrain.memory import estimate, model_shapes, resolve_placement
 from hf_megatrain.patcher import specs
@@ -38,13 +38,15 @@ def test_the_planner_counts_the_units_the_engine_builds(kind):
     engine = StreamingEngine(model, compute_dtype=torch.float32, resident_layers=2)
     assert shapes.params == engine.num_parameters == sum(p.numel() for p in model.parameters())
     plan = estimate(model.config, 2, 16, compute_dtype="float32", resident_layers=2, shapes=shapes)
-    assert _layout(shapes.units) == _layout(engine.units)  # estimate marked the same two layers resident
+    mark_resident(shapes.units, 2)  # as estimate marks its own copy (it leaves the units handed in as they were)
+    assert _layout(shapes.units) == _layout(engine.units)
     on_gpu = sum(u.numel for u in engine.units if u.resident)
     assert plan.gpu["resident units (weights, master, grad, Adam)"] == (4 + 16) * on_gpu
     assert plan.host["fp32 master weights"] == 4 * (engine.num_parameters - on_gpu)
     # lean residency: the same layers resident, without their compute copy, and the ring they pass through
     lean = StreamingEngine(make_model(kind), compute_dtype=torch.bfloat16, resident_layers=2, lean_resident=True)
     slim = estimate(model.config, 2, 16, compute_dtype="bfloat16", resident_layers=2, lean_resident=True, shapes=shapes)
+    mark_resident(shapes.units, 2, lean=True)
     assert _layout(shapes.units) == _layout(lean.units) and any(u.lean for u in lean.units)
     in_ring = [u.numel for u in lean.units if u.lean or not u.resident]
     assert slim.gpu["weight ring (prefetch slots)"] == 2 * 2 * max(in_ring)
