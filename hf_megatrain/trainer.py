@@ -571,7 +571,7 @@ class MegaTrainTrainer(Trainer):
         for entry in self.state.log_history:  # the last value of each metric
             final.update({k: v for k, v in entry.items() if k in ("loss", "train_loss", "eval_loss", "epoch")})
         world = max(1, a.world_size)
-        if self.engine.device.type == "cuda":
+        if self.args.device.type == "cuda":
             where = "layers streamed through one GPU" if world == 1 else \
                 f"layers streamed through each of {world} GPUs (data parallel)"
         else:
