@@ -71,7 +71,8 @@ def lora_config(peft_config):
 
 def meta_skeleton(config, attn_implementation: str | None = None, trust_remote_code: bool | None = None
                   ) -> PreTrainedModel:
-    """The model class built on meta; non-persistent buffers (rotary inv_freq) are rebuilt real.
+    """The model class built on meta; non-persistent buffers (rotary inv_freq) are rebuilt real, and
+    persistent ones are allocated on the host, to be read from the checkpoint with the weights.
     `trust_remote_code` as from_pretrained takes it: a config with its own modeling code builds that."""
     kwargs = {"dtype": torch.float32}
     if attn_implementation:
@@ -84,11 +85,18 @@ def meta_skeleton(config, attn_implementation: str | None = None, trust_remote_c
         meta = [k for k, b in module._buffers.items() if b is not None and b.device.type == "meta"]
         rotary = hasattr(module, "inv_freq") or type(module).__name__.endswith("RotaryEmbedding")
         if meta and not rotary:
-            # HF v5 keeps a constant buffer's value beside it as `scalar_<name>` (Gemma's embed_scale)
-            if not all(hasattr(module, f"scalar_{k}") for k in meta):
-                raise MegaTrainError(f"{name} has buffers that cannot be rebuilt on the host")
             for k in meta:
-                module._buffers[k] = torch.tensor(getattr(module, f"scalar_{k}"))
+                if hasattr(module, f"scalar_{k}"):
+                    # HF v5 keeps a constant buffer's value beside it as `scalar_<name>` (Gemma's embed_scale)
+                    module._buffers[k] = torch.tensor(getattr(module, f"scalar_{k}"))
+                elif k not in module._non_persistent_buffers_set:
+                    # a persistent buffer (GLM-4-MoE's router e_score_correction_bias): saved with the
+                    # weights, so the loader reads it from the checkpoint (stream_load.load_into_store)
+                    b = module._buffers[k]
+                    module._buffers[k] = torch.zeros(b.shape, dtype=b.dtype)
+                else:
+                    raise MegaTrainError(f"{name}.{k} is a buffer that is neither saved with the weights nor a "
+                                         "constant, so it cannot be rebuilt on the host")
         elif meta:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model

@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import MegaTrainError
+from ..patcher.templates import persistent_buffers
 from .safetensors_io import SAFE_INDEX, SAFE_WEIGHTS, TensorReader, read_header
 
 
@@ -121,20 +122,28 @@ def engine_from_checkpoint(skeleton, folder: str, *, progress: bool = True, **en
     from ..patcher.adapters import base_model
     from ..patcher.specs import spec_for
 
-    config = base_model(skeleton).config
-    fill = partial(load_into_store, spec=spec_for(config), config=config, folder=folder, progress=progress)
+    base = base_model(skeleton)
+    config = base.config
+    fill = partial(load_into_store, spec=spec_for(config), config=config, folder=folder, progress=progress,
+                   buffers=persistent_buffers(base))
     return StreamingEngine(skeleton, load_weights=fill, **engine_kw)
 
 
-def load_into_store(store, spec, config, folder: str, progress: bool = True) -> None:
-    """Fill every unit's compute copy and this rank's part of its fp32 master from the checkpoint."""
+def load_into_store(store, spec, config, folder: str, progress: bool = True, buffers: dict | None = None) -> None:
+    """Fill every unit's compute copy and this rank's part of its fp32 master from the checkpoint;
+    and `buffers` (persistent_buffers of the skeleton: host tensors, e.g. a router's score correction
+    bias, which the engine hands to each layer's template call) in place, every one of them."""
     files = shard_files(folder)
     entries = [e for path in files for e in read_header(path)]  # every header first: fail before reading
     slots = {s.name: (u.index, s) for u in store.units for s in u.slots}
     tied = {u.tied_local for u in store.units if u.tied_local}
-    plan, filled = [], {name: 0 for name in slots}
+    buffers = buffers or {}
+    plan, filled, buffer_plan = [], {name: 0 for name in slots}, []
     for e in entries:
         target, index = spec.from_disk(e.name, config)
+        if target in buffers and not index:
+            buffer_plan.append((e, target))
+            continue
         if target not in slots:
             if target.endswith("lm_head.weight") and tied:
                 continue  # a tied lm_head saved anyway: the embedding already holds it
@@ -145,11 +154,23 @@ def load_into_store(store, spec, config, folder: str, progress: bool = True) -> 
                 f"(mapped to {target!r}). Is this checkpoint for another architecture?"
             )
         plan.append((e, target, index))
+    unread = sorted(set(buffers) - {t for _, t in buffer_plan})
+    if unread:
+        raise MegaTrainError(
+            f"the checkpoint in {folder} lacks {len(unread)} buffer(s) the model saves with its weights, e.g. "
+            f"{unread[:3]}; hf_megatrain reads them from the checkpoint and does not make them up."
+        )
     reader = TensorReader()
     total = sum(e.nbytes for e, _, _ in plan)
     quiet = not progress or (store.sharding is not None and store.sharding.rank != 0)  # one bar, not one a rank
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=quiet)
     try:
+        for e, target in buffer_plan:  # a few small tensors, read whole (every data-parallel rank reads them)
+            buf = buffers[target]
+            if tuple(buf.shape) != tuple(e.shape):
+                raise MegaTrainError(f"{e.path}: tensor {e.name!r} has shape {list(e.shape)}, but the model "
+                                     f"expects {list(buf.shape)} for {target}. Does config.json match these weights?")
+            reader.read_into(e, buf.view(-1))
         for e, target, index in plan:
             u, slot = slots[target]
             filled[target] += _read_tensor(store, reader, e, u, slot, index, target)

@@ -29,7 +29,7 @@ from ..errors import MegaTrainError
 from ..patcher.adapters import is_peft_model
 from ..patcher.documents import attention_by_document, document_spans, restarts
 from ..patcher.specs import SLIDING, spec_for
-from ..patcher.templates import Template, meta_copy, recompute_grads
+from ..patcher.templates import Template, meta_copy, persistent_buffers, recompute_grads
 from ..patcher.tiling import tile_mlp, untile_mlp
 from .activations import Activations
 from .config import EngineConfig
@@ -251,6 +251,17 @@ class StreamingEngine(nn.Module):
                 if spec.has_router_loss and _has_submodule(source, spec.router):  # dense layers of an MoE have none
                     tmpl.capture(spec.router, spec.router_index)
                 templates[unit.template_key] = tmpl
+        # A decoder layer's persistent buffers (saved with the weights, so one layer's own values: GLM-4-MoE's
+        # router e_score_correction_bias) reach its template call beside its weights, on the compute device.
+        self._layer_buffers = {}
+        for unit in self.units:
+            if unit.kind == "layer":
+                own = persistent_buffers(layers[unit.layer])
+                if any(b.device.type == "meta" for b in own.values()):
+                    raise MegaTrainError(f"decoder layer {unit.layer} has a persistent buffer without a value (a "
+                                         "meta skeleton not filled from its checkpoint).")
+                if own:
+                    self._layer_buffers[unit.index] = {k: b.to(self.device) for k, b in own.items()}
         return templates
 
     def _template_buffers(self, sources: dict) -> dict:
@@ -480,6 +491,7 @@ class StreamingEngine(nn.Module):
     def _layer_call(self, unit, weights, x, ctx):
         tmpl = self._templates[unit.template_key]
         named = dict(zip((s.local for s in unit.slots), Template.views(weights, unit.slots)))
+        named.update(self._layer_buffers.get(unit.index, {}))
         with ctx.attention():
             return tmpl.call(named, x, **ctx.layer_kwargs(unit))
 
@@ -727,7 +739,7 @@ class StreamingEngine(nn.Module):
         def run(named):
             x = x_in.detach().requires_grad_()
             with ctx.rng_for(unit, save=False), ctx.router_capture(unit) as cap, ctx.attention():
-                out = tmpl.call(named, x, **ctx.layer_kwargs(unit))
+                out = tmpl.call({**named, **self._layer_buffers.get(unit.index, {})}, x, **ctx.layer_kwargs(unit))
             outs = [out] + ([_router_logits(cap, x.shape[0])] if router_seed is not None else [])
             return outs, [x]
 

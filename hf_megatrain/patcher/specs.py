@@ -293,6 +293,11 @@ for _type, _kind, _inter in (("qwen2_moe", _per_layer_types, "moe_intermediate_s
 register(ArchSpec("phimoe", _uniform_window, router="mlp.router", aux_loss_fn=_LBL,
                   from_disk=_fused_experts_disk("intermediate_size", "w1", "w3", "w2",
                                                 ((".block_sparse_moe.", ".mlp."), (".mlp.gate.weight", ".mlp.router.weight")))))
+# GLM-4-MoE: sigmoid router with grouped top-k over scores plus a per-layer persistent e_score_correction_bias
+# (read from the checkpoint, handed to each layer's call), a shared expert, dense first layers; no
+# load-balancing loss in its causal LM. Experts one by one on disk.
+register(ArchSpec("glm4_moe", _per_layer_types,
+                  from_disk=_fused_experts_disk("moe_intermediate_size", "gate_proj", "up_proj", "down_proj")))
 # gpt-oss: attention sinks need attn_implementation="eager" (HF refuses sdpa for it); experts fused on disk too
 register(ArchSpec("gpt_oss", _per_layer_types, router="mlp.router", aux_loss_fn=_LBL))
 register(ArchSpec("granitemoe", _always_full, mlp="block_sparse_moe", router="block_sparse_moe.router",

