@@ -131,6 +131,18 @@ class MegaTrainArguments(TrainingArguments):
         default=True,
         metadata={"help": "Refuse, before loading, a run whose estimated host RAM or GPU memory exceeds the machine."},
     )
+    max_gpu_memory: float | None = field(
+        default=None,
+        metadata={"help": "GiB of GPU memory the planner counts as free at most (unset: what the GPU has free at "
+                  "start): a cap for a card shared with another job, or to plan (placement, admission) as for a "
+                  "smaller one."},
+    )
+    max_host_memory: float | None = field(
+        default=None,
+        metadata={"help": "GiB of host RAM the planner counts as available at most (unset: MemAvailable at start; "
+                  "with several ranks on a host, that host's): a cap for a shared machine, or to plan as for a "
+                  "smaller one."},
+    )
     host_threads: int = field(
         default=0,
         metadata={"help": "Threads of the host AdamW: 0 steps large tiles with OpenMP inside each op (faster with "

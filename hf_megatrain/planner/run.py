@@ -66,17 +66,21 @@ class Machine:
     @classmethod
     def measured(cls, device, *, max_gpu_memory: float | None = None, max_host_memory: float | None = None,
                  rates=None) -> "Machine":
-        """This machine now (the GPU's free memory on a GPU run only), each capped where a cap is given
-        (a shared card, or planning for a smaller one)."""
+        """This machine now (the GPU's free memory on a GPU run only), each capped where a cap is given,
+        in GiB (MegaTrainArguments.max_gpu_memory / max_host_memory: a shared card, or planning for a
+        smaller one)."""
         import torch
 
+        for name, cap in (("max_gpu_memory", max_gpu_memory), ("max_host_memory", max_host_memory)):
+            if cap is not None and not cap > 0:
+                raise MegaTrainError(f"{name} is a number of GiB greater than 0, not {cap!r}.")
         device = torch.device(device)
         gpu = memory.gpu_available(device) if device.type == "cuda" else None
         host = memory.host_available()
         if max_gpu_memory is not None and gpu is not None:
-            gpu = min(gpu, max_gpu_memory)
+            gpu = min(gpu, max_gpu_memory * memory.GiB)
         if max_host_memory is not None:
-            host = min(host, max_host_memory)
+            host = min(host, max_host_memory * memory.GiB)
         return cls(gpu, host, rates)
 
     def planning_rates(self):
@@ -240,7 +244,8 @@ def _admission(model_config, request: Request, machine: Machine, run: RunPlan, t
     try:
         memory.admit(run.memory, host_free=unknown if machine.host_free is None else machine.host_free,
                      gpu_free=unknown if machine.gpu_free is None else machine.gpu_free, hint=hint,
-                     residency_planned=run.placement_planned, step_cost=cost)
+                     residency_planned=run.placement_planned or not cuda,  # no GPU: no layers to keep there
+                     step_cost=cost)
     except MegaTrainError as e:
         return str(e)
     return None

@@ -27,6 +27,44 @@ def test_the_trainer_builds_what_plan_run_plans(tmp_path, kind, ga):
     assert (trainer._split, trainer._together) == (run.split, run.together)
 
 
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ga", [1, 2])
+def test_prepare_builds_what_the_trainer_builds(tmp_path, kind, ga):
+    """prepare() plans through plan_run as the trainer does: for the same request (rows, tokens,
+    accumulation, clipping) the same EngineConfig and the same plan."""
+    from hf_megatrain import prepare
+
+    args = MegaTrainArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_seq_length=16,
+                              gradient_accumulation_steps=ga, report_to=[], use_cpu=True)
+    trainer = MegaTrainTrainer(make_model(kind), args)
+    engine, _ = prepare(make_model(kind), device="cpu", batch=2, seq=16, grad_accum=ga)
+    assert engine.engine_config == trainer.engine.engine_config
+    trainer_plan = plan_run(make_model(kind).config, request_from_arguments(trainer.args, torch.device("cpu")),
+                            Machine.measured("cpu"))
+    assert engine.run_plan.summary() == trainer_plan.summary()
+
+
+def test_prepare_refuses_a_plan_that_does_not_fit_before_reading_a_weight(monkeypatch):
+    """prepare() admits as the trainer does (here against a host capped at a sliver): refused before
+    the engine is built, in admission's words; memory_check=False builds it."""
+    import hf_megatrain.loop as loop
+    from hf_megatrain import prepare
+
+    built = []
+    monkeypatch.setattr(loop, "StreamingEngine", lambda *a, **k: built.append(1) or pytest.fail("built"))
+    with pytest.raises(MegaTrainError, match="this run does not fit: host RAM"):
+        prepare(make_model("llama"), device="cpu", max_host_memory=1e-6)
+    assert not built
+
+
+def test_the_machine_caps_are_gib_and_cap_what_is_measured():
+    machine = Machine.measured("cpu", max_host_memory=1.5)
+    assert machine.host_free == 1.5 * GiB and machine.gpu_free is None
+    with pytest.raises(MegaTrainError, match="max_gpu_memory is a number of GiB"):
+        Machine.measured("cpu", max_gpu_memory=0)
+
+
 def _auto(**kw):
     return EngineConfig(**{**dict(device="cuda", resident_layers=None, offload_activations=None, lean_resident=None,
                                   lean_streamed=None, transient_grads=None, gpu_grad_layers=None), **kw})
