@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from .errors import HostJobError, MegaTrainError
@@ -29,12 +29,15 @@ class ModelArguments:
 
 
 def _demo(argv: list[str]) -> int:
+    from .demo import DEMO_STEPS  # the package's data only: torch is imported by run_demo
+
     p = argparse.ArgumentParser(
         prog="hf-megatrain demo",
-        description="Train the embedded tiny Llama to reverse words (CPU ~1 min; uses the GPU when there is one).",
+        description="Train the embedded tiny Llama to reverse words (CPU: under a minute; uses the GPU when there "
+                    "is one).",
     )
     p.add_argument("--output_dir", default="megatrain_demo", help="where the trained model is saved")
-    p.add_argument("--max_steps", type=int, default=300, help="optimizer steps (default 300)")
+    p.add_argument("--max_steps", type=int, default=DEMO_STEPS, help=f"optimizer steps (default {DEMO_STEPS})")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     from .demo import run_demo
@@ -80,6 +83,7 @@ memory and speed (hf_megatrain):
   --compute_dtype auto|bfloat16|float32   --save_dtype auto|float32|bfloat16
   --mlp_tile_tokens N        --loss_chunk_tokens N   --prefetch_depth N   --host_threads N
   --memory_check true|false  refuse runs that cannot fit, before loading (default: true)
+  --max_gpu_memory GIB  --max_host_memory GIB   cap the free memory the plan counts on (a shared card)
   --log_pipeline true|false  --gpu_peak_tflops T   --checkpoint_hashes true|false
 
 See `hf-megatrain estimate MODEL` for what a run needs before starting it.
@@ -150,13 +154,23 @@ def _train(argv: list[str]) -> int:
             if action.dest in values:
                 action.required = False
         parser.set_defaults(**values)
-    margs, targs = parser.parse_args_into_dataclasses(args=flags)
+    margs, targs = _parse_train_flags(parser, flags)
     if margs.data:
         targs.data_path = margs.data
     if margs.eval_data:
         targs.eval_data_path = margs.eval_data
     if not targs.data_path:
         raise MegaTrainError("no training data: pass --data FILE_OR_DATASET.")
+    # What the arguments accept but the run would refuse only after the weights are read: refused now.
+    from .arguments import check_arguments
+    from .preflight import check_settings
+
+    check_arguments(targs)
+    check_settings(targs)
+    strategy = str(getattr(targs.eval_strategy, "value", targs.eval_strategy))
+    if strategy != "no" and not targs.eval_data_path:
+        raise MegaTrainError(f"eval_strategy={strategy!r} evaluates, but there is no evaluation data: pass "
+                             "--eval_data FILE_OR_DATASET, or --eval_strategy no.")
     from .trainer import MegaTrainTrainer
 
     trainer = MegaTrainTrainer(margs.model, targs)
@@ -164,6 +178,36 @@ def _train(argv: list[str]) -> int:
     trainer.save_model(targs.output_dir)
     _leave_process_group()
     return 0
+
+
+def _one_line_error(message: str):
+    """argparse's `error`, as one line and no usage block (the usage of every TrainingArguments flag is
+    a page): main() prints it and exits with argparse's status 2."""
+    raise MegaTrainError(message)
+
+
+def _parse_train_flags(parser, flags: list[str]):
+    """(ModelArguments, MegaTrainArguments) from the flags; every mistake one line (MegaTrainError):
+    a flag that does not exist (with the nearest one that does), a value of the wrong type, or a value
+    that TrainingArguments refuses when it is built."""
+    import difflib
+
+    parser.error = _one_line_error
+    _, unknown = parser.parse_known_args(args=flags)
+    if unknown:
+        flag = next((u for u in unknown if u.startswith("-")), None)
+        if flag is None:
+            raise MegaTrainError(f"unexpected value {unknown[0]!r}: every value follows its --flag.")
+        name = flag.split("=", 1)[0]
+        options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        near = difflib.get_close_matches(name, options, n=1, cutoff=0.75)
+        hint = f"did you mean {near[0]}? " if near else ""
+        raise MegaTrainError(f"no flag {name}; {hint}(`hf-megatrain train --help-all` lists every flag)")
+    try:
+        margs, targs = parser.parse_args_into_dataclasses(args=flags)
+    except ValueError as e:  # TrainingArguments.__post_init__ refusing a value
+        raise MegaTrainError(" ".join(str(e).split())) from None
+    return margs, targs
 
 
 def _leave_process_group() -> None:
@@ -201,13 +245,13 @@ def _estimate(argv: list[str]) -> int:
                    help="decoder layers kept on the GPU: N, or auto (needs --gpu_gib); default 0, or auto "
                         "with --gpu_gib")
     p.add_argument("--offload_activations", default=None, help="layer inputs kept in host memory: N or auto")
-    p.add_argument("--lean_resident", default=None,
-                   help="resident layers keep no bf16 copy (cast from the fp32 master per use): true, false or "
-                        "auto; default false, or auto with --gpu_gib")
-    p.add_argument("--lean_streamed", default=None,
+    p.add_argument("--lean_resident", nargs="?", const="true", default=None,
+                   help="resident layers keep no bf16 copy (cast from the fp32 master per use): true (the bare "
+                        "flag), false or auto; default false, or auto with --gpu_gib")
+    p.add_argument("--lean_streamed", nargs="?", const="true", default=None,
                    help="streamed layers keep no bf16 copy in host RAM, the fp32 master streams (16 instead of 18 "
-                        "bytes per parameter, twice the PCIe bytes): true, false or auto; default false, or auto "
-                        "with --gpu_gib and --host_gib")
+                        "bytes per parameter, twice the PCIe bytes): true (the bare flag), false or auto; default "
+                        "false, or auto with --gpu_gib and --host_gib")
     p.add_argument("--transient_grads", nargs="?", const="true", default=None,
                    help="decoder layers keep no persistent fp32 gradient; each is stepped as it lands (needs "
                         "--max_grad_norm 0): true (the bare flag), false or auto; default false, or auto with "
@@ -302,6 +346,11 @@ def _estimate(argv: list[str]) -> int:
         from .steptime import mode_cost, norm_pass, predict, routed_per_layer
 
         rates, n = rates_for_planning(), a.grad_accum * step.split
+        from . import probe
+
+        if rates is probe.REFERENCE and probe.gpu_name() is None:  # a probe here measures no GPU: no advice to run it
+            rates = replace(rates, measured="reference rates of an H200 box with 16 host cores (no GPU here to "
+                                            "probe; `hf-megatrain probe` on the GPU machine measures its own)")
         together = bool(step.together) or n == 1
         routed = routed_per_layer(config)  # a meta copy of the model: once, for every prediction below
     verdict = None
@@ -315,8 +364,9 @@ def _estimate(argv: list[str]) -> int:
             if timed_here:  # a refusal naming a memory mode prices it
                 cost = mode_cost(config, batch, a.seq, placement.engine, rates, micro_batches=n, together=together,
                                  clip=a.max_grad_norm > 0, shapes=shapes, routed=routed)
+            # a CPU run has no GPU to keep layers on: residency is no advice to give there
             admit(plan, host_free=(a.host_gib or float("inf")) * GiB, gpu_free=(a.gpu_gib or float("inf")) * GiB,
-                  hint=hint, residency_planned=placement.planned, step_cost=cost)
+                  hint=hint, residency_planned=placement.planned or a.device == "cpu", step_cost=cost)
             verdict = "fits"
         except MegaTrainError as e:
             lines = str(e).splitlines()  # the verdict, what would fit, and the longest row that fits if one does
@@ -404,15 +454,25 @@ def _push(argv: list[str]) -> int:
     p.add_argument("--repo", required=True, help="repository id, e.g. my-org/my-model")
     p.add_argument("--hub_dir", default=None, help="the hub cache folder (default: $HF_HUB_CACHE)")
     p.add_argument("--message", default="Upload with hf-megatrain push")
+    p.add_argument("--with_training_state", action="store_true",
+                   help="also publish a checkpoint's optimizer state, scheduler, RNG and trainer state (left out by "
+                        "default, as Trainer's push leaves them out: the optimizer state alone is 12 bytes per "
+                        "parameter, 3x an fp32 model)")
     a = p.parse_args(argv)
-    from .checkpoint.local_hub import LocalHub, default_hub_dir
+    from .checkpoint.local_hub import TRAINING_STATE, LocalHub, default_hub_dir, training_state_files
 
     if not os.path.isfile(os.path.join(a.folder, "config.json")) and \
             not os.path.isfile(os.path.join(a.folder, "adapter_config.json")):
         raise MegaTrainError(f"{a.folder} holds no config.json or adapter_config.json: not a saved model.")
     hub = LocalHub(default_hub_dir(a.hub_dir), a.repo)
-    commit = hub.commit([(a.folder, "")], a.message, ignore=("checkpoint-*", ".partial-*", "runs", "_*"))
+    ignore = ("checkpoint-*", ".partial-*", "runs", "_*")
+    left_out = [] if a.with_training_state else training_state_files(a.folder)
+    commit = hub.commit([(a.folder, "")], a.message, ignore=ignore + (() if a.with_training_state else TRAINING_STATE))
     print(f"{a.repo} @ {commit} in {hub.root}")
+    if left_out:
+        size = sum(os.path.getsize(os.path.join(a.folder, n)) for n in left_out)
+        print(f"left out the training state ({len(left_out)} files, {size / 1024**2:,.1f} MiB: optimizer, scheduler, "
+              f"RNG); --with_training_state publishes it too")
     return 0
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from .errors import MegaTrainError
 
 logger = logging.getLogger(__name__)
 
+SMALL_DATA = 64 << 20  # data files loaded without a progress bar: their load takes a moment at most
 _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -67,13 +69,79 @@ def load_raw_dataset(path: str):
             f"cannot tell the format of {files}: use one of {sorted(_BUILDERS)} (one format per folder)."
         )
     kind = kinds.pop()
+    for f in files:
+        if _is_empty(f):
+            raise MegaTrainError(f"{f} is empty: it holds no rows to train on. Point the data at a file with rows"
+                                 f"{' (or remove it from the folder)' if len(files) > 1 else ''}.")
+    datasets_logger = logging.getLogger("datasets")
+    level = datasets_logger.level
+    datasets_logger.setLevel(logging.CRITICAL)  # its own error line about a bad row: said once, below, better
+    small = sum(os.path.getsize(f) for f in files) < SMALL_DATA  # read in a moment: no progress bar
     try:
-        return datasets.load_dataset(kind, data_files=files, split="train")
+        with progress_bars(not small):
+            return datasets.load_dataset(kind, data_files=files, split="train")
     except Exception as e:
+        where = _first_bad_json(files) if kind == "json" else None
+        if where:
+            raise MegaTrainError(f"could not read {where}; fix or remove that line (.jsonl needs one JSON object "
+                                 "per line, .json an array of objects or JSON Lines).") from None
+        text = " ".join(f"{type(e).__name__}: {e}".split())
         raise MegaTrainError(
-            f"could not read {files if len(files) > 1 else files[0]} as {kind}: {type(e).__name__}: {e}. "
+            f"could not read {files if len(files) > 1 else files[0]} as {kind}: {text}. "
             "Check the file: .jsonl needs one JSON object per line, .json an array of objects (or JSON Lines)."
-        ) from e
+        ) from None
+    finally:
+        datasets_logger.setLevel(level)
+
+
+@contextmanager
+def progress_bars(on: bool):
+    """datasets' progress bars on or off inside the block, as they were after it."""
+    import datasets
+
+    was = datasets.is_progress_bar_enabled()
+    (datasets.enable_progress_bars if on and was else datasets.disable_progress_bars)()
+    try:
+        yield
+    finally:
+        (datasets.enable_progress_bars if was else datasets.disable_progress_bars)()
+
+
+def _is_empty(path: str) -> bool:
+    """No bytes, or only white space (read only when the file is small)."""
+    size = os.path.getsize(path)
+    if size > 1 << 20 or os.path.splitext(path)[1].lower() == ".parquet":
+        return size == 0
+    with open(path, "rb") as f:
+        return not f.read().strip()
+
+
+def _first_bad_json(files: list[str]) -> str | None:
+    """'FILE line N: what is wrong' for the first line of a JSON Lines file that is not a JSON object (a
+    .json file that holds one array is parsed whole); None when every line is one."""
+    import json
+
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            head = f.read(1 << 16).lstrip()
+        if path.lower().endswith(".json") and head.startswith("["):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    json.load(f)
+            except json.JSONDecodeError as e:
+                return f"{path} line {e.lineno}: not valid JSON ({e.msg}, column {e.colno})"
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    return f"{path} line {n}: not valid JSON ({e.msg}, column {e.colno})"
+                if not isinstance(row, dict):
+                    return f"{path} line {n}: a JSON {type(row).__name__}, where each line must be one object"
+    return None
 
 
 def _data_files(folder: str) -> list[str]:
@@ -176,10 +244,18 @@ def _tokenize_pieces(tokenizer, samples):
     return out
 
 
+def _strings(values, rows, column):
+    for row, value in zip(rows, values):
+        if not isinstance(value, str):
+            raise MegaTrainError(f"row {row}: {column!r} holds {type(value).__name__} {value!r:.60}, where it "
+                                 "must be a string; fix that row or choose another column.")
+
+
 def _encoder(fmt, tokenizer, text_field):
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
-    def text(batch, _rows):
+    def text(batch, rows):
+        _strings(batch[text_field], rows, text_field)
         ids = [x + eos for x in tokenizer(batch[text_field], add_special_tokens=False)["input_ids"] if x]
         return {"input_ids": ids, "labels": ids}
 
@@ -191,6 +267,7 @@ def _encoder(fmt, tokenizer, text_field):
 
     def prompt_completion(batch, rows):
         if all(isinstance(p, str) for p in batch["prompt"]):
+            _strings(batch["completion"], rows, "completion")
             prompts = tokenizer(batch["prompt"])["input_ids"]
             answers = tokenizer(batch["completion"], add_special_tokens=False)["input_ids"]
             return {"input_ids": [p + a + eos for p, a in zip(prompts, answers)],
@@ -224,9 +301,10 @@ def tokenize_dataset(raw, tokenizer, max_seq_length: int, packing: bool, text_fi
     return _pack(docs, max_seq_length) if packing else truncate(docs, max_seq_length)
 
 
-def tokenize_documents(raw, tokenizer, text_field: str = "text"):
+def tokenize_documents(raw, tokenizer, text_field: str = "text", announce: bool = True):
     """One sample of input_ids / labels per document (per assistant turn when the template needs it),
-    without the samples that have no token to learn; neither packed nor truncated."""
+    without the samples that have no token to learn; neither packed nor truncated. announce: log the
+    format and the counts (preflight's look at the first rows does not)."""
     if tokenizer is None:
         raise MegaTrainError("loading data from a file needs a tokenizer: pass processing_class=.")
     if len(raw) == 0:
@@ -242,7 +320,8 @@ def tokenize_documents(raw, tokenizer, text_field: str = "text"):
     docs = raw.map(_encoder(fmt, tokenizer, text_field), batched=True, with_indices=True,
                    remove_columns=raw.column_names, desc=f"tokenizing ({fmt})")
     docs = docs.filter(lambda b: [_learns(x) for x in b["labels"]], batched=True, desc="dropping empty samples")
-    logger.info("data format %r: %d rows -> %d samples with tokens to learn", fmt, len(raw), len(docs))
+    if announce:
+        logger.info("data format %r: %d rows -> %d samples with tokens to learn", fmt, len(raw), len(docs))
     return docs
 
 

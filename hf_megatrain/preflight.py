@@ -55,12 +55,88 @@ def check_writable(path, what: str) -> None:
 
 
 def check_outputs(args) -> None:
-    """output_dir, and hub_dir when the run publishes, can be written."""
+    """output_dir, and hub_dir when the run publishes, can be written; the loggers `report_to` names
+    are installed."""
     check_writable(args.output_dir, "output_dir")
     if args.push_to_hub:
         from .checkpoint.local_hub import default_hub_dir
 
         check_writable(default_hub_dir(args.hub_dir), "hub_dir")
+    check_reporting(args)
+
+
+# report_to name -> (modules, any of which its callback imports; what to pip install)
+REPORTERS = {
+    "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),
+    "wandb": (("wandb",), "wandb"),
+    "trackio": (("trackio",), "trackio"),
+    "mlflow": (("mlflow",), "mlflow"),
+    "comet_ml": (("comet_ml",), "comet-ml"),
+    "clearml": (("clearml",), "clearml"),
+    "neptune": (("neptune",), "neptune"),
+    "codecarbon": (("codecarbon",), "codecarbon"),
+    "dvclive": (("dvclive",), "dvclive"),
+    "swanlab": (("swanlab",), "swanlab"),
+    "dagshub": (("dagshub",), "dagshub mlflow"),
+    "azure_ml": (("azureml.core",), "azureml-core"),
+    "flyte": (("flytekit",), "flytekit flytekitplugins-deck-standard"),
+}
+
+
+def _installed(module: str) -> bool:
+    from importlib.util import find_spec
+
+    try:
+        return find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module left as None in sys.modules
+        return False
+
+
+def check_reporting(args) -> None:
+    """Every logger in `report_to` is one Trainer knows and its package is installed. Trainer would
+    find out only once it builds its callbacks, after the weights, in a traceback ("tensorboard":
+    "update your PyTorch version")."""
+    names = args.report_to or []
+    names = [names] if isinstance(names, str) else list(names)
+    try:
+        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+    except ImportError:  # a transformers without that table: Trainer's own message then
+        return
+    for name in names:
+        if name in ("none", "all"):
+            continue
+        if name not in INTEGRATION_TO_CALLBACK:
+            raise MegaTrainError(f"report_to={name!r} is not a logger Trainer knows; choose from "
+                                 f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))} (or none).")
+        modules, package = REPORTERS.get(name, ((), ""))
+        if modules and not any(_installed(m) for m in modules):
+            raise MegaTrainError(f"report_to={name!r} needs the {package!r} package, which is not installed: "
+                                 f"`pip install {package}`, or choose another logger (--report_to none).")
+
+
+def check_settings(args) -> None:
+    """Values that the arguments accept but that fail only later, after the weights are read: what
+    HostAdamW refuses (a negative learning rate, weight decay or epsilon, betas outside [0, 1)),
+    a negative max_grad_norm, batch sizes or accumulation below 1, and the loggers of `report_to`."""
+    problems = []
+    for name in ("learning_rate", "weight_decay", "adam_epsilon"):
+        value = getattr(args, name)
+        if value < 0:
+            problems.append(f"{name}={value:g} is negative; AdamW takes {name} >= 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        value = getattr(args, name)
+        if not 0 <= value < 1:
+            problems.append(f"{name}={value:g} is outside [0, 1), where AdamW's betas must be")
+    if args.max_grad_norm is not None and args.max_grad_norm < 0:
+        problems.append(f"max_grad_norm={args.max_grad_norm:g} is negative; give a positive norm to clip to, or 0 "
+                        "for no clipping")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        value = getattr(args, name)
+        if value < 1:
+            problems.append(f"{name}={value} must be at least 1")
+    if problems:
+        raise MegaTrainError("; ".join(problems) + ".")
+    check_reporting(args)
 
 
 # -- resuming --------------------------------------------------------------------------------------
@@ -109,7 +185,7 @@ def check_data(path, tokenizer, args, what: str = "data_path"):
     (format from the columns, chat fields, template, masks, truncation) with a token to learn."""
     import datasets
 
-    from .data import load_raw_dataset, tokenize_documents, truncate
+    from .data import load_raw_dataset, progress_bars, tokenize_documents, truncate
     from .engine.loss import IGNORE_INDEX
 
     raw = load_raw_dataset(path)  # a missing local path fails here, without a look at the hub
@@ -118,12 +194,13 @@ def check_data(path, tokenizer, args, what: str = "data_path"):
     # an in-memory copy of the first rows: no cache files are written for the sample
     sample = datasets.Dataset.from_dict(raw.with_format(None)[:SAMPLE_ROWS], features=raw.features)
     try:
-        docs = tokenize_documents(sample, tokenizer, args.text_field)
-        if len(docs) == 0:
-            raise MegaTrainError(f"no row has a token to learn, every label is {IGNORE_INDEX} (empty texts, or no assistant "
-                                 "turn / completion); check the roles and columns")
-        if not args.packing:
-            truncate(docs, args.max_seq_length)
+        with progress_bars(False):  # the bars and the counts are the real tokenization's, later
+            docs = tokenize_documents(sample, tokenizer, args.text_field, announce=False)
+            if len(docs) == 0:
+                raise MegaTrainError(f"no row has a token to learn, every label is {IGNORE_INDEX} (empty texts, or no "
+                                     "assistant turn / completion); check the roles and columns")
+            if not args.packing:
+                truncate(docs, args.max_seq_length)
     except MegaTrainError as e:
         text = " ".join(str(e).split())  # quoted rows and template errors may span lines
         raise MegaTrainError(f"{what}={path!r}, checked on its first {len(sample)} rows: {text}") from e

@@ -108,6 +108,20 @@ class LocalHub:
         return commit
 
 
+# What a checkpoint holds beside the model to resume training from it: the optimizer state (fp32 masters
+# and Adam moments, 12 bytes per parameter: 3x an fp32 model's files, 6x a bf16 one's), the scheduler,
+# RNG states, the trainer's state and the manifest of them all. A published model leaves them out, as
+# Trainer's own push of the model does.
+TRAINING_STATE = ("megatrain_optimizer*", "megatrain_manifest.json", "optimizer.pt", "optimizer.bin", "scheduler.pt",
+                  "scaler.pt", "rng_state*.pth", "trainer_state.json")
+
+
+def training_state_files(folder: str) -> list[str]:
+    """The files of `folder` (top level) that TRAINING_STATE names."""
+    return sorted(n for n in os.listdir(folder)
+                  if os.path.isfile(os.path.join(folder, n)) and any(fnmatch.fnmatch(n, p) for p in TRAINING_STATE))
+
+
 def _ignored(rel: str, patterns: tuple[str, ...]) -> bool:
     first = rel.split(os.sep)[0]
     return any(fnmatch.fnmatch(first, p) or fnmatch.fnmatch(rel, p) for p in patterns)

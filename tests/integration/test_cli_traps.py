@@ -1,8 +1,10 @@
-"""The command line as a user types it: each trap a user met (issue 19) through the real command,
-in a process of its own, on a tiny local model folder and a JSONL file."""
+"""The command line as a user types it: each trap a user met (issues 19 and 32) through the real
+command, in a process of its own, on a tiny local model folder and a JSONL file. A mistake is one
+line on stderr, exit status 2, before any weight is read."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -37,6 +39,113 @@ def _env():
 def train(cwd, *flags, timeout=300):
     return subprocess.run([sys.executable, "-m", "hf_megatrain.cli", "train", *map(str, flags)],
                           capture_output=True, text=True, env=_env(), cwd=cwd, timeout=timeout)
+
+
+# The command with a loader that fails loudly if any weight is read, and without the modules named in
+# HIDE (as if they were not installed: find_spec says None for a module set to None in sys.modules).
+NO_WEIGHTS = (
+    "import os, sys\n"
+    "for name in filter(None, os.environ.get('HIDE', '').split(',')): sys.modules[name] = None\n"
+    "import hf_megatrain.checkpoint.stream_load as s, hf_megatrain.cli as cli\n"
+    "def read(*a, **k): raise SystemExit('weights were read')\n"
+    "s.load_into_store = read\n"
+    "sys.exit(cli.main(sys.argv[1:]))\n"
+)
+
+
+def refused(cwd, *args, prefix=(), hide=(), env=None) -> str:
+    """The one line that `hf-megatrain ARGS` prints before it exits with status 2, no weight read."""
+    r = subprocess.run([*prefix, sys.executable, "-c", NO_WEIGHTS, *map(str, args)], capture_output=True, text=True,
+                       env={**(env or _env()), "HIDE": ",".join(hide)}, cwd=cwd, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr[-3000:])
+    assert "weights were read" not in r.stderr and "Traceback" not in r.stderr
+    return lines[0]
+
+
+def test_a_mistyped_flag_is_one_line_naming_the_flag_meant(run_dir, tmp_path):
+    line = refused(tmp_path, "train", *common(run_dir, tmp_path / "out"), "--leraning_rate", "1e-3")
+    assert line == ("hf-megatrain train: error: no flag --leraning_rate; did you mean --learning_rate? "
+                    "(`hf-megatrain train --help-all` lists every flag)")
+    line = refused(tmp_path, "train", *common(run_dir, tmp_path / "out"), "--learning_rate", "fast")
+    assert line == "hf-megatrain train: error: argument --learning_rate/--learning-rate: invalid float value: 'fast'"
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--learning_rate=-1e-3"], "learning_rate=-0.001 is negative; AdamW takes learning_rate >= 0."),
+    (["--adam_beta2", "1", "--max_grad_norm", "-1"], "adam_beta2=1 is outside [0, 1), where AdamW's betas must be; "
+     "max_grad_norm=-1 is negative; give a positive norm to clip to, or 0 for no clipping."),
+    (["--eval_strategy", "steps"], "eval_strategy='steps' evaluates, but there is no evaluation data: pass "
+     "--eval_data FILE_OR_DATASET, or --eval_strategy no."),
+    (["--report_to", "tensorbord"], "report_to='tensorbord' is not a logger Trainer knows; choose from"),
+], ids=["learning_rate", "betas_and_clipping", "eval_without_data", "unknown_logger"])
+def test_a_value_the_run_would_refuse_later_is_refused_before_the_weights(run_dir, tmp_path, flags, says):
+    """The arguments are built, and checked as the optimizer and Trainer would check them, before the model."""
+    line = refused(tmp_path, "train", *common(run_dir, tmp_path / "out"), *flags)
+    assert line.startswith(f"hf-megatrain train: error: {says}"), line
+
+
+def test_report_to_a_logger_that_is_not_installed_names_its_package(run_dir, tmp_path):
+    line = refused(tmp_path, "train", *common(run_dir, tmp_path / "out"), "--report_to", "tensorboard",
+                   hide=("tensorboard", "tensorboardX"))
+    assert line == ("hf-megatrain train: error: report_to='tensorboard' needs the 'tensorboard' package, which is "
+                    "not installed: `pip install tensorboard`, or choose another logger (--report_to none).")
+
+
+@pytest.mark.parametrize("content, says", [
+    ("", "empty.jsonl is empty: it holds no rows to train on. Point the data at a file with rows."),
+    ('{"text": "abc"}\n{"text": "abd"}\n{"text": "abe",}\n', "could not read empty.jsonl line 3: not valid JSON (Expecting property "
+     "name enclosed in double quotes, column 16); fix or remove that line"),
+    ('{"text": "abc"}\n{"text": 5}\n', "data_path='empty.jsonl', checked on its first 2 rows: row 1: 'text' holds int "
+     "5, where it must be a string"),
+], ids=["empty", "bad_json_line", "not_a_string"])
+def test_a_data_file_that_cannot_train_is_one_line(run_dir, tmp_path, content, says):
+    (tmp_path / "empty.jsonl").write_text(content)
+    flags = common(run_dir, tmp_path / "out")
+    flags[flags.index("--data") + 1] = "empty.jsonl"
+    line = refused(tmp_path, "train", *flags)
+    assert line.startswith(f"hf-megatrain train: error: {says}"), line
+
+
+def _online_env():
+    """The command as a user without HF_HUB_OFFLINE runs it: a lookup on the hub would retry for ~25 s."""
+    return {k: v for k, v in _env().items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+
+
+def test_cli_missing_data_one_line_no_network(run_dir, tmp_path):
+    start = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "hf_megatrain.cli", "train", "--model", run_dir / "model",
+                        "--data", "missing.jsonl", "--output_dir", str(tmp_path / "out"), "--use_cpu"],
+                       capture_output=True, text=True, env=_online_env(), cwd=tmp_path, timeout=300)
+    elapsed = time.perf_counter() - start
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"hf-megatrain train: error: data path 'missing.jsonl' does not exist; check the path (relative paths "
+        f"start from {tmp_path}).")
+    assert "loading weights" not in r.stderr and "huggingface.co" not in r.stderr
+    assert elapsed < 30, elapsed  # imports take ~10 s; the hub's retries alone would add ~25 s
+
+
+def test_read_only_output_dir_through_the_cli(run_dir, tmp_path):
+    """chmod 555, and for root a process without CAP_DAC_OVERRIDE, so that the mode binds it too."""
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root needs setpriv to drop CAP_DAC_OVERRIDE")
+        prefix = ["setpriv", "--inh-caps=-dac_override", "--bounding-set=-dac_override"]
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        line = refused(tmp_path, "train", "--model", run_dir / "model", "--data", run_dir / "train.jsonl",
+                       "--output_dir", locked / "out", "--use_cpu", "--report_to", "none", prefix=prefix,
+                       env=_online_env())
+    finally:
+        locked.chmod(0o755)
+    assert line == (
+        f"hf-megatrain train: error: output_dir={str(locked / 'out')!r} is not writable (no write permission on "
+        f"{locked}); choose another output_dir or change its permissions.")
+    assert not os.listdir(locked)
 
 
 def common(root, out):
