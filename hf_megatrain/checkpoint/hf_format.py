@@ -16,6 +16,8 @@ from safetensors.torch import save_file
 from transformers import GenerationConfig
 from transformers.core_model_loading import revert_weight_conversion
 
+from ..patcher.adapters import base_model
+from ..patcher.templates import persistent_buffers
 from .safetensors_io import SAFE_INDEX, SAFE_WEIGHTS
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
@@ -78,8 +80,11 @@ def save_hf_model(store, skeleton, out_dir: str, dtype: torch.dtype | None = Non
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]
     weight_map, total_bytes, total_params = {}, 0, 0
+    # Buffers saved with the weights (GLM-4-MoE's router bias): constants the store does not hold, read from
+    # the model object, which keeps them; a few numbers per layer, written with the first shard.
+    buffers = {k: b.cpu() for k, b in persistent_buffers(base_model(skeleton)).items()}  # in their own dtype
     for fname, unit_ids in zip(names, shards):
-        tensors = {}
+        tensors, buffers = buffers, {}
         for index in unit_ids:
             tensors.update(unit_tensors(index, dtype))
             if progress is not None:
