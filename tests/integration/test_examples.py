@@ -24,3 +24,14 @@ def test_example_runs_on_the_tiny_default(script, tmp_path):
         assert (out / "adapter_config.json").exists() and (out / "merged" / "config.json").exists()
     else:
         assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+
+
+def test_sft_example_runs(tmp_path):
+    """Moved from tests/unit/test_data.py: a whole training run in a process of its own."""
+    out = tmp_path / "sft"
+    r = subprocess.run([sys.executable, "examples/sft.py", "--tiny", "--output_dir", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "model.safetensors").exists() and (out / "chat_template.jinja").exists()
+    before, after = r.stdout.split("eval loss: ")[1].split()[0:3:2]
+    assert float(after) < float(before)

@@ -1,9 +1,8 @@
-"""Data pipeline: file formats, chat / prompt-completion masking, packing isolation, padding, the SFT example."""
+"""Data pipeline: file formats, chat / prompt-completion masking, packing isolation, padding (the SFT example runs
+in tests/integration/test_examples.py)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import datasets
 import pytest
@@ -12,7 +11,6 @@ import torch
 from hf_megatrain import MegaTrainError, StreamingEngine
 from hf_megatrain.data import CausalCollator, count_real_tokens, detect_format, load_raw_dataset, tokenize_dataset
 from hf_megatrain.demo import build_tokenizer
-from tests.support import ROOT
 from tests.support.tiny import make_model
 
 # The character tokenizer knows a-z, <s>, </s> and ">": user/system turns end in ">", assistant
@@ -301,17 +299,6 @@ def test_count_real_tokens():
     assert count_real_tokens(collate([{"input_ids": [5, 6]}, {"input_ids": [7, 8]}])) == 4  # no padding, no mask
     packed = {"input_ids": [5, 6, 7, 8], "labels": [-100, 6, -100, 8], "position_ids": [0, 1, 0, 1]}
     assert count_real_tokens(collate([packed, packed])) == 8
-
-
-# -- the example ---------------------------------------------------------------------------------
-def test_sft_example_runs(tmp_path):
-    out = tmp_path / "sft"
-    r = subprocess.run([sys.executable, "examples/sft.py", "--tiny", "--output_dir", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert (out / "model.safetensors").exists() and (out / "chat_template.jinja").exists()
-    before, after = r.stdout.split("eval loss: ")[1].split()[0:3:2]
-    assert float(after) < float(before)
 
 
 @pytest.mark.parametrize("fmt", ["text", "chat", "prompt_completion"])

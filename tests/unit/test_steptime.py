@@ -1,9 +1,6 @@
 """The step-time model (steptime.py) and the rates it runs on (probe.py, `hf-megatrain probe`)."""
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -166,34 +163,18 @@ def test_probe_cache_keeps_the_latest_probe_of_each_gpu(tmp_path, monkeypatch):
     assert json.load(open(tmp_path / "rates.json")).keys() == {"NVIDIA H100 80GB HBM3", "NVIDIA H200", "cpu"}
 
 
-def _cli(*args, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "hf_megatrain.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+def test_estimate_prints_the_step_time_with_its_bound(tmp_path, monkeypatch, capsys):
+    """In process (the command is cli.main; `hf-megatrain probe` runs as a command in
+    tests/integration/test_demo_cli.py)."""
+    from hf_megatrain.cli import main
 
-
-def test_probe_command_measures_the_host_and_caches(tmp_path):
-    """On this GPU-less machine: the host's DRAM copy and the engine's own AdamW step, cached."""
-    r = _cli("probe", "--seconds", "1", "--json", env={"HF_MEGATRAIN_CACHE": str(tmp_path)})
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
-    assert out["host_copy_gbs"] > 0 and out["host_update_gbs"] > 0 and out["adamw_gparams"] > 0 and out["adamw_noclip_gparams"] > 0
-    assert out["adamw_lean_gparams"] > 0 and out["adamw_lean_noclip_gparams"] > 0
-    assert out["cache"] == str(tmp_path / "rates.json")
-    cached = json.load(open(tmp_path / "rates.json"))
-    assert cached["cpu"]["adamw_gparams"] == out["adamw_gparams"]
-    bad = _cli("probe", "--seconds", "0")
-    assert bad.returncode == 2 and "--seconds must be positive" in bad.stderr
-
-
-def test_estimate_prints_the_step_time_with_its_bound(tmp_path):
-    r = _cli("estimate", "llama-2-13b", "--batch", "16", "--seq", "1024", "--grad_accum", "4", "--gpu_gib", "139",
-             "--host_gib", "125", env={"HF_MEGATRAIN_CACHE": str(tmp_path)})
-    assert r.returncode == 0, r.stderr
-    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("step time (model, clipping at 1)"))
+    monkeypatch.setenv("HF_MEGATRAIN_CACHE", str(tmp_path))
+    assert main(["estimate", "llama-2-13b", "--batch", "16", "--seq", "1024", "--grad_accum", "4", "--gpu_gib",
+                 "139", "--host_gib", "125"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step time (model, clipping at 1)"))
     assert "tokens/s; bound: compute" in line and "reference rates" in line
-    j = _cli("estimate", "mixtral-8x7b", "--batch", "16", "--seq", "1024", "--max_grad_norm", "0", "--json",
-             env={"HF_MEGATRAIN_CACHE": str(tmp_path)})
-    timing = json.loads(j.stdout)["step_time"]
+    main(["estimate", "mixtral-8x7b", "--batch", "16", "--seq", "1024", "--max_grad_norm", "0", "--json"])
+    timing = json.loads(capsys.readouterr().out)["step_time"]
     assert timing["bound"] == "host AdamW" and timing["step_s"] > timing["lanes_s"]["host_adamw"] > 0
 
 
