@@ -14,7 +14,6 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass, field, replace
-from functools import partial
 
 from .errors import HostJobError, MegaTrainError
 
@@ -222,7 +221,7 @@ def _leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _estimate(argv: list[str]) -> int:
+def _estimate_parser():
     from .shapes import SHAPES
 
     p = argparse.ArgumentParser(
@@ -274,155 +273,65 @@ def _estimate(argv: list[str]) -> int:
                    help="gradient clipping as the run will have it (0: none; the step-time model's host AdamW "
                         "then overlaps the backward)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
-    a = p.parse_args(argv)
+    return p
+
+
+def _estimate_request(a):
+    """(Request, Machine) of the parsed flags: what plan_run settles for the trainer, from the command line."""
     from .engine.config import EngineConfig, parse_count, parse_switch
-    from .errors import MegaTrainError
-    from .memory import (GiB, StepSplit, admit, estimate, longest_fitting_row, mlp_tile, model_shapes,
-                         one_at_a_time, resolve_placement, split_step)
+    from .memory import GiB, mlp_tile
+    from .planner import Machine, Request
 
-    def count(value, name):
+    def parsed(name, parse, takes):
         try:
-            return parse_count(value, name)
+            return parse(getattr(a, name), name)
         except MegaTrainError:
-            raise SystemExit(f"hf-megatrain estimate: --{name} takes a number of layers or 'auto', not {value!r}")
+            raise SystemExit(f"hf-megatrain estimate: --{name} takes {takes}, not {getattr(a, name)!r}")
 
-    try:
-        transient = parse_switch(a.transient_grads, "transient_grads")
-    except MegaTrainError:
-        raise SystemExit("hf-megatrain estimate: --transient_grads takes true, false or auto, "
-                         f"not {a.transient_grads!r}")
-    if transient is None and not (a.max_grad_norm <= 0 and a.gpu_gib and a.host_gib and a.world_size == 1
-                                  and a.device == "cuda"):
-        transient = False  # auto only where it would be exact and there is a machine to weigh it for
-    if a.gpu_grad_layers is None:  # auto where there is a machine to weigh it for
-        grad_layers = None if a.gpu_gib and a.host_gib and a.device == "cuda" and not transient else 0
-    else:
-        grad_layers = count(a.gpu_grad_layers, "gpu_grad_layers")
-        if grad_layers is None and not (a.gpu_gib and a.host_gib):
-            raise SystemExit("hf-megatrain estimate: --gpu_grad_layers auto weighs the host against the GPU: give "
-                             "--gpu_gib and --host_gib")
+    counts = {f: parsed(f, parse_count, "a number of layers or 'auto'")
+              for f in ("gpu_resident_layers", "offload_activations", "gpu_grad_layers")}
+    switches = {f: parsed(f, parse_switch, "true, false or auto")
+                for f in ("lean_resident", "lean_streamed", "transient_grads", "layer_major_accumulation")}
+    if a.gpu_grad_layers is not None and counts["gpu_grad_layers"] is None and not (a.gpu_gib and a.host_gib):
+        raise SystemExit("hf-megatrain estimate: --gpu_grad_layers auto weighs the host against the GPU: give "
+                         "--gpu_gib and --host_gib")
+    placing = (a.gpu_resident_layers, a.offload_activations, a.lean_resident, a.lean_streamed)
+    if a.gpu_gib is None and "auto" in placing:
+        raise SystemExit("hf-megatrain estimate: 'auto' places layers for a machine: give its --gpu_gib")
+    engine = EngineConfig(device=a.device, compute_dtype=a.compute_dtype,
+                          mlp_tile_tokens=mlp_tile(a.seq, a.mlp_tile_tokens),
+                          resident_layers=counts["gpu_resident_layers"], offload_activations=counts["offload_activations"],
+                          lean_resident=switches["lean_resident"], lean_streamed=switches["lean_streamed"],
+                          transient_grads=switches["transient_grads"], gpu_grad_layers=counts["gpu_grad_layers"])
+    given = a.gpu_gib is not None or a.host_gib is not None
+    request = Request(engine, a.batch, a.seq, grad_accum=a.grad_accum, layer_major=switches["layer_major_accumulation"],
+                      max_grad_norm=a.max_grad_norm, world_size=a.world_size, local_ranks=a.local_ranks, admit=given,
+                      suggest_row=a.gpu_gib is not None and a.host_gib is not None, mlp_tile_tokens=a.mlp_tile_tokens)
+    from . import probe
+
+    rates = probe.rates_for_planning() if a.device == "cuda" and a.world_size == 1 else None
+    if rates is probe.REFERENCE and probe.gpu_name() is None:  # a probe here measures no GPU: no advice to run it
+        rates = replace(rates, measured="reference rates of an H200 box with 16 host cores (no GPU here to "
+                                        "probe; `hf-megatrain probe` on the GPU machine measures its own)")
+    return request, Machine(a.gpu_gib * GiB if a.gpu_gib else None, a.host_gib * GiB if a.host_gib else None, rates)
+
+
+def _estimate(argv: list[str]) -> int:
+    """Parse the flags, plan the run as the trainer would (planner.plan_run), print the plan."""
+    from .planner import plan_run, report
+
+    a = _estimate_parser().parse_args(argv)
+    request, machine = _estimate_request(a)
     config = _config_of(a.model)
-    resident, offload = count(a.gpu_resident_layers, "gpu_resident_layers"), count(a.offload_activations,
-                                                                                  "offload_activations")
-    switches = {}
-    for name in ("lean_resident", "lean_streamed"):
-        try:
-            switches[name] = parse_switch(getattr(a, name), name)
-        except MegaTrainError:
-            raise SystemExit(f"hf-megatrain estimate: --{name} takes true, false or auto, not {getattr(a, name)!r}")
-    lean, streamed = switches["lean_resident"], switches["lean_streamed"]
-    if a.gpu_gib is None:  # no machine to place for: what is not given stays off
-        if "auto" in (a.gpu_resident_layers, a.offload_activations, a.lean_resident, a.lean_streamed):
-            raise SystemExit("hf-megatrain estimate: 'auto' places layers for a machine: give its --gpu_gib")
-        resident, offload, lean, streamed = resident or 0, offload or 0, bool(lean), bool(streamed)
-    elif a.host_gib is None and streamed is None:
-        streamed = False  # auto weighs the host RAM: without --host_gib there is none to weigh
-    engine = EngineConfig(device=a.device, compute_dtype=a.compute_dtype, resident_layers=resident,
-                          offload_activations=offload, lean_resident=lean, lean_streamed=streamed,
-                          transient_grads=transient, gpu_grad_layers=grad_layers,
-                          mlp_tile_tokens=mlp_tile(a.seq, a.mlp_tile_tokens))
-    ranks = dict(world_size=a.world_size, local_ranks=a.local_ranks)
-    shapes = model_shapes(config)
-    gpu_free, host_free = (a.gpu_gib * GiB if a.gpu_gib else None), (a.host_gib * GiB if a.host_gib else None)
-    try:
-        together = parse_switch(a.layer_major_accumulation, "layer_major_accumulation")
-    except MegaTrainError:
-        raise SystemExit("hf-megatrain estimate: --layer_major_accumulation takes true, false or auto, "
-                         f"not {a.layer_major_accumulation!r}")
-    if a.world_size == 1 and (together or (together is None and gpu_free and host_free and a.device == "cuda")):
-        step = split_step(config, a.batch, a.seq, engine, a.grad_accum, asked=together, gpu_free=gpu_free,
-                          host_free=host_free)
-    else:
-        step = StepSplit(1, 0, resolve_placement(config, a.batch, a.seq, engine, gpu_free=gpu_free,
-                                                 host_free=host_free, later_contributions=one_at_a_time(a.grad_accum),
-                                                 **ranks))
-    placement, batch = step.placement, a.batch // step.split
-    later = one_at_a_time(a.grad_accum, step.split, step.together)  # a unit's gradient gets a second contribution
-    plan = estimate(config, batch, a.seq, placement.engine, shapes=shapes, micro_batches=step.together or 1,
-                    later_contributions=later, **ranks)
-    timed_here = a.device == "cuda" and a.world_size == 1  # the step-time model prices the plan and its modes
-    if timed_here:
-        from .probe import rates_for_planning
-        from .steptime import mode_cost, norm_pass, predict, routed_per_layer
-
-        rates, n = rates_for_planning(), a.grad_accum * step.split
-        from . import probe
-
-        if rates is probe.REFERENCE and probe.gpu_name() is None:  # a probe here measures no GPU: no advice to run it
-            rates = replace(rates, measured="reference rates of an H200 box with 16 host cores (no GPU here to "
-                                            "probe; `hf-megatrain probe` on the GPU machine measures its own)")
-        together = bool(step.together) or n == 1
-        routed = routed_per_layer(config)  # a meta copy of the model: once, for every prediction below
-    verdict = None
-    if a.gpu_gib is not None or a.host_gib is not None:
-        try:
-            hint = None
-            if a.gpu_gib is not None and a.host_gib is not None and a.device == "cuda":
-                hint = partial(longest_fitting_row, config, batch, a.seq, engine=engine, shapes=shapes,
-                               mlp_tile_tokens=a.mlp_tile_tokens, micro_batches=step.together or 1, **ranks)
-            cost = None
-            if timed_here:  # a refusal naming a memory mode prices it
-                cost = mode_cost(config, batch, a.seq, placement.engine, rates, micro_batches=n, together=together,
-                                 clip=a.max_grad_norm > 0, shapes=shapes, routed=routed)
-            # a CPU run has no GPU to keep layers on: residency is no advice to give there
-            admit(plan, host_free=(a.host_gib or float("inf")) * GiB, gpu_free=(a.gpu_gib or float("inf")) * GiB,
-                  hint=hint, residency_planned=placement.planned or a.device == "cpu", step_cost=cost)
-            verdict = "fits"
-        except MegaTrainError as e:
-            lines = str(e).splitlines()  # the verdict, what would fit, and the longest row that fits if one does
-            verdict = lines[0] + "".join(f"\n{ln}" for ln in lines[1:]
-                                         if ln.startswith(("max_seq_length=", "Would fit with:")))
-    timing, modes = None, []
-    if timed_here:
-        from .memory import mode_plans, shortfalls, state_bytes_per_parameter
-
-        def timed(eng, clip):
-            return predict(config, batch, a.seq, eng, rates, micro_batches=n, together=together, clip=clip,
-                           shapes=shapes, routed=routed)
-
-        timing = timed(placement.engine, a.max_grad_norm > 0)
-        for name, eng, mode_plan in mode_plans(config, batch, a.seq, placement.engine, shapes=shapes,
-                                               micro_batches=step.together or 1, later_contributions=later):
-            clip = a.max_grad_norm > 0  # with transient_grads: through a norm pass (steptime.predict)
-            fits = None if host_free is None else not shortfalls(mode_plan, host_free, gpu_free or float("inf"))
-            modes.append(dict(mode=name, state_bytes_per_parameter=round(state_bytes_per_parameter(mode_plan,
-                                                                                                 shapes.params), 2),
-                              host_gib=round(mode_plan.host_per_host / GiB, 1), gpu_gib=round(mode_plan.gpu_total / GiB, 1),
-                              step_s=round(timed(eng, clip).step_s, 2), clipping=clip,
-                              norm_pass=norm_pass(eng, clip), fits=fits))
+    run = plan_run(config, request, machine)
+    modes = report.mode_rows(config, request, run, machine)
     if a.json:
         import json
 
-        print(json.dumps({**plan.as_dict(), "verdict": verdict, "rows_per_micro_batch": batch,
-                          "micro_batches": a.grad_accum * step.split, "together": bool(step.together),
-                          "step_time": timing.as_dict() if timing else None, "modes": modes}, indent=1))
+        print(json.dumps(report.as_dict(request, run, modes), indent=1))
     else:
-        from .errors import counted, parameter_count
-
-        print(f"{a.model}: {parameter_count(shapes.params)} parameters, "
-              f"{batch} x {a.seq} tokens per micro-batch, {step.describe(a.batch, a.grad_accum)}, "
-              f"{a.compute_dtype} compute, "
-              f"{counted(plan.resident_layers, 'layer')} resident on the GPU"
-              f"{' (lean)' if placement.engine.lean_resident and plan.resident_layers else ''}, "
-              f"{counted(plan.offload_activations, 'layer input')} offloaded\n")
-        print(plan.table())
-        if timing is not None:
-            clipping = f"clipping at {a.max_grad_norm:g}" if a.max_grad_norm > 0 else "no clipping"
-            if norm_pass(placement.engine, a.max_grad_norm > 0):
-                clipping += " through a norm pass, transient_grads"
-            print(f"\nstep time (model, {clipping}): {timing.describe()}")
-        if modes:
-            print(f"\nmemory modes at this placement     {'host B/param':>13} {'host GiB':>9} {'GPU GiB':>8} "
-                  f"{'step s (model)':>14} {'clipping':16}" + (" on this host" if host_free is not None else ""))
-            for m in modes:
-                clip = "norm pass first" if m["norm_pass"] else "after backward" if m["clipping"] else "none"
-                here = "" if m["fits"] is None else f" {'fits' if m['fits'] else 'short'}"
-                print(f"  {m['mode']:32} {m['state_bytes_per_parameter']:13.1f} {m['host_gib']:9.1f} "
-                      f"{m['gpu_gib']:8.1f} {m['step_s']:14.2f} {clip:16}{here}")
-        if verdict is not None:
-            machine = " + ".join(f"{v:g} GiB {k}" for k, v in (("GPU", a.gpu_gib), ("host", a.host_gib)) if v)
-            print(f"\non {machine}: {verdict}")
-    return 0 if verdict in (None, "fits") else 1
+        print(report.as_text(a.model, config, request, run, machine, modes))
+    return 0 if report.verdict(request, run) in (None, "fits") else 1
 
 
 def _config_of(model: str):

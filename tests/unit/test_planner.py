@@ -45,6 +45,39 @@ def test_prepare_builds_what_the_trainer_builds(tmp_path, kind, ga):
     assert engine.run_plan.summary() == trainer_plan.summary()
 
 
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ga", [1, 2])
+def test_estimate_the_trainer_and_prepare_make_the_same_plan(tmp_path, monkeypatch, capsys, kind, ga):
+    """One request (2 rows of 16 tokens, GA ga, clipping at 1, fp32 on the CPU) through the three doors:
+    `hf-megatrain estimate`, MegaTrainTrainer and prepare() each get the same RunPlan from plan_run."""
+    import hf_megatrain.planner as planner
+    import hf_megatrain.trainer as trainer_module
+    from hf_megatrain import prepare
+    from hf_megatrain.cli import main
+
+    plans = []
+
+    def recorded(*a, **k):
+        plans.append(plan_run(*a, **k))
+        return plans[-1]
+
+    monkeypatch.setattr(planner, "plan_run", recorded)
+    monkeypatch.setattr(trainer_module, "plan_run", recorded)
+    model = make_model(kind)
+    model.config.save_pretrained(tmp_path / "m")
+    assert main(["estimate", str(tmp_path / "m"), "--batch", "2", "--seq", "16", "--grad_accum", str(ga),
+                 "--device", "cpu", "--compute_dtype", "float32", "--host_gib", "1000"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("on 1000 GiB host: fits")
+    args = MegaTrainArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_seq_length=16,
+                              gradient_accumulation_steps=ga, report_to=[], use_cpu=True)
+    MegaTrainTrainer(model, args)
+    prepare(make_model(kind), device="cpu", batch=2, seq=16, grad_accum=ga)
+    assert len(plans) == 3
+    estimated, trained, prepared = (p.summary() for p in plans)
+    assert estimated == trained == prepared
+
+
 def test_prepare_refuses_a_plan_that_does_not_fit_before_reading_a_weight(monkeypatch):
     """prepare() admits as the trainer does (here against a host capped at a sliver): refused before
     the engine is built, in admission's words; memory_check=False builds it."""
