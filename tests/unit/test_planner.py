@@ -132,3 +132,12 @@ def test_data_parallel_refuses_the_modes_it_does_not_combine_with(asked):
     request = Request(**{"engine": _auto(), "batch": 1, "seq": 1024, "world_size": 2, **asked})
     with pytest.raises(MegaTrainError, match="not combined with data parallel"):
         plan_run(make_config("llama-3.2-1b"), request, Machine(70 * GiB, 400 * GiB))
+
+
+def test_the_trainer_plans_for_the_memory_its_arguments_cap(tmp_path):
+    """max_host_memory caps what the trainer's plan counts as available: a sliver is refused in
+    admission's words, before the engine is built."""
+    args = MegaTrainArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_seq_length=16,
+                              report_to=[], use_cpu=True, max_host_memory=1e-6)
+    with pytest.raises(MegaTrainError, match="this run does not fit: host RAM: needs .* 0.0 GiB available"):
+        MegaTrainTrainer(make_model("llama"), args)
