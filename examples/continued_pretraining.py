@@ -45,6 +45,10 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="use the embedded tiny model and generated text")
     a = p.parse_args()
     if a.tiny:
+        import torch
+
+        if not torch.cuda.is_available():
+            torch.set_num_threads(1)  # the tiny model's ops are too small to split across cores (hf_megatrain.demo)
         a.model, a.data = tiny_setup(tempfile.mkdtemp())
         a.max_seq_length, a.batch, a.steps, a.lr = 32, 16, 30, 3e-3
     if not (a.model and a.data):

@@ -15,8 +15,8 @@ Real use (a model in the local HF cache or a folder):
 
 A base model without a chat template needs one: --chat_template template.jinja.
 
-On the embedded tiny default (no downloads, CPU is fine, under a minute): a chat in which the
-assistant answers each word with its reversal.
+On the embedded tiny default (no downloads, CPU is fine, under a minute): chats in which the assistant
+answers the user's word with its reversal. It ends by asking for six words it has never seen.
 
     python examples/sft.py --tiny --output_dir /tmp/sft
 """
@@ -39,23 +39,29 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def tiny_chats(n: int, seed: int) -> list[dict]:
+TINY_SYSTEM = "reverse"
+
+
+def tiny_chats(n: int, seed: int, system: float = 0.5, turns=(1, 1, 2)) -> list[dict]:
+    """n chats: a system turn (with probability `system`), then user word / assistant reversal, as many
+    times as a draw from `turns`."""
     from hf_megatrain.demo import make_words
 
     rng = random.Random(seed)
     words = iter(make_words(2 * n, seed=seed))
     rows = []
     for _ in range(n):
-        messages = [{"role": "system", "content": "reverse"}] if rng.random() < 0.5 else []
-        for _ in range(rng.choice((1, 1, 2))):
+        messages = [{"role": "system", "content": TINY_SYSTEM}] if rng.random() < system else []
+        for _ in range(rng.choice(turns)):
             w = next(words)
             messages += [{"role": "user", "content": w}, {"role": "assistant", "content": w[::-1]}]
         rows.append({"messages": messages})
     return rows
 
 
-def tiny_setup(workdir: str) -> tuple[str, str, str]:
-    """Save the embedded tiny model (tokenizer with a chat template) and chat data; return the paths."""
+def tiny_setup(workdir: str, n_train: int = 2000, **chats) -> tuple[str, str, str]:
+    """Save the embedded tiny model (tokenizer with a chat template) and chat data (tiny_chats with
+    `chats`); return the paths."""
     from hf_megatrain.demo import build_model, build_tokenizer
 
     model_dir = os.path.join(workdir, "tiny-llama")
@@ -64,10 +70,10 @@ def tiny_setup(workdir: str) -> tuple[str, str, str]:
     build_model().save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     paths = []
-    for name, n, seed in (("train.jsonl", 2000, 1), ("eval.jsonl", 100, 2)):
+    for name, n, seed in (("train.jsonl", n_train, 1), ("eval.jsonl", 100, 2)):
         paths.append(os.path.join(workdir, name))
         with open(paths[-1], "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in tiny_chats(n, seed))
+            f.writelines(json.dumps(row) + "\n" for row in tiny_chats(n, seed, **chats))
     return model_dir, *paths
 
 
@@ -80,13 +86,16 @@ def show_learned_tokens(trainer, n_chars: int = 160) -> None:
           f"{learned[:n_chars]!r}")
 
 
-def tiny_answers(trainer, words: list[str]) -> int:
+def tiny_answers(trainer, words: list[str], system: str | None = None) -> int:
+    """Ask the trained model for each word (after a system turn `system`, if given); print the answers;
+    return how many are the reversal."""
     import torch
 
     tok, model = trainer.processing_class, trainer.model
     right = 0
+    first = [{"role": "system", "content": system}] if system else []
     for w in words:
-        ids = tok.apply_chat_template([{"role": "user", "content": w}], add_generation_prompt=True,
+        ids = tok.apply_chat_template(first + [{"role": "user", "content": w}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
         ids = ids.to(model.device)  # GPU-resident layers (all of them, for this tiny model) are on the GPU
         with torch.no_grad():
@@ -115,8 +124,16 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="use the embedded tiny model and generated chat data")
     a = p.parse_args()
     if a.tiny:
-        a.model, a.data, a.eval_data = tiny_setup(tempfile.mkdtemp(prefix="sft-tiny-"))
-        a.max_seq_length, a.batch, a.steps, a.lr = 64, 16, 50, 3e-3
+        import torch
+
+        if not torch.cuda.is_available():
+            torch.set_num_threads(1)  # the tiny model's ops are too small to split across cores (hf_megatrain.demo)
+        # One turn each, no system turn: the tiny model learns that in 200 steps. With a system turn in half
+        # of the chats and two turns in a third (tiny_setup's default, the notebook's) it reversed 0 to 8 of
+        # 20 unseen words after 150 steps, 14 of 20 with one plain turn.
+        a.model, a.data, a.eval_data = tiny_setup(tempfile.mkdtemp(prefix="sft-tiny-"), n_train=6000, system=0.0,
+                                                  turns=(1,))
+        a.max_seq_length, a.batch, a.steps, a.lr = 64, 16, 200, 3e-3
     if not (a.model and a.data):
         p.error("--model and --data are required (or --tiny)")
 

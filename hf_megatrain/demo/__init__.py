@@ -49,8 +49,9 @@ def example(word: str) -> str:
     return f"{word}>{word[::-1]}"
 
 
-def make_dataset(tokenizer, n: int, seed: int, max_len: int = 20):
-    """Rows 'word>drow</s>' with the loss on the answer only (the prompt is labelled IGNORE_INDEX)."""
+def make_dataset(tokenizer, n: int, seed: int, max_len: int = 20, answer=None):
+    """Rows 'word>drow</s>' with the loss on the answer only (the prompt is labelled IGNORE_INDEX).
+    answer: what a word is answered with (default: its reversal)."""
     import datasets
 
     from ..engine.loss import IGNORE_INDEX
@@ -58,10 +59,11 @@ def make_dataset(tokenizer, n: int, seed: int, max_len: int = 20):
     ids, labels = [], []
     for word in make_words(n, seed):
         prompt = tokenizer(word + ">")["input_ids"]
-        answer = tokenizer(word[::-1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        row = (prompt + answer)[:max_len]
+        text = word[::-1] if answer is None else answer(word)
+        target = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        row = (prompt + target)[:max_len]
         ids.append(row)
-        labels.append(([IGNORE_INDEX] * len(prompt) + answer)[:max_len])
+        labels.append(([IGNORE_INDEX] * len(prompt) + target)[:max_len])
     return datasets.Dataset.from_dict({"input_ids": ids, "labels": labels})
 
 

@@ -1,6 +1,8 @@
-"""The examples run on the tiny default, as a user would start them."""
+"""The examples run on the tiny default, as a user would start them; the SFT and LoRA ones end in
+unseen words answered right."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -22,6 +24,12 @@ def test_example_runs_on_the_tiny_default(script, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     if script == "lora.py":
         assert (out / "adapter_config.json").exists() and (out / "merged" / "config.json").exists()
+        # the adapters teach the copying base to reverse: it did not before, it does after
+        after, before = map(int, re.search(r"(\d)/6 unseen words reversed with the adapters \((\d)/6 by the base",
+                                             r.stdout).groups())
+        assert after >= 4 and before == 0, r.stdout[-2000:]
+        eval_before, eval_after = map(float, r.stdout.split("eval loss: ")[1].split()[0:3:2])
+        assert eval_after < 0.25 * eval_before
     else:
         assert (out / "config.json").exists() and (out / "model.safetensors").exists()
 
@@ -34,4 +42,6 @@ def test_sft_example_runs(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "model.safetensors").exists() and (out / "chat_template.jinja").exists()
     before, after = r.stdout.split("eval loss: ")[1].split()[0:3:2]
-    assert float(after) < float(before)
+    assert float(after) < 0.25 * float(before)
+    right = int(re.search(r"(\d)/6 unseen words answered correctly", r.stdout).group(1))
+    assert right >= 4, r.stdout[-2000:]
