@@ -116,3 +116,21 @@ def test_every_subcommand_has_help():
     for cmd in ("estimate", "push"):
         r = subprocess.run([sys.executable, "-m", "hf_megatrain.cli", cmd, "--help"], capture_output=True, text=True)
         assert r.returncode == 0 and f"usage: hf-megatrain {cmd}" in r.stdout, r.stderr
+
+
+def test_the_model_card_of_a_cpu_run_says_cpu(tmp_path):
+    """`train --push_to_hub` on the CPU: the published model card says where it trained (it said "streamed
+    through one GPU" for every run)."""
+    from hf_megatrain.demo import build_tokenizer
+    from tests.support.tiny import make_model
+
+    make_model("llama").save_pretrained(tmp_path / "model")
+    build_tokenizer().save_pretrained(tmp_path / "model")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": "abcdefg" * 3}) + "\n" for _ in range(8)))
+    assert main(["train", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "train.jsonl"),
+                 "--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--max_seq_length", "16",
+                 "--max_steps", "1", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+                 "--push_to_hub", "true", "--hub_dir", str(tmp_path / "hub"), "--hub_model_id", "org/m"]) == 0
+    repo = tmp_path / "hub" / "models--org--m"
+    card = (repo / "snapshots" / (repo / "refs" / "main").read_text().strip() / "README.md").read_text()
+    assert "AdamW state in host RAM, trained on the CPU)" in card and "GPU" not in card, card
