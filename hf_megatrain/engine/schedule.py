@@ -195,6 +195,10 @@ class StreamingEngine(nn.Module):
             load_weights(self.store)
             self.store.bind(model)
         _say_what_the_model_shows(self.store, sharding)
+        # The model's own Parameter objects (views of the store), in a plain list: not registered as the
+        # engine's, but what parameters() yields, so that what counts the wrapped model's parameters
+        # (Trainer's "Number of trainable parameters") counts the model's.
+        self._model_params = list(model.parameters())
         self._templates = self._build_templates(model)
         self.set_mlp_tiling(config.mlp_tile_tokens)
         cfg = self.config
@@ -299,6 +303,10 @@ class StreamingEngine(nn.Module):
         return HostPipeline(self.store, self.device, asynchronous=config.background_host_jobs)
 
     # -- nn.Module behaviour that Trainer relies on ------------------------------------------
+    def parameters(self, recurse: bool = True):
+        """The model's parameters (views of the store), as the model it stands for would give them."""
+        return iter(self._model_params)
+
     def train(self, mode: bool = True):
         super().train(mode)
         for t in self._templates.values():

@@ -346,3 +346,17 @@ def test_the_model_is_in_train_or_eval_mode_as_in_stock(tmp_path):
         t.train()
         seen[name] = record.seen
     assert seen["stock"] == seen["mega"] and ("eval", False) in seen["mega"]
+
+
+def test_trainable_parameter_count_is_stocks(tmp_path):
+    """Trainer logs get_model_param_count of the model it runs: the engine counts the model's parameters."""
+    from peft import LoraConfig
+    from transformers.trainer_pt_utils import get_model_param_count
+
+    for lora in (None, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")):
+        model = make_model("llama")
+        mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path), **KW), train_dataset=padded_rows(),
+                                peft_config=lora)
+        wanted = sum(p.numel() for p in mega.model.parameters() if p.requires_grad)
+        assert wanted > 0 and get_model_param_count(mega.engine, trainable_only=True) == wanted
+        assert get_model_param_count(mega.engine) == sum(p.numel() for p in mega.model.parameters())
