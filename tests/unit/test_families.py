@@ -23,15 +23,9 @@ def test_every_family_is_registered():
     assert set(FAMILIES) <= set(supported_model_types())
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_gradients_match_stock(family, attn):
-    try:
-        model = make_model(family, attn=attn)
-    except ValueError as e:
-        if not refuses_sdpa(e):
-            raise
-        pytest.skip(f"stock {family} refuses attn_implementation={attn!r} in this transformers")
+def assert_engine_matches_stock(model):
+    """One step of `model` (one right-padded row) through the engine and through stock autograd, fp32:
+    the same loss and every parameter's gradient. Returns stock's outputs."""
     batch = make_batch(batch=3, seq=12)  # one right-padded row
     nib = batch["labels"][..., 1:].ne(-100).sum()
     ref = copy.deepcopy(model)
@@ -46,6 +40,19 @@ def test_gradients_match_stock(family, attn):
     assert list(grads) == [n for n, _ in ref.named_parameters()]
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
+    return out
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gradients_match_stock(family, attn):
+    try:
+        model = make_model(family, attn=attn)
+    except ValueError as e:
+        if not refuses_sdpa(e):
+            raise
+        pytest.skip(f"stock {family} refuses attn_implementation={attn!r} in this transformers")
+    out = assert_engine_matches_stock(model)
     if family in MOE and model.config.output_router_logits:  # stock's loss holds the router's aux loss
         assert float(out.aux_loss) > 0
 
@@ -198,20 +205,7 @@ def _later_model(family, attn="eager"):
 def test_later_families_gradients_match_stock(family, attn):
     assert family in supported_model_types()
     model = _later_model(family, attn)
-    batch = make_batch(batch=3, seq=12)  # one right-padded row
-    nib = batch["labels"][..., 1:].ne(-100).sum()
-    ref = copy.deepcopy(model)
-    torch.manual_seed(1234)
-    out = ref(**batch, num_items_in_batch=nib)
-    out.loss.backward()
-    engine = StreamingEngine(model, compute_dtype=torch.float32, loss_chunk_tokens=7).train()
-    torch.manual_seed(1234)
-    loss = engine.forward_backward(batch, num_items_in_batch=nib)
-    assert abs(float(loss) - float(out.loss)) < 1e-5
-    grads = dict(engine.named_grads())
-    assert list(grads) == [n for n, _ in ref.named_parameters()]
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert_engine_matches_stock(model)
 
 
 @pytest.mark.parametrize("family", list(LATER))
