@@ -272,6 +272,11 @@ def _estimate_parser():
     p.add_argument("--max_grad_norm", type=float, default=1.0,
                    help="gradient clipping as the run will have it (0: none; the step-time model's host AdamW "
                         "then overlaps the backward)")
+    p.add_argument("--peft_config", default=None, metavar="JSON|FILE",
+                   help="plan a LoRA run: its adapters as inline JSON of LoraConfig fields (e.g. "
+                        "'{\"r\": 8, \"target_modules\": [\"q_proj\", \"v_proj\"]}') or a JSON file, as "
+                        "MegaTrainArguments.peft_config takes them; the fp32 master, gradient and Adam moments "
+                        "then cover the adapters alone, the frozen weights only their compute copy")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     return p
 
@@ -304,8 +309,17 @@ def _estimate_request(a):
                           lean_resident=switches["lean_resident"], lean_streamed=switches["lean_streamed"],
                           transient_grads=switches["transient_grads"], gpu_grad_layers=counts["gpu_grad_layers"])
     given = a.gpu_gib is not None or a.host_gib is not None
+    peft_config = None
+    if a.peft_config is not None:
+        from .checkpoint.loading import lora_config
+
+        try:
+            peft_config = lora_config(a.peft_config)
+        except MegaTrainError as e:
+            raise SystemExit(f"hf-megatrain estimate: --peft_config: {e}")
     request = Request(engine, a.batch, a.seq, grad_accum=a.grad_accum, layer_major=switches["layer_major_accumulation"],
-                      max_grad_norm=a.max_grad_norm, world_size=a.world_size, local_ranks=a.local_ranks, admit=given,
+                      max_grad_norm=a.max_grad_norm, world_size=a.world_size, local_ranks=a.local_ranks,
+                      peft_config=peft_config, admit=given,
                       suggest_row=a.gpu_gib is not None and a.host_gib is not None, mlp_tile_tokens=a.mlp_tile_tokens)
     from . import probe
 

@@ -57,7 +57,8 @@ def prepare(model, *, device=None, compute_dtype=None, lr: float = 1e-5, betas=(
     asked = EngineConfig(**{**AUTO, "mlp_tile_tokens": mlp_tile(seq, engine_options.get("mlp_tile_tokens")),
                             **engine_options, "device": device, "compute_dtype": compute_dtype})
     request = Request(asked, batch, seq, grad_accum=grad_accum, layer_major=layer_major_accumulation,
-                      max_grad_norm=max_grad_norm or 0.0, lora=hasattr(model, "peft_config"), admit=memory_check,
+                      max_grad_norm=max_grad_norm or 0.0, peft_config=getattr(model, "peft_config", None),
+                      admit=memory_check,
                       suggest_row=batch * seq >= LONG_CONTEXT_TOKENS,
                       mlp_tile_tokens=engine_options.get("mlp_tile_tokens"))
     machine = Machine.measured(device, max_gpu_memory=max_gpu_memory, max_host_memory=max_host_memory)

@@ -84,16 +84,72 @@ def config_units_memo(config) -> list:
     return copy_units(units)
 
 
+def _adapters_key(peft_config):
+    """A peft config's contents, as a key (None: not serialisable, so not memoized)."""
+    import json
+
+    try:
+        return type(peft_config).__qualname__, json.dumps(peft_config.to_dict(), sort_keys=True, default=repr)
+    except Exception:  # noqa: BLE001 - an odd field costs the memo, never the plan
+        return None
+
+
+def adapter_units_memo(config, peft_config) -> list:
+    """The units the engine builds for `config` with `peft_config`'s adapters (a LoRA run): PEFT
+    injects them into a meta copy of the model, as checkpoint.loading.with_adapters does into the
+    real one, and store.build_units lays the result out as StreamingEngine does (the base model
+    under the wrapper), so each unit's `n_train` is its adapters and `numel` its whole layer.
+    Memoized per (config, adapters) like config_units_memo; the Unit objects are the caller's own.
+    peft_config: a peft config, a dict of LoraConfig fields, or inline JSON / a JSON file."""
+    from .checkpoint.loading import lora_config
+
+    peft_config = lora_config(peft_config)
+    base, adapters = _config_key(config), _adapters_key(peft_config)
+    key = ("adapters", base, adapters) if base is not None and adapters is not None else None
+    units = _UNITS.get(key) if key is not None else None
+    if units is None:
+        units = _adapter_units(config, peft_config)
+        if key is not None:
+            _UNITS[key] = units
+            while len(_UNITS) > _UNITS_KEPT:
+                _UNITS.popitem(last=False)
+    else:
+        _UNITS.move_to_end(key)
+    return copy_units(units)
+
+
+def _adapter_units(config, peft_config) -> list:
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from .engine.store import build_units
+    from .errors import MegaTrainError
+    from .patcher.specs import spec_for
+
+    with torch.device("meta"):
+        # a copy: building a model settles attributes on its config (the attention choice)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
+        try:
+            model = get_peft_model(model, copy.deepcopy(peft_config)).get_base_model()
+        except (ValueError, TypeError, KeyError) as e:
+            text = " ".join(str(e).split())
+            raise MegaTrainError(f"peft_config does not fit this {config.model_type} model: {text}; fix "
+                                 "target_modules (or the other fields named).") from e
+    return build_units(model, spec_for(config), [n for n, _ in model.named_parameters()])
+
+
 def copy_units(units) -> list:
     """Units of one's own to mark (mark_resident), sharing the slot lists that nothing writes."""
     return [copy.copy(u) for u in units]
 
 
-def model_shapes(config) -> Shapes:
+def model_shapes(config, peft_config=None) -> Shapes:
     """Parameter counts per unit, laid out as the engine lays them out (engine.layout.config_units:
     a meta copy of the model, no memory, built once per config: config_units_memo), plus the widths
-    the activation terms need. The units are the caller's own."""
-    units = config_units_memo(config)
+    the activation terms need. The units are the caller's own. peft_config: a LoRA run's adapters
+    (adapter_units_memo): the units' trainable part (n_train) is then the adapters alone."""
+    units = config_units_memo(config) if peft_config is None else adapter_units_memo(config, peft_config)
     h = config.hidden_size
     heads = config.num_attention_heads
     hd = getattr(config, "head_dim", None) or h // heads
@@ -202,16 +258,21 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     layer_input = tokens * s.hidden * cbytes  # one saved [batch, seq, hidden] layer input
     on_gpu = sum(u.numel for u in units if u.resident)
     streamed = s.params - on_gpu
+    # The fp32 state (master, gradient, moments) covers each unit's trainable prefix (n_train: all of
+    # it in a full fine-tune, the adapters in a LoRA run); the compute copy covers every weight.
+    trained_streamed = sum(u.n_train for u in units if not u.resident)
     plan = MemoryPlan(resident_layers=resident_layers, offload_activations=offload, world_size=world,
                       local_ranks=1 if world == 1 else max(1, min(local_ranks or world, world)))
     # This rank's share of the fp32 state: the largest rank's slice of every unit, ceil(n / world)
     # (engine.distributed.Sharding); all of it in one process.
-    owned = streamed if world == 1 else sum(_share(u.numel, world) for u in units)
+    owned = trained_streamed if world == 1 else sum(_share(u.n_train, world) for u in units)
     plan.host["fp32 master weights"] = 4 * owned
     # fp32 compute in one process streams the master itself; a rank holds only a slice of the master
     # but streams every weight, so it keeps a whole compute copy of its own
     lean_streamed = sum(u.numel for u in units if u.lean and not u.resident)  # their fp32 master streams
-    plan.host["compute copy (streamed)"] = cbytes * (streamed - lean_streamed) if cbytes == 2 or world > 1 else 0
+    # (HostStore.aliased: fp32 compute, everything trained, one process)
+    aliased = cbytes == 4 and world == 1 and all(u.n_train == u.numel for u in units)
+    plan.host["compute copy (streamed)"] = 0 if aliased else cbytes * (streamed - lean_streamed)
     if cuda and cbytes == 2 and world == 1:  # what lean_streamed would take off (mark_resident's rule)
         plan.lean_streamed_saving = cbytes * sum(u.numel for u in units if u.kind == "layer" and not u.resident
                                                  and not u.lean and u.n_train == u.numel)
@@ -258,20 +319,25 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
         plan.gpu["fp32 gradients of streamed layers (gpu_grad_layers)"] = \
             4 * sum(u.n_train for u in units if u.grad_on_gpu)
     lean = sum(u.numel for u in units if u.lean and u.resident)
+    def state(group, per_trained):  # compute copy of every weight, fp32 state of the trained ones
+        return sum(cbytes * u.numel + per_trained * u.n_train for u in group)
+
     if eng.transient_grads and resident_layers:  # the resident layers share one gradient buffer
-        full = sum(u.numel for u in units if u.resident and u.kind == "layer" and not u.lean)
-        plan.gpu["resident units (weights, master, grad, Adam)"] = (cbytes + 16) * (on_gpu - lean - full)
+        full = [u for u in units if u.resident and u.kind == "layer" and not u.lean]
+        plan.gpu["resident units (weights, master, grad, Adam)"] = \
+            state([u for u in units if u.resident and u.kind != "layer"], 16)
         if full:
-            plan.gpu["resident layers (weights, master, Adam)"] = (cbytes + 12) * full
+            plan.gpu["resident layers (weights, master, Adam)"] = state(full, 12)
         if lean:
             plan.gpu["lean resident layers (master, Adam)"] = 12 * lean
         plan.gpu["fp32 gradient of a resident layer (transient, shared)"] = \
             4 * max(u.n_train for u in units if u.resident and u.kind == "layer")
     elif lean:
-        plan.gpu["resident units (weights, master, grad, Adam)"] = (cbytes + 16) * (on_gpu - lean)
+        plan.gpu["resident units (weights, master, grad, Adam)"] = \
+            state([u for u in units if u.resident and not u.lean], 16)
         plan.gpu["lean resident layers (master, grad, Adam)"] = 16 * lean
     else:
-        plan.gpu["resident units (weights, master, grad, Adam)"] = (cbytes + 16) * on_gpu
+        plan.gpu["resident units (weights, master, grad, Adam)"] = state([u for u in units if u.resident], 16)
     plan.gpu["saved layer inputs"] = group * (s.layers - offload) * layer_input
     if offload:  # brought back ahead of need (engine.activations: the lookahead, plus the one in use)
         plan.gpu["offloaded inputs in flight"] = group * min(offload, eng.activation_lookahead + 1) * layer_input
@@ -415,7 +481,7 @@ class Placement(NamedTuple):
 def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, world_size: int = 1,
                       local_ranks: int | None = None, gpu_free: float | None = None,
                       host_free: float | None = None, micro_batches: int = 1,
-                      later_contributions: bool = True) -> Placement:
+                      later_contributions: bool = True, shapes: Shapes | None = None) -> Placement:
     """The engine config with 'auto' (None) placements replaced by the plan's numbers: the one
     place where the automatic placement is decided, for the trainer and `hf-megatrain estimate`.
 
@@ -423,7 +489,8 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
     gpu_free: the GPU's free bytes (default: measured now); host_free: the host's available bytes,
     for moving layers onto the GPU when the host side would not fit, and for an 'auto' lean_streamed,
     taken only when the host side fits with it and not without (None: not considered; lean_streamed
-    auto is then off); micro_batches: how many run through each layer together (estimate)."""
+    auto is then off); micro_batches: how many run through each layer together (estimate); shapes:
+    model_shapes(config[, peft_config]), the units planned (a LoRA run's: its adapters train)."""
     resident, offload, lean = engine.resident_layers, engine.offload_activations, engine.lean_resident
     streamed = engine.lean_streamed
     if world_size > 1 and resident != 0:
@@ -436,7 +503,7 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
     elif None in (resident, offload, lean, streamed, engine.transient_grads, engine.gpu_grad_layers):
         gpu_free = gpu_available(engine.device) if gpu_free is None else gpu_free
         ranks = dict(world_size=world_size, local_ranks=local_ranks, micro_batches=micro_batches,
-                     later_contributions=later_contributions)
+                     later_contributions=later_contributions, shapes=shapes or model_shapes(config))
 
         def place(modes: dict):
             return place_layers(config, batch, seq, gpu_free, engine=replace(engine, **modes),
@@ -529,7 +596,7 @@ class StepSplit(NamedTuple):
 
 def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, asked: bool | None = None,
                splittable: bool | None = None, host_free: float | None = None,
-               gpu_free: float | None = None) -> StepSplit:
+               gpu_free: float | None = None, shapes: Shapes | None = None) -> StepSplit:
     """How a step of `ga` micro-batches of `batch` rows runs: the one place this is decided (the
     trainer, `hf-megatrain estimate`). The user's batch is `batch` x `ga`; the engine may cut each
     micro-batch into chunks of rows and run a step's chunks through each layer together
@@ -542,7 +609,9 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
     says why not). True: together, uncut. False, or off a GPU on auto: as asked.
     splittable: rows may be cut; by default unless `config` is an MoE whose load-balancing loss
     spans the micro-batch (output_router_logits with a coefficient). The host memory modes on auto
-    (lean_streamed, transient_grads, gpu_grad_layers) are tried only once no split fits without them."""
+    (lean_streamed, transient_grads, gpu_grad_layers) are tried only once no split fits without them.
+    shapes: as resolve_placement's."""
+    shapes = shapes or model_shapes(config)
     if splittable is None:
         splittable = not (getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
 
@@ -551,7 +620,7 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
         if later and eng.transient_grads is None:  # one micro-batch at a time: never exact
             eng = replace(eng, transient_grads=False)
         return resolve_placement(config, rows, seq, eng, host_free=host_free, gpu_free=gpu_free, micro_batches=n,
-                                 later_contributions=later)
+                                 later_contributions=later, shapes=shapes)
 
     cuda = engine.device.type == "cuda"
     if asked is False or (asked is None and not cuda) or (asked and ga < 2):
@@ -563,7 +632,7 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
     host_free = host_available() if host_free is None else host_free
 
     def fits(placement, rows, n):
-        plan = estimate(config, rows, seq, placement.engine, micro_batches=n,
+        plan = estimate(config, rows, seq, placement.engine, micro_batches=n, shapes=shapes,
                         later_contributions=one_at_a_time(ga, together=n > 1))
         return not shortfalls(plan, host_free, gpu_free)
 
@@ -670,7 +739,8 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
                             f"global norm with a forward and backward of its own, exact, a pass that "
                             f"max_grad_norm=0 does without{cost(transient_grads=True, **lean)})")
         fixes += ["a host with more RAM (18 bytes per parameter: fp32 master, gradient and Adam states)",
-                  "LoRA (peft_config) instead of full fine-tuning: about 2 bytes per frozen parameter"]
+                  "LoRA (peft_config; `hf-megatrain estimate --peft_config JSON` plans it) instead of full "
+                  "fine-tuning: about 2 bytes per frozen parameter"]
     raise MegaTrainError(
         "this run does not fit: " + "; ".join(problems) + ".\n" + plan.table() + "\nWould fit with: "
         + "; or ".join(fixes) + "." + (f"\n{hint}" if hint else "")

@@ -128,7 +128,7 @@ class MegaTrainTrainer(Trainer):
         config = base_model(model).config
         lora = args.peft_config is not None or hasattr(model, "peft_config")
         machine = Machine.measured(device, max_gpu_memory=args.max_gpu_memory, max_host_memory=args.max_host_memory)
-        run = plan_run(config, request_from_arguments(args, device, lora=lora), machine, split=split_step)
+        run = plan_run(config, request_from_arguments(args, device, lora=lora, model=model), machine, split=split_step)
         for line in run.notes if args.process_index == 0 else []:
             logger.info(line)
         self._split, self._together, self.step_time = run.split, run.together, run.step_time

@@ -12,4 +12,5 @@ admission, the machine's free memory; `steptime.py`; `probe.py`), re-exported he
 from ..memory import (GiB, MemoryPlan, Placement, Shapes, StepSplit, admit, estimate, gpu_available,  # noqa: F401
                       host_available, model_shapes, resolve_placement, shortfalls, split_step)
 from ..steptime import StepTime, predict  # noqa: F401
-from .run import LONG_CONTEXT_TOKENS, Machine, Request, RunPlan, plan_run, request_from_arguments  # noqa: F401
+from .run import (LONG_CONTEXT_TOKENS, Machine, Request, RunPlan, plan_run, planned_adapters,  # noqa: F401
+                  request_from_arguments)

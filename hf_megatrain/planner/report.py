@@ -27,7 +27,7 @@ def mode_rows(model_config, request: Request, run: RunPlan, machine: Machine) ->
         return []
     from ..steptime import norm_pass, predict, routed_per_layer
 
-    shapes, ga, clip = memory.model_shapes(model_config), request.grad_accum, request.clip
+    shapes, ga, clip = memory.model_shapes(model_config, request.peft_config), request.grad_accum, request.clip
     n = ga * run.split
     routed = routed_per_layer(model_config)
     later = memory.one_at_a_time(ga, run.split, run.together)
@@ -61,7 +61,9 @@ def as_text(name: str, model_config, request: Request, run: RunPlan, machine: Ma
 
     plan, engine = run.memory, run.engine
     dtype = str(torch.empty(0, dtype=engine.compute_dtype).dtype).replace("torch.", "")
-    out = [f"{name}: {parameter_count(memory.model_shapes(model_config).params)} parameters, "
+    shapes = memory.model_shapes(model_config, request.peft_config)
+    lora = f" (LoRA: {parameter_count(sum(u.n_train for u in shapes.units))} trained)" if request.lora else ""
+    out = [f"{name}: {parameter_count(shapes.params)} parameters{lora}, "
            f"{run.rows} x {request.seq} tokens per micro-batch, "
            f"{run.step.describe(request.batch, request.grad_accum)}, "
            f"{dtype} compute, {counted(plan.resident_layers, 'layer')} resident on the GPU"

@@ -33,7 +33,10 @@ class Request:
     batch x seq: rows per micro-batch as the loader gives them, and tokens per row.
     grad_accum: micro-batches per optimizer step; layer_major: layer_major_accumulation (None: auto).
     max_grad_norm: clipping (0: none). world_size / local_ranks: data-parallel ranks in all / on this
-    host (None: all). lora: adapters train, the base is frozen (no step-time prediction yet).
+    host (None: all). peft_config: a LoRA run's adapters (a peft config, a dict of LoraConfig fields,
+    inline JSON or a JSON file, as MegaTrainArguments.peft_config takes them; None: full fine-tuning):
+    the plan's units then train only the adapters (memory.model_shapes), the base is frozen (no
+    step-time prediction yet).
     admit: check the plan against the machine (memory_check). suggest_row: a refusal also names the
     longest row that fits (mlp_tile_tokens: the tile as asked, for that search)."""
     engine: EngineConfig
@@ -44,10 +47,17 @@ class Request:
     max_grad_norm: float = 1.0
     world_size: int = 1
     local_ranks: int | None = None
-    lora: bool = False
+    peft_config: object | None = None
     admit: bool = True
     suggest_row: bool = True
     mlp_tile_tokens: int | None = None
+
+    def __post_init__(self):  # a PeftModel's own peft_config (adapter name -> config): its adapter's
+        object.__setattr__(self, "peft_config", planned_adapters(self.peft_config))
+
+    @property
+    def lora(self) -> bool:
+        return self.peft_config is not None
 
     @property
     def clip(self) -> bool:
@@ -118,8 +128,21 @@ class RunPlan:
 LONG_CONTEXT_TOKENS = 65536  # the trainer's: from here on a refusal names the longest row that fits
 
 
-def request_from_arguments(args, device, lora: bool = False) -> Request:
-    """The Request that MegaTrainArguments make on `device` (arguments.engine_config: autos None)."""
+def planned_adapters(peft_config=None, model=None):
+    """The adapters a run trains, for Request.peft_config: `peft_config` as given (args.peft_config),
+    else the config of a PEFT `model`'s adapter; None for a full fine-tune."""
+    if peft_config is None:
+        peft_config = getattr(model, "peft_config", None)
+    if isinstance(peft_config, dict) and peft_config and all(hasattr(v, "peft_type") for v in peft_config.values()):
+        # a PeftModel's own: adapter name -> config; the active one
+        active = getattr(model, "active_adapter", None)
+        return peft_config.get(active if isinstance(active, str) else "default") or next(iter(peft_config.values()))
+    return peft_config or None
+
+
+def request_from_arguments(args, device, lora: bool = False, model=None) -> Request:
+    """The Request that MegaTrainArguments make on `device` (arguments.engine_config: autos None).
+    lora: the run trains adapters, args.peft_config's or those of the PEFT `model` (planned_adapters)."""
     from ..arguments import engine_config
     from ..engine.config import parse_switch
 
@@ -128,7 +151,8 @@ def request_from_arguments(args, device, lora: bool = False) -> Request:
                    grad_accum=args.gradient_accumulation_steps,
                    layer_major=parse_switch(args.layer_major_accumulation, "layer_major_accumulation"),
                    max_grad_norm=args.max_grad_norm or 0.0, world_size=args.world_size,
-                   local_ranks=memory.ranks_on_this_host(args.world_size), lora=lora, admit=bool(args.memory_check),
+                   local_ranks=memory.ranks_on_this_host(args.world_size),
+                   peft_config=planned_adapters(args.peft_config, model) if lora else None, admit=bool(args.memory_check),
                    suggest_row=args.world_size == 1 and tokens >= LONG_CONTEXT_TOKENS,
                    mlp_tile_tokens=args.mlp_tile_tokens)
 
@@ -183,17 +207,17 @@ def plan_run(model_config, request: Request, machine: Machine | None = None, *, 
     local = request.local_ranks
     ranks = dict(world_size=world, local_ranks=local)
     cuda = engine.device.type == "cuda"
-    shapes = memory.model_shapes(model_config)
+    shapes = memory.model_shapes(model_config, request.peft_config)
     if world > 1:  # data parallel runs its micro-batches one at a time, as asked
         step = memory.StepSplit(1, 0, memory.resolve_placement(
             model_config, request.batch, request.seq, engine, gpu_free=machine.gpu_free, host_free=machine.host_free,
-            later_contributions=memory.one_at_a_time(ga), **ranks))
+            later_contributions=memory.one_at_a_time(ga), shapes=shapes, **ranks))
     else:
         asked = request.layer_major
         if asked is None and cuda and (machine.gpu_free is None or machine.host_free is None):
             asked = False  # auto weighs the machine: with none given, as asked
         step = (split or memory.split_step)(model_config, request.batch, request.seq, engine, ga, asked=asked,
-                                           gpu_free=machine.gpu_free, host_free=machine.host_free)
+                                           gpu_free=machine.gpu_free, host_free=machine.host_free, shapes=shapes)
         if step.together or step.split > 1:
             notes.append(f"step: {step.describe(request.batch, ga)}")
         if step.placement.engine.transient_grads and memory.one_at_a_time(ga, step.split, step.together):
@@ -235,7 +259,8 @@ def _admission(model_config, request: Request, machine: Machine, run: RunPlan, t
     hint = cost = None
     if cuda and request.suggest_row:  # the longest row that would fit
         hint = partial(memory.longest_fitting_row, model_config, run.rows, request.seq, engine=request.engine,
-                       mlp_tile_tokens=request.mlp_tile_tokens, micro_batches=run.together or 1, **ranks)
+                       mlp_tile_tokens=request.mlp_tile_tokens, micro_batches=run.together or 1,
+                       shapes=timed["shapes"], **ranks)
     if cuda and ranks["world_size"] == 1:  # a refusal naming a memory mode says what it costs
         from ..steptime import mode_cost
 

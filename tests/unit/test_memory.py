@@ -9,6 +9,7 @@ import torch
 
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
 from hf_megatrain.cli import main
+from hf_megatrain.engine.config import EngineConfig
 from hf_megatrain.memory import GiB, admit, estimate, model_shapes
 from tests.support import ROOT
 from tests.support.tiny import KINDS, make_model
@@ -416,3 +417,88 @@ def test_estimate_and_predict_leave_the_units_they_are_handed_as_they_were():
              gpu_grad_layers=3)
     assert [(u.resident, u.lean, u.grad_on_gpu) for u in shapes.units] == before
     assert model_shapes(cfg).units is not shapes.units  # each caller gets units of its own
+
+
+LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_plan_counts_what_the_store_allocates(dtype):
+    """A LoRA run's plan holds the fp32 master, gradient and Adam moments of the adapters alone (each
+    unit's trainable prefix, n_train) and the compute copy of every weight: what the built engine's
+    store and HostAdamW allocate, unit by unit as StreamingEngine lays them out."""
+    from peft import get_peft_model
+
+    from hf_megatrain.checkpoint.loading import lora_config
+
+    model = make_model("llama")
+    shapes = model_shapes(model.config, LORA)
+    plan = estimate(model.config, 2, 16, compute_dtype=str(dtype).split(".")[1], device="cpu", shapes=shapes)
+    engine = StreamingEngine(get_peft_model(model, lora_config(LORA)), compute_dtype=dtype)
+    opt = HostAdamW(engine)
+    assert [(u.numel, u.n_train) for u in shapes.units] == [(u.numel, u.n_train) for u in engine.units]
+    trained = sum(u.n_train for u in engine.units)
+    assert 0 < trained < sum(u.numel for u in engine.units) // 10
+
+    def numel(tensors):
+        return sum(t.numel() for t in tensors if t is not None)
+
+    store = engine.store
+    assert plan.host["fp32 master weights"] == 4 * numel(store.master) == 4 * trained
+    assert plan.host["fp32 gradient accumulator"] == 4 * numel(store.grad) == 4 * trained
+    assert plan.host["Adam moments (fp32 x2)"] == 4 * (numel(opt.exp_avg) + numel(opt.exp_avg_sq)) == 8 * trained
+    assert plan.host["compute copy (streamed)"] == dtype.itemsize * numel(store.compute) \
+        == dtype.itemsize * sum(u.numel for u in engine.units)
+    allocated = sum(a.nbytes for a in store._arenas + opt._arenas)
+    counted = plan.host_total - plan.host["runtime (torch, CUDA, Python)"]
+    assert counted <= allocated <= counted + 4096 * len(engine.units) * len(store._arenas + opt._arenas)
+
+
+def test_lora_resident_units_count_the_state_of_their_adapters():
+    """On the GPU a resident LoRA unit holds its compute copy and the fp32 state of its adapters only."""
+    config = make_model("llama").config
+    full = estimate(config, 1, 16, resident_layers=config.num_hidden_layers, offload_activations=0)
+    lora = estimate(config, 1, 16, resident_layers=config.num_hidden_layers, offload_activations=0,
+                    shapes=model_shapes(config, LORA))
+    units = model_shapes(config, LORA).units
+    key = "resident units (weights, master, grad, Adam)"
+    assert lora.gpu[key] == sum(2 * u.numel + 16 * u.n_train for u in units)
+    assert full.gpu[key] == 18 * model_shapes(config).params
+    assert lora.host["fp32 master weights"] == 0
+
+
+def test_trainer_admits_a_lora_run_that_a_full_fine_tune_does_not_fit(tmp_path):
+    """On a host capped (max_host_memory) between the two plans, the full fine-tune is refused and the
+    LoRA run of the same model is admitted: the plan counts what the LoRA store holds."""
+    from hf_megatrain.memory import ADMIT_MARGIN
+    from hf_megatrain.planner import Machine, Request, plan_run
+
+    config = make_model("llama").config
+    engine = EngineConfig(device="cpu", compute_dtype=torch.float32)
+    need = {lora: plan_run(config, Request(engine, 2, 16, peft_config=LORA if lora else None),
+                           Machine()).memory.host_per_host for lora in (False, True)}
+    assert need[True] < need[False]
+    cap = (need[True] + need[False]) / 2 / (1 - ADMIT_MARGIN) / GiB
+
+    def args(**kw):
+        return MegaTrainArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_seq_length=16,
+                                  max_host_memory=cap, report_to=[], use_cpu=True, **kw)
+
+    with pytest.raises(MegaTrainError, match="(?s)does not fit.*estimate --peft_config"):
+        MegaTrainTrainer(make_model("llama"), args())
+    trainer = MegaTrainTrainer(make_model("llama"), args(peft_config=dict(LORA)))
+    assert sum(u.n_train for u in trainer.engine.units) < sum(u.numel for u in trainer.engine.units)
+
+
+def test_estimate_command_plans_a_lora_run(capsys):
+    """`estimate --peft_config` plans the LoRA run: a 70B model whose full fine-tune needs over 1 TB of
+    host RAM fits an 80 GiB GPU and 256 GiB host with adapters on q_proj and v_proj."""
+    machine = ["llama-3.1-70b", "--batch", "1", "--seq", "1024", "--gpu_gib", "80", "--host_gib", "256"]
+    assert main(["estimate", *machine]) == 1  # does not fit
+    full = capsys.readouterr().out
+    assert "this run does not fit" in full and "--peft_config" in full
+    assert main(["estimate", "--peft_config", '{"r": 8, "target_modules": ["q_proj","v_proj"]}', *machine]) == 0
+    lora = capsys.readouterr().out
+    assert "LoRA:" in lora and "does not fit" not in lora and "256 GiB host: fits" in lora
+    with pytest.raises(SystemExit, match="--peft_config"):
+        main(["estimate", "--peft_config", "{not json", *machine])
