@@ -71,10 +71,15 @@ def config_units_memo(config) -> list:
     (the planner's search asks for the same config's units hundreds of times). Each call returns
     fresh Unit objects (shallow copies: mark_resident sets flags on them, the slots are shared and
     never written), so a caller that marks them marks only its own."""
-    key = _config_key(config)
+    return _memoized(_config_key(config), lambda: config_units(config))
+
+
+def _memoized(key, build) -> list:
+    """Fresh copies of the units `build()` makes, kept under `key` (the last _UNITS_KEPT keys; None:
+    not kept, built each time)."""
     units = _UNITS.get(key) if key is not None else None
     if units is None:
-        units = config_units(config)
+        units = build()
         if key is not None:
             _UNITS[key] = units
             while len(_UNITS) > _UNITS_KEPT:
@@ -106,16 +111,7 @@ def adapter_units_memo(config, peft_config) -> list:
     peft_config = lora_config(peft_config)
     base, adapters = _config_key(config), _adapters_key(peft_config)
     key = ("adapters", base, adapters) if base is not None and adapters is not None else None
-    units = _UNITS.get(key) if key is not None else None
-    if units is None:
-        units = _adapter_units(config, peft_config)
-        if key is not None:
-            _UNITS[key] = units
-            while len(_UNITS) > _UNITS_KEPT:
-                _UNITS.popitem(last=False)
-    else:
-        _UNITS.move_to_end(key)
-    return copy_units(units)
+    return _memoized(key, lambda: _adapter_units(config, peft_config))
 
 
 def _adapter_units(config, peft_config) -> list:
