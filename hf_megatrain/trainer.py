@@ -15,8 +15,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import fields, replace
-from functools import partial
+from dataclasses import fields
 
 import torch
 from transformers import Trainer, TrainingArguments, set_seed
@@ -25,7 +24,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy, rotate_checkpoints
 
-from .arguments import MegaTrainArguments, engine_config, megatrain_arguments, save_dtype
+from .arguments import MegaTrainArguments, megatrain_arguments, save_dtype
 from .checkpoint.loading import load_model_and_tokenizer, with_adapters
 from .checkpoint.peft_export import model_writer, save_merged
 from .checkpoint.local_hub import LocalHub, default_hub_dir
@@ -36,7 +35,6 @@ from .checkpoint.optimizer_state import (
     save_optimizer_state,
 )
 from .data import CausalCollator, count_real_tokens, tokenize_dataset
-from .engine.config import parse_switch
 from .engine.distributed import check_launch
 from .engine.loss import loss_denominator
 from .engine.optimizer import HostAdamW
@@ -45,7 +43,6 @@ from .engine.timeline import Timeline
 from .errors import MegaTrainError, counted
 from .checkpoint.stream_load import engine_from_checkpoint
 from .logs import show_logs
-from .memory import split_step
 from .planner import Machine, plan_run, request_from_arguments
 from .patcher.adapters import base_model
 from .preflight import check_data, check_disk, check_outputs, check_resume
@@ -128,7 +125,7 @@ class MegaTrainTrainer(Trainer):
         config = base_model(model).config
         lora = args.peft_config is not None or hasattr(model, "peft_config")
         machine = Machine.measured(device, max_gpu_memory=args.max_gpu_memory, max_host_memory=args.max_host_memory)
-        run = plan_run(config, request_from_arguments(args, device, lora=lora, model=model), machine, split=split_step)
+        run = plan_run(config, request_from_arguments(args, device, lora=lora, model=model), machine)
         for line in run.notes if args.process_index == 0 else []:
             logger.info(line)
         self._split, self._together, self.step_time = run.split, run.together, run.step_time

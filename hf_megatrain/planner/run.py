@@ -190,11 +190,11 @@ def refuse_data_parallel(request: Request) -> None:
                              "slice of the fp32 master, which therefore cannot be what streams; leave it off.")
 
 
-def plan_run(model_config, request: Request, machine: Machine | None = None, *, split=None) -> RunPlan:
+def plan_run(model_config, request: Request, machine: Machine | None = None) -> RunPlan:
     """The plan for `request` on `machine` (default: nothing known, so nothing auto is weighed and
     nothing is admitted). Raises MegaTrainError for a request that cannot run whatever the machine
     (a mode refused with data parallel or with accumulation one at a time); a plan that does not fit
-    comes back with `refusal` set. split: the step-split search (memory.split_step; a seam for tests)."""
+    comes back with `refusal` set."""
     machine = machine or Machine()
     refuse_data_parallel(request)
     notes: list = []
@@ -216,8 +216,8 @@ def plan_run(model_config, request: Request, machine: Machine | None = None, *, 
         asked = request.layer_major
         if asked is None and cuda and (machine.gpu_free is None or machine.host_free is None):
             asked = False  # auto weighs the machine: with none given, as asked
-        step = (split or memory.split_step)(model_config, request.batch, request.seq, engine, ga, asked=asked,
-                                           gpu_free=machine.gpu_free, host_free=machine.host_free, shapes=shapes)
+        step = memory.split_step(model_config, request.batch, request.seq, engine, ga, asked=asked,
+                                 gpu_free=machine.gpu_free, host_free=machine.host_free, shapes=shapes)
         if step.together or step.split > 1:
             notes.append(f"step: {step.describe(request.batch, ga)}")
         if step.placement.engine.transient_grads and memory.one_at_a_time(ga, step.split, step.together):

@@ -6,13 +6,12 @@ with its load-balancing loss, LoRA, resident units and steps taken during the ba
 
 import copy
 
-import datasets
 import pytest
 import torch
 from transformers import default_data_collator
 
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
-from tests.support.tiny import make_batch, make_model
+from tests.support.tiny import make_batch, make_model, make_rows as rows
 
 
 def micro_batches(step, ga, vary=True):
@@ -106,10 +105,6 @@ def test_each_unit_is_streamed_once_per_pass():
     assert len(asked) == 4 * (2 * units - 2)
 
 
-def rows(n, seed):
-    parts = [make_batch(1, 12, seed=seed + i, pad_rows=int(i % 3 == 0)) for i in range(n)]
-    return datasets.Dataset.from_dict({k: [p[k][0].tolist() for p in parts] for k in parts[0]})
-
 
 @pytest.mark.parametrize("clip", [0.5, 0.0])
 def test_trainer_together_equals_one_at_a_time(tmp_path, clip):
@@ -146,7 +141,7 @@ def test_trainer_cut_micro_batches_equal_uncut(tmp_path, monkeypatch, mean_loss)
     does not fit), run through each layer together: the same loss function, so the same logged losses,
     norms and weights as uncut, to rounding (fp32), both with Trainer's num_items_in_batch and with the
     mean-loss rule (each chunk divided by its whole micro-batch's token count)."""
-    import hf_megatrain.trainer as trainer_module
+    import hf_megatrain.memory as memory_module
     from hf_megatrain.memory import StepSplit
 
     data, model = rows(25, 0), make_model("llama", seed=1)  # the last micro-batch has one row: it stays whole
@@ -157,8 +152,8 @@ def test_trainer_cut_micro_batches_equal_uncut(tmp_path, monkeypatch, mean_loss)
                                   num_train_epochs=1,
                                   logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
         if cut:
-            real = trainer_module.split_step
-            monkeypatch.setattr(trainer_module, "split_step",
+            real = memory_module.split_step  # what the planner (planner.plan_run) calls
+            monkeypatch.setattr(memory_module, "split_step",
                                 lambda *a, **k: StepSplit(2, 4, real(*a, **{**k, "asked": False}).placement))
         trainer = MegaTrainTrainer(copy.deepcopy(model), args, train_dataset=data, data_collator=default_data_collator)
         if mean_loss:
