@@ -179,18 +179,16 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         self.engine.loss_type = args.loss_type  # 'dft' weights each token's NLL in the engine's chunked head
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        # SFTTrainer's own training_step only adds its activation offloading (refused above). Trainer's puts
-        # the model it runs (stock: self.model) in training mode, which TRL's log reads to pick its metrics.
-        self.model.train()
+        # SFTTrainer's own training_step only adds its activation offloading (refused above). Ours puts
+        # self.model in training mode, as stock's does, which TRL's log reads to pick its metrics.
         loss = MegaTrainTrainer.training_step(self, model, inputs, num_items_in_batch)
         self._record_metrics(inputs, "train")
         return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         # SFTTrainer's own evaluation step runs its fused head through the model; the engine has its own.
-        # Trainer's evaluation loop puts the model it runs (stock: self.model) in eval mode: TRL's log then
-        # reports the "eval" metrics, under eval_ names, and leaves the training ones alone.
-        self.model.eval()
+        # Ours puts self.model in eval mode, as stock's evaluation does: TRL's log then reports the "eval"
+        # metrics, under eval_ names, and leaves the training ones alone.
         out = MegaTrainTrainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
         if inputs.get("labels") is not None:
             self._record_metrics(inputs, "eval")
