@@ -25,7 +25,6 @@ import os
 import random
 import re
 import signal
-import sys
 import time
 import traceback
 import types

@@ -22,7 +22,6 @@ from dataclasses import replace
 
 import copy
 
-import datasets
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, default_data_collator
@@ -32,7 +31,7 @@ from hf_megatrain.engine.config import EngineConfig
 from hf_megatrain.engine.layout import mark_resident
 from hf_megatrain.memory import GiB, admit, estimate, model_shapes, resolve_placement, shortfalls, split_step
 from hf_megatrain.shapes import make_config
-from tests.support.tiny import make_batch, make_model
+from tests.support.tiny import make_batch, make_model, make_rows as rows
 
 
 def train(kind, lean, ga, together, clip, resident=0, steps=3, **fields):
@@ -84,10 +83,6 @@ def test_lean_streamed_beside_resident_layers():
     assert [u.lean for u in engine.units if u.kind == "layer"] == [False, True, True]
     assert same(record, ref_record) and all(torch.equal(got[n], ref[n]) for n in ref)
 
-
-def rows(n, seed):
-    parts = [make_batch(1, 12, seed=seed + i, pad_rows=int(i % 3 == 0)) for i in range(n)]
-    return datasets.Dataset.from_dict({k: [p[k][0].tolist() for p in parts] for k in parts[0]})
 
 
 def test_trainer_with_lean_streamed_saves_what_the_default_saves(tmp_path):

@@ -14,7 +14,6 @@ import os
 import threading
 import time
 
-import datasets
 import pytest
 import torch
 from transformers import default_data_collator
@@ -24,7 +23,7 @@ from hf_megatrain.engine.pinned import pinned_bytes
 from hf_megatrain.engine.store import HostStore
 from hf_megatrain.engine.worker import Signal, Worker
 from tests.support import ROOT
-from tests.support.tiny import make_batch, make_model
+from tests.support.tiny import make_batch, make_model, make_rows as rows
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 TIMEOUT = 60  # seconds; a hang is what these tests exist to catch
@@ -62,10 +61,6 @@ def assert_let_go(baseline_threads, baseline_pinned):
     assert len(megatrain_threads()) <= baseline_threads, megatrain_threads()
     assert pinned_bytes() <= baseline_pinned
 
-
-def rows(n, seed=0):
-    parts = [make_batch(1, 12, seed=seed + i, pad_rows=int(i % 3 == 0)) for i in range(n)]
-    return datasets.Dataset.from_dict({k: [p[k][0].tolist() for p in parts] for k in parts[0]})
 
 
 def trainer(tmp_path, device, name="run", **overrides):

@@ -20,14 +20,10 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, defau
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainTrainer, StreamingEngine
 from hf_megatrain.checkpoint.hf_format import model_dtype
 from hf_megatrain.checkpoint.peft_export import model_writer
-from tests.support.tiny import make_batch, make_model
+from tests.support.tiny import make_batch, make_model, make_rows as rows
 
 PREFIX = "base_model.model."
 
-
-def rows(n, seed):
-    parts = [make_batch(1, 12, seed=seed + i, pad_rows=int(i % 3 == 0)) for i in range(n)]
-    return datasets.Dataset.from_dict({k: [p[k][0].tolist() for p in parts] for k in parts[0]})
 
 
 KW = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=0.5, warmup_steps=1,

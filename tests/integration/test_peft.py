@@ -2,14 +2,13 @@
 
 import copy
 
-import datasets
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
-from tests.support.tiny import make_batch, make_model
+from tests.support.tiny import make_batch, make_model, make_rows as rows
 
 PREFIX = "base_model.model."
 
@@ -73,10 +72,6 @@ def test_frozen_base_has_no_master_grad_or_moments():
     assert sum(m.numel() for m in opt.exp_avg) == trainable
     assert sum(c.numel() for c in engine.store.compute) == total  # the base streams, 2 bytes/param
 
-
-def rows(n, seed):
-    parts = [make_batch(1, 12, seed=seed + i, pad_rows=int(i % 3 == 0)) for i in range(n)]
-    return datasets.Dataset.from_dict({k: [p[k][0].tolist() for p in parts] for k in parts[0]})
 
 
 KW = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=0.5, warmup_steps=1,

@@ -4,18 +4,13 @@ import copy
 import json
 import os
 
-import datasets
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
 from hf_megatrain import MegaTrainArguments, MegaTrainTrainer
-from tests.support.tiny import make_batch, make_model
+from tests.support.tiny import make_model, make_rows as rows
 
-
-def rows(n, seed):
-    parts = [make_batch(1, 12, seed=seed + i, pad_rows=int(i % 3 == 0)) for i in range(n)]
-    return datasets.Dataset.from_dict({k: [p[k][0].tolist() for p in parts] for k in parts[0]})
 
 
 COMMON = dict(

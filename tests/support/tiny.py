@@ -142,6 +142,15 @@ def make_batch(batch: int = 3, seq: int = 12, seed: int = 1, pad_rows: int = 1):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def make_rows(n: int, seed: int = 0):
+    """A datasets.Dataset of `n` one-row batches of 12 tokens (make_batch; every third right-padded, labels
+    -100 there), for trainers."""
+    import datasets
+
+    parts = [make_batch(1, 12, seed=seed + i, pad_rows=int(i % 3 == 0)) for i in range(n)]
+    return datasets.Dataset.from_dict({k: [p[k][0].tolist() for p in parts] for k in parts[0]})
+
+
 def make_packed_batch():
     """Two rows of 40: three documents (20 + 12 + 8 tokens); two documents (18 + 12) and 10 of
     right padding. Labels -100 at each document's first token (as the collator packs them)."""

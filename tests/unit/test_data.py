@@ -2,7 +2,6 @@
 in tests/integration/test_examples.py)."""
 
 import json
-import os
 
 import datasets
 import pytest

@@ -84,18 +84,24 @@ def test_estimator_counts_the_parameters(family):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_folder_streams_in_and_saved_files_load_back(family, tmp_path):
     src = make_model(family, attn="eager")
-    src.save_pretrained(tmp_path / "src")  # what HF writes: per-expert tensors for the MoE families
-    skeleton, _, folder = load_model_and_tokenizer(str(tmp_path / "src"))
-    engine = engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False)
-    masters = dict(engine.named_master_params())
+    masters = dict(assert_saved_files_load_back(src, tmp_path).named_master_params())
     for name, p in src.named_parameters():
         assert torch.equal(masters[name], p.detach()), name
+
+
+def assert_saved_files_load_back(src, tmp_path):
+    """`src` saved as HF writes it (per-expert tensors for the MoE families), streamed into an engine,
+    saved from the engine's store, loaded back by from_pretrained: the same logits. Returns the engine."""
+    src.save_pretrained(tmp_path / "src")
+    skeleton, _, folder = load_model_and_tokenizer(str(tmp_path / "src"))
+    engine = engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False)
     save_hf_model(engine.store, skeleton, str(tmp_path / "out"))
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     batch = make_batch(batch=2, seq=10, pad_rows=0)
     with torch.no_grad():
         torch.testing.assert_close(back(input_ids=batch["input_ids"]).logits,
                                    src.eval()(input_ids=batch["input_ids"]).logits)
+    return engine
 
 
 @pytest.mark.parametrize("model_type, reason", [
@@ -240,13 +246,4 @@ def test_later_families_count_and_stream_in(family, tmp_path):
 
 @pytest.mark.parametrize("family", list(LATER))
 def test_later_families_saved_files_load_back(family, tmp_path):
-    src = _later_model(family)
-    src.save_pretrained(tmp_path / "src")
-    skeleton, _, folder = load_model_and_tokenizer(str(tmp_path / "src"))
-    engine = engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False)
-    save_hf_model(engine.store, skeleton, str(tmp_path / "out"))
-    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
-    batch = make_batch(batch=2, seq=10, pad_rows=0)
-    with torch.no_grad():
-        torch.testing.assert_close(back(input_ids=batch["input_ids"]).logits,
-                                   src.eval()(input_ids=batch["input_ids"]).logits)
+    assert_saved_files_load_back(_later_model(family), tmp_path)
