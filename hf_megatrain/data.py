@@ -27,9 +27,9 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from .checkpoint.stream_load import looks_local, missing_path
-from .engine.loss import IGNORE_INDEX
+from .constants import IGNORE_INDEX
 from .errors import MegaTrainError
+from .paths import looks_local, missing_path
 
 logger = logging.getLogger(__name__)
 

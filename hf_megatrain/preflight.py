@@ -185,8 +185,8 @@ def check_data(path, tokenizer, args, what: str = "data_path"):
     (format from the columns, chat fields, template, masks, truncation) with a token to learn."""
     import datasets
 
+    from .constants import IGNORE_INDEX
     from .data import load_raw_dataset, progress_bars, tokenize_documents, truncate
-    from .engine.loss import IGNORE_INDEX
 
     raw = load_raw_dataset(path)  # a missing local path fails here, without a look at the hub
     if len(raw) == 0:

@@ -21,29 +21,8 @@ from tqdm.auto import tqdm
 
 from ..errors import MegaTrainError
 from ..patcher.templates import persistent_buffers
+from ..paths import looks_local, missing_path
 from .safetensors_io import SAFE_INDEX, SAFE_WEIGHTS, TensorReader, read_header
-
-
-# Endings of the files hf_megatrain reads (data, configs, weights): a name ending so is a path.
-LOCAL_SUFFIXES = (".json", ".jsonl", ".txt", ".text", ".csv", ".parquet", ".arrow", ".yaml", ".yml",
-                  ".safetensors", ".bin", ".pt")
-
-
-def looks_local(name: str) -> bool:
-    """Whether `name` can only mean a local path, never a hub id ('org/name') or a dataset name.
-
-    Absolute, ~ or ./../-relative, more than one '/', a backslash, or a file ending: when such a
-    path does not exist, the lookup must stop there (datasets would spend ~25 s retrying the hub).
-    """
-    name = os.fspath(name)
-    return (os.path.isabs(name) or name.startswith(("~", "./", "../")) or name in (".", "..")
-            or name.count("/") > 1 or "\\" in name or name.lower().endswith(LOCAL_SUFFIXES))
-
-
-def missing_path(kind: str, path: str, alternative: str = "") -> MegaTrainError:
-    """The refusal for a local path that does not exist: one line, with where a relative one was looked for."""
-    where = "" if os.path.isabs(path) else f" (relative paths start from {os.getcwd()})"
-    return MegaTrainError(f"{kind} path {path!r} does not exist; check the path{where}{alternative}.")
 
 
 # What training reads of a hub repository: configs, safetensors weights, tokenizer files. Other

@@ -54,7 +54,7 @@ def make_dataset(tokenizer, n: int, seed: int, max_len: int = 20, answer=None):
     answer: what a word is answered with (default: its reversal)."""
     import datasets
 
-    from ..engine.loss import IGNORE_INDEX
+    from ..constants import IGNORE_INDEX
 
     ids, labels = [], []
     for word in make_words(n, seed):

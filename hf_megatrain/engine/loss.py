@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from ..constants import IGNORE_INDEX
+
 LOSS_TYPES = ("nll", "dft")
 
 

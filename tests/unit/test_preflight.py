@@ -16,7 +16,7 @@ import hf_megatrain.checkpoint.loading as loading
 import hf_megatrain.checkpoint.stream_load as stream_load
 import hf_megatrain.trainer as trainer_module
 from hf_megatrain import MegaTrainArguments, MegaTrainError, MegaTrainTrainer
-from hf_megatrain.checkpoint.stream_load import looks_local
+from hf_megatrain.paths import looks_local
 from hf_megatrain.demo import build_tokenizer
 from hf_megatrain.engine.store import HostStore
 from hf_megatrain import preflight
