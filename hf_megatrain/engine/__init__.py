@@ -4,6 +4,7 @@
     layout.py        what the engine allocates, as functions the planner (memory.py) uses too
     store.py         HostStore: flat per-unit buffers in host RAM (compute copy, master, grad)
     schedule.py      StreamingEngine: forward, loss, backward, one unit at a time
+    inputs.py        each micro-batch checked and moved to the device, before the schedule runs it
     pipeline.py      the Pipeline seam, and HostPipeline (the CPU)
     cuda_pipeline.py CudaPipeline: ring slots, copy streams, events
     activations.py   layer inputs kept for the backward, offloaded to pinned memory if asked

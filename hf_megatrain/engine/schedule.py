@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Callable, Protocol
@@ -27,19 +26,18 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 
 from ..errors import MegaTrainError
 from ..patcher.adapters import is_peft_model
-from ..patcher.documents import attention_by_document, document_spans, restarts
-from ..patcher.specs import SLIDING, spec_for
+from ..patcher.documents import attention_by_document
+from ..patcher.specs import spec_for
 from ..patcher.templates import Template, meta_copy, persistent_buffers, recompute_grads
 from ..patcher.tiling import tile_mlp, untile_mlp
 from .activations import Activations
 from .config import EngineConfig
+from .inputs import BatchInputs, require_labels
 from .layout import loss_chunk, mark_resident, slab_numel
-from .loss import IGNORE_INDEX, chunked_head_loss, counted_rows, full_logits, loss_denominator
+from .loss import chunked_head_loss, full_logits, loss_denominator
 from .pipeline import HostPipeline, Pipeline
 from .selfcheck import verify
 from .store import HostStore, build_units
-
-_DENSE_MASK_LIMIT = 2 << 30  # bytes of a boolean [batch, 1, T, T] mask we let HF build
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +223,7 @@ class StreamingEngine(nn.Module):
         self.head_stats: list[dict] | None = None
         # The token loss of the chunked head (loss.chunked_head_loss): 'nll', or TRL's 'dft' (SFTConfig.loss_type).
         self.loss_type = "nll"
-        self._warned_length = False
+        self._inputs = BatchInputs(self.config, self.spec, self.device)  # checks and moves each batch (inputs.py)
 
     @property
     def background_host_jobs(self) -> bool:
@@ -418,78 +416,6 @@ class StreamingEngine(nn.Module):
     def num_parameters(self) -> int:
         return self.store.num_parameters
 
-    # -- inputs -------------------------------------------------------------------------------
-    def _prepare(self, batch: dict):
-        ids = batch.get("input_ids")
-        if ids is None:
-            raise MegaTrainError("the batch has no 'input_ids'; hf_megatrain trains on token ids.")
-        labels = batch.get("labels")
-        if ids.device.type == "cpu":
-            validate_tokens(ids, labels, self.config.vocab_size)
-        pos = batch.get("position_ids")
-        # packed (and TRL's padding-free) rows restart their positions: what counts is the largest
-        self._check_length(int(pos.max()) + 1 if pos is not None and pos.device.type == "cpu" else ids.shape[1])
-        docs = self._documents(ids, batch.get("attention_mask"), batch.get("position_ids"))
-        rows = counted_rows(labels) if labels is not None and labels.device.type == "cpu" else None
-        if rows is not None and self.device.type == "cuda":
-            rows = rows.pin_memory()
-        dev = self.device
-        ids = ids.to(dev, non_blocking=True)
-        mask = batch.get("attention_mask")
-        mask = mask.to(dev, non_blocking=True) if mask is not None else None
-        labels = labels.to(dev, non_blocking=True) if labels is not None else None
-        if pos is None:
-            pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
-        else:
-            pos = pos.to(dev, non_blocking=True)
-        return ids, mask, labels, pos, rows, docs
-
-    def _documents(self, ids, mask, pos) -> list | None:
-        """Document spans per row when long rows must run attention document by document, else None.
-
-        SDPA and eager attention stay O(T) in memory only for plain causal rows (the mask is then
-        None and the kernel applies causality itself). Padding or packed documents (position ids
-        restarting) make HF build a dense boolean mask: 256 GiB at 512K tokens. Under SDPA such
-        rows run one document at a time instead (patcher/documents.py); what that cannot express
-        is refused here, before anything is allocated.
-        """
-        impl = getattr(self.config, "_attn_implementation", None) or "sdpa"
-        rows, seq = ids.shape
-        if impl not in ("sdpa", "eager") or rows * seq * seq < _DENSE_MASK_LIMIT:
-            return None
-        padded = mask is not None and not bool(mask.all())
-        packed = pos is not None and bool(restarts(pos).any())
-        if not (padded or packed):
-            return None
-        docs = document_spans(rows, mask, pos if pos is not None else torch.arange(seq).unsqueeze(0))
-        window = getattr(self.config, "sliding_window", None)
-        longest = max((b - a for row in docs or [] for a, b in row), default=0)
-        sliding = SLIDING in self.spec.kinds(self.config) and window is not None and longest > window
-        if impl == "sdpa" and docs is not None and not sliding and self.spec.attention_kwargs:
-            return docs
-        why = ("left or inner padding" if docs is None else
-               f"documents of up to {longest} tokens under a {window}-token sliding window" if sliding else
-               "attn_implementation='eager'" if impl == "eager" else
-               f"{self.spec.model_type}'s decoder layers, which do not pass extra arguments to attention")
-        raise MegaTrainError(
-            f"rows of {seq} tokens with {'packed documents' if packed else 'padding'} need a dense "
-            f"{rows}x{seq}x{seq} attention mask under attn_implementation={impl!r} "
-            f"({rows * seq * seq / 2**30:.0f} GiB), and with {why} they cannot run document by document. "
-            "Use attn_implementation='sdpa' with right padding, 'flash_attention_2' (flash-attn installed) or "
-            "'flex_attention', or give one document per row without padding (packing=False)."
-        )
-
-    def _check_length(self, seq: int) -> None:
-        limit = getattr(self.config, "max_position_embeddings", None)
-        if limit and seq > limit and not self._warned_length:
-            self._warned_length = True
-            warnings.warn(
-                f"sequences of {seq} tokens are longer than config.max_position_embeddings={limit}: the model was "
-                "not trained at this length. Extend it deliberately: set config.rope_parameters (rope_scaling: "
-                "'yarn', 'linear', 'dynamic' or 'llama3') and config.max_position_embeddings before training.",
-                stacklevel=3,
-            )
-
     # -- the schedule ---------------------------------------------------------------------------
     def _unit_plan(self, backward: bool) -> list[int]:
         n = len(self.units)
@@ -528,8 +454,8 @@ class StreamingEngine(nn.Module):
         return [self.activations] + self._extra_activations[: n - 1]
 
     def _forward_layers(self, preps: list, keep: bool):
-        """Embedding and decoder layers without grad, for each micro-batch in `preps` (what _prepare
-        returns) while a unit's weights are in; keeps each layer's inputs when asked."""
+        """Embedding and decoder layers without grad, for each micro-batch in `preps` (what
+        BatchInputs.prepare returns) while a unit's weights are in; keeps each layer's inputs when asked."""
         pipe = self.pipeline
         embed = self.units[0]
         e_w = pipe.weights(embed.index)
@@ -626,9 +552,8 @@ class StreamingEngine(nn.Module):
                                  "step its units as they finish: call HostAdamW.step_during_backward() before it "
                                  "(to clip, with clip_norm=(gradient_norm(...), max_norm)), with the step's "
                                  "micro-batches together in one call.")
-        preps = [self._prepare(b) for b in batches]
-        if any(labels is None for _, _, labels, _, _, _ in preps):
-            raise MegaTrainError(f"the batch has no 'labels'; training needs them (use {IGNORE_INDEX} to ignore a token).")
+        preps = [self._inputs.prepare(b) for b in batches]
+        require_labels(preps)
         pipe = self.pipeline
         pipe.start(self._unit_plan(backward=True))
         xs, ctxs, acts, routers, e_w = self._forward_layers(preps, keep=True)
@@ -815,10 +740,11 @@ class StreamingEngine(nn.Module):
                                  "computes no gradients. Training runs through MegaTrainTrainer.training_step (an "
                                  "override must call super().training_step) or engine.forward_backward.")
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "position_ids": position_ids}
-        ids, mask, labels, pos, rows, docs = self._prepare(batch)
+        prep = self._inputs.prepare(batch)
+        mask, labels, rows = prep.mask, prep.labels, prep.rows
         pipe = self.pipeline
         pipe.start(self._unit_plan(backward=False))
-        (x,), _, _, (routers,), e_w = self._forward_layers([(ids, mask, labels, pos, rows, docs)], keep=False)
+        (x,), _, _, (routers,), e_w = self._forward_layers([prep], keep=False)
         head = self.units[-1]
         names, weights, _ = self._head_weights(pipe.weights(head.index), e_w)
         run_head = self._run_head(names)
@@ -918,20 +844,3 @@ def _router_logits(captured: list, batch: int) -> torch.Tensor:
     experts = captured[0].shape[-1]
     return torch.cat([c.view(batch, -1, experts) for c in captured], dim=1).view(-1, experts)
 
-
-def validate_tokens(ids: torch.Tensor, labels: torch.Tensor | None, vocab: int) -> None:
-    """Clear errors for ids/labels outside the vocabulary (instead of a device-side assert)."""
-    if ids.numel() == 0:
-        raise MegaTrainError("the batch is empty (0 tokens).")
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab:
-        raise MegaTrainError(
-            f"input_ids contain token id {hi if hi >= vocab else lo}, outside the model's vocabulary "
-            f"[0, {vocab}). Is the tokenizer the model's own? (config.vocab_size={vocab})"
-        )
-    if labels is not None:
-        valid = labels[labels != IGNORE_INDEX]
-        if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
-            raise MegaTrainError(
-                f"labels contain ids outside [0, {vocab}) other than {IGNORE_INDEX} (the ignore index)."
-            )

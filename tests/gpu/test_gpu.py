@@ -508,9 +508,9 @@ def test_activation_offload_is_exact_on_gpu():
 def test_long_packed_rows_by_document_match_stock_on_gpu(monkeypatch):
     """Packed, right-padded rows past the dense-mask limit run attention document by document
     (SDPA on CUDA, fp32): loss and gradients equal stock HF on each document alone."""
-    from hf_megatrain.engine import schedule
+    from hf_megatrain.engine import inputs
 
-    monkeypatch.setattr(schedule, "_DENSE_MASK_LIMIT", 32 * 32)
+    monkeypatch.setattr(inputs, "_DENSE_MASK_LIMIT", 32 * 32)
     model = make_model("llama")
     ref = copy.deepcopy(model).to(DEV)
     batch, docs = make_packed_batch()

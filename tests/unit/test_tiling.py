@@ -119,10 +119,10 @@ def test_offloaded_activations_leave_the_device_copy():
 def test_long_packed_rows_equal_their_documents_run_separately(kind, monkeypatch):
     """Rows past the dense-mask limit, packed and right-padded, run attention document by document
     under SDPA: loss, gradients and logits equal stock HF run on each document alone."""
-    from hf_megatrain.engine import schedule
+    from hf_megatrain.engine import inputs
     from hf_megatrain.patcher import documents
 
-    monkeypatch.setattr(schedule, "_DENSE_MASK_LIMIT", 32 * 32)  # "long" = more than 32 tokens here
+    monkeypatch.setattr(inputs, "_DENSE_MASK_LIMIT", 32 * 32)  # "long" = more than 32 tokens here
     calls = []
     real = documents.sdpa_attention_forward
     monkeypatch.setattr(documents, "sdpa_attention_forward", lambda *a, **k: calls.append(a[1].shape[2]) or real(*a, **k))
@@ -160,9 +160,9 @@ def test_long_rows_that_cannot_run_by_document_are_refused(monkeypatch):
     """Left padding, or documents longer than a sliding window, would need the dense mask:
     refused before anything is allocated, with what to do instead."""
     from hf_megatrain import MegaTrainError
-    from hf_megatrain.engine import schedule
+    from hf_megatrain.engine import inputs
 
-    monkeypatch.setattr(schedule, "_DENSE_MASK_LIMIT", 32 * 32)
+    monkeypatch.setattr(inputs, "_DENSE_MASK_LIMIT", 32 * 32)
     engine = StreamingEngine(make_model("llama"), compute_dtype=torch.float32).train()
     batch = make_batch(batch=1, seq=40, pad_rows=0)
     engine.forward_backward(batch)  # one plain causal row: no mask needed, runs
