@@ -224,6 +224,7 @@ class CudaPipeline(Pipeline):
         return None
 
     def emit_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Dispatch one contribution to the path its unit takes (each method below is one path)."""
         store = self.store
         unit = store.units[index]
         compute = torch.cuda.current_stream(self.device)
@@ -231,26 +232,45 @@ class CudaPipeline(Pipeline):
         if grad.dtype != torch.float32:
             grad = grad.float()
         if self.measure_only:  # StreamingEngine.gradient_norm: its norms, then the buffer is free again
-            self.measured[index] = slot_norms(unit, grad)
-            slot = self._slot_of(grad)
-            if slot is not None:
-                slot.released = torch.cuda.Event()
-                slot.released.record(compute)
+            self._measure(unit, grad, compute)
             return
         if store.sharding is not None:  # data parallel: sum over ranks, keep this rank's slice
             grad = store.sharding.reduce(grad, unit.n_train)
         first = store.count_grad(index)
         if store.grad_on_device(unit):  # accumulate and take norms where it lives; nothing crosses PCIe now
-            store.add_grad(index, grad, first)
-            self.norms[index] = slot_norms(unit, store.grad[index])
-            if unit.grad_on_gpu:  # its host step brings it over once this is done (HostAdamW._adamw_landing)
-                store.grad_event[index] = torch.cuda.Event()
-                store.grad_event[index].record(compute)
-            if self.on_final_grad is not None and (unit.grad_on_gpu or store.transient_on_device(unit)):
-                # a resident layer's step must read the shared buffer before the next layer's backward
-                # writes it: queued now, on this stream, it does
-                self.on_final_grad(index, _landed)
-            return
+            self._add_on_device(unit, grad, first, compute)
+        else:
+            self._send_to_host(unit, grad, first, compute)
+
+    def _measure(self, unit, grad: torch.Tensor, compute) -> None:
+        """measure_only: keep the gradient's per-parameter norms and drop it; a grad ring slot is
+        free again once the compute stream has taken them."""
+        self.measured[unit.index] = slot_norms(unit, grad)
+        slot = self._slot_of(grad)
+        if slot is not None:
+            slot.released = torch.cuda.Event()
+            slot.released.record(compute)
+
+    def _add_on_device(self, unit, grad: torch.Tensor, first: bool, compute) -> None:
+        """A gradient whose accumulator is on the GPU: a resident unit's, a gpu_grad_layers layer's,
+        or a resident layer's in the shared transient buffer. Added, and its norms taken, on the
+        compute stream."""
+        store, index = self.store, unit.index
+        store.add_grad(index, grad, first)
+        self.norms[index] = slot_norms(unit, store.grad[index])
+        if unit.grad_on_gpu:  # its host step brings it over once this is done (HostAdamW._adamw_landing)
+            store.grad_event[index] = torch.cuda.Event()
+            store.grad_event[index].record(compute)
+        if self.on_final_grad is not None and (unit.grad_on_gpu or store.transient_on_device(unit)):
+            # a resident layer's step must read the shared buffer before the next layer's backward
+            # writes it: queued now, on this stream, it does
+            self.on_final_grad(index, _landed)
+
+    def _send_to_host(self, unit, grad: torch.Tensor, first: bool, compute) -> None:
+        """A streamed unit's gradient over the D2H stream, once the compute stream has produced it:
+        the step's first contribution straight into the pinned accumulator (_copy_to_accumulator),
+        a later one into a staging slab that the accumulate worker adds in (_copy_to_slab)."""
+        store, index = self.store, unit.index
         if first and store.sharding is None:  # sliced gradients: the engine sums squares over ranks
             self._gpu_norms[index] = slot_norms(unit, grad)
         produced = torch.cuda.Event()
@@ -259,24 +279,13 @@ class CudaPipeline(Pipeline):
             self.d2h.wait_event(produced)
             self._shake()
             if first:
-                store.grad[index].copy_(grad, non_blocking=True)
-                gpu_norms = self._gpu_norms.pop(index, None)
-                if gpu_norms is not None:
-                    norms_host = torch.empty(len(unit.train_slots), dtype=torch.float32, pin_memory=True)
-                    norms_host.copy_(gpu_norms, non_blocking=True)
-                    gpu_norms.record_stream(self.d2h)
-                    self.norms[index] = norms_host
+                self._copy_to_accumulator(unit, grad)
                 slab = None
             else:
-                slab = self._take_slab()
-                self.slabs[slab][: grad.numel()].copy_(grad, non_blocking=True)
+                slab = self._copy_to_slab(grad)
             done = torch.cuda.Event()
             done.record(self.d2h)
-        slot = self._slot_of(grad)
-        if slot is not None:
-            slot.released = done
-        else:
-            grad.record_stream(self.d2h)
+        self._free_after(grad, done)
         if first:
             self._pending.append(done)
             landed = done.synchronize
@@ -285,6 +294,33 @@ class CudaPipeline(Pipeline):
                                             f"gradient accumulation of {unit.label}")
         if self.on_final_grad is not None:
             self.on_final_grad(index, landed)
+
+    def _copy_to_accumulator(self, unit, grad: torch.Tensor) -> None:
+        """On the D2H stream: the first contribution into the pinned fp32 accumulator, and the norms
+        taken on the GPU (_send_to_host) into pinned memory beside it."""
+        index = unit.index
+        self.store.grad[index].copy_(grad, non_blocking=True)
+        gpu_norms = self._gpu_norms.pop(index, None)
+        if gpu_norms is not None:
+            norms_host = torch.empty(len(unit.train_slots), dtype=torch.float32, pin_memory=True)
+            norms_host.copy_(gpu_norms, non_blocking=True)
+            gpu_norms.record_stream(self.d2h)
+            self.norms[index] = norms_host
+
+    def _copy_to_slab(self, grad: torch.Tensor) -> int:
+        """On the D2H stream: a later contribution into a free staging slab; returns the slab."""
+        slab = self._take_slab()
+        self.slabs[slab][: grad.numel()].copy_(grad, non_blocking=True)
+        return slab
+
+    def _free_after(self, grad: torch.Tensor, done: torch.cuda.Event) -> None:
+        """The gradient's GPU memory is reused only after its D2H: a grad ring slot is handed out again
+        after `done`; any other tensor's memory is held for the D2H stream (record_stream)."""
+        slot = self._slot_of(grad)
+        if slot is not None:
+            slot.released = done
+        else:
+            grad.record_stream(self.d2h)
 
     def span(self, lane: str, stream=None):
         """A busy span on `stream` (default: compute) when a timeline is attached."""
