@@ -60,7 +60,7 @@ from versions import code_version, describe_code, versions, versions_line  # noq
 
 # -- the matmul peak -------------------------------------------------------------------------
 def _matmul_peak(seconds: float) -> dict:
-    from hf_megatrain.probe import matmul_rates  # what hf-megatrain probe measures
+    from hf_megatrain.planner.probe import matmul_rates  # what hf-megatrain probe measures
 
     burst, sustained = matmul_rates(seconds)
     return {"burst_tflops": round(burst, 1), "sustained_tflops": round(sustained, 1)}
@@ -109,7 +109,7 @@ def active_parameters(config) -> tuple[int, int]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hf_megatrain.steptime import routed_per_layer
+    from hf_megatrain.planner.steptime import routed_per_layer
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -436,7 +436,7 @@ def worker(opts) -> None:
                 row["setup"] = setup
             if engine is not None:  # which layers lived on the GPU (the rest streamed), how the step was split
                 row["resident_layers"] = engine.resident_layers
-                if trainer.step_time is not None:  # the step-time model's prediction (hf_megatrain/steptime.py)
+                if trainer.step_time is not None:  # the step-time model's prediction (hf_megatrain/planner/steptime.py)
                     row["model"] = trainer.step_time.as_dict()
                     row["vs_model"] = round(tps / trainer.step_time.tokens_per_s, 3)
                 cut = trainer._split
@@ -475,7 +475,8 @@ def log_error(text: str, rc: int) -> str:
 
 
 def host_free_gib() -> float:
-    from hf_megatrain.memory import GiB, host_available
+    from hf_megatrain.planner.estimator import GiB
+    from hf_megatrain.planner.machine import host_available
 
     return round(host_available() / GiB, 1)
 

@@ -40,13 +40,17 @@ from versions import versions, versions_line  # noqa: E402
 def plans(cfg, batch: int, seq: int) -> dict:
     import torch
 
-    from hf_megatrain.memory import GiB, estimate, host_available, model_shapes, plan_placement
+    from hf_megatrain.planner.estimator import estimate, GiB, model_sizes
+
+    from hf_megatrain.planner.machine import host_available
+
+    from hf_megatrain.planner.placement import plan_placement
 
     gpu_free = torch.cuda.mem_get_info()[0]
     resident, offload = plan_placement(cfg, batch, seq, gpu_free, host_free=host_available())
     auto = estimate(cfg, batch, seq, resident_layers=resident, offload_activations=offload)
     streamed = estimate(cfg, batch, seq, resident_layers=0)
-    params = model_shapes(cfg).params
+    params = model_sizes(cfg).params
     stock_gpu = 16 * params  # fp32 weights, gradients and two Adam moments, before any activation
     return {
         "host_available_gib": round(host_available() / GiB, 1), "gpu_free_gib": round(gpu_free / GiB, 1),
@@ -133,7 +137,9 @@ def main() -> None:
     def on_warm():
         trainer.engine.attach_timeline(timeline)
 
-    from hf_megatrain.memory import GiB, host_available
+    from hf_megatrain.planner.estimator import GiB
+
+    from hf_megatrain.planner.machine import host_available
 
     marks = []  # per step: wall time, the allocator's retries so far, the host's MemAvailable
 
@@ -191,7 +197,8 @@ def main() -> None:
     )
     # the estimator for the placement the run used, beside the measured peaks (host: the process's
     # peak RSS; GPU: max_memory_allocated, which leaves out the CUDA context the estimate counts)
-    from hf_megatrain.memory import estimate, one_at_a_time
+    from hf_megatrain.planner.estimator import estimate
+    from hf_megatrain.planner.placement import one_at_a_time
 
     eng = trainer.engine.engine_config  # the placement and memory modes the run was built with
     plan = estimate(cfg, micro // trainer._split, opts.seq, eng, micro_batches=trainer._together or 1,
@@ -201,7 +208,7 @@ def main() -> None:
                   gpu_vs_estimate=round(record["gpu_peak_gib"] / (plan.gpu_total / GiB), 3),
                   clip=opts.clip, lean_resident=eng.lean_resident, lean_streamed=eng.lean_streamed,
                   transient_grads=eng.transient_grads, gpu_grad_layers=eng.gpu_grad_layers)
-    if trainer.step_time is not None:  # the step-time model's prediction (hf_megatrain/steptime.py)
+    if trainer.step_time is not None:  # the step-time model's prediction (hf_megatrain/planner/steptime.py)
         record.update(model=trainer.step_time.as_dict(), vs_model=round(tps / trainer.step_time.tokens_per_s, 3))
     with open(os.path.join(opts.out, f"largest_{opts.shape}_{cfg.num_hidden_layers}{opts.tag}.json"), "w") as f:
         json.dump(record, f, indent=1)

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import hf_megatrain.engine.optimizer as optimizer_module  # noqa: E402
 from hf_megatrain.engine.optimizer import HostAdamW  # noqa: E402
 from hf_megatrain.engine.store import HostStore, build_units  # noqa: E402
-from hf_megatrain.probe import ADAMW_BYTES, host_copy_gbs, host_update_gbs  # noqa: E402
+from hf_megatrain.planner.probe import ADAMW_BYTES, host_copy_gbs, host_update_gbs  # noqa: E402
 from hf_megatrain.patcher.specs import spec_for  # noqa: E402
 from hf_megatrain.shapes import make_config  # noqa: E402
 from versions import versions, versions_line  # noqa: E402

@@ -7,9 +7,9 @@ the median seconds per decoder layer of forward, backward (with its recompute) a
 its tokens per step. For each shape, host size and memory mode it prints what hf_megatrain itself
 would do on one GPU and that host:
 
-- the placement: `memory.resolve_placement` (the trainer's planner) with the mode forced, the
+- the placement: `planner.resolve_placement` (the trainer's planner) with the mode forced, the
   gradients kept on the GPU left on auto where clipping keeps gradients;
-- host RAM and GPU memory: `memory.estimate` of that placement, and whether admission accepts it;
+- host RAM and GPU memory: `planner.estimate` of that placement, and whether admission accepts it;
 - the step: `steptime.predict` (the step-time model that `hf-megatrain estimate` prints, validated
   against measured steps in BENCHMARKS.md runs 14 and 15) with the measured per-layer costs in place
   of its FLOP-rate compute and host AdamW, scaled linearly in a layer's parameters and in tokens;
@@ -36,29 +36,31 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 def project(record: dict, shape: str, gpu_gib: float, host_gib: float, tokens: int, mode: str, clip: bool) -> dict:
     from hf_megatrain.engine.config import EngineConfig
-    from hf_megatrain.memory import MODES, GiB, estimate, model_shapes, resolve_placement, shortfalls
-    from hf_megatrain.probe import REFERENCE
+    from hf_megatrain.planner.admission import shortfalls
+    from hf_megatrain.planner.estimator import estimate, GiB, model_sizes, MODES
+    from hf_megatrain.planner.placement import resolve_placement
+    from hf_megatrain.planner.probe import REFERENCE
     from hf_megatrain.shapes import make_config
-    from hf_megatrain.steptime import LayerCosts, norm_pass, predict
+    from hf_megatrain.planner.steptime import LayerCosts, norm_pass, predict
 
     fields = dict(MODES)[mode]  # the modes `hf-megatrain estimate` shows
-    measured = model_shapes(make_config(record["shape"], record["layers"]))
+    measured = model_sizes(make_config(record["shape"], record["layers"]))
     costs = LayerCosts(record["layer_forward_s"], record["layer_backward_s"], record["host_adamw_unit_s"],
                        measured.units[1].numel, record["tokens_per_step"])
     config = make_config(shape)
-    shapes = model_shapes(config)
+    sizes = model_sizes(config)
     seq = 1024
     rows = max(1, tokens // seq)
     auto = EngineConfig(device="cuda", resident_layers=None, offload_activations=None, lean_resident=None,
                         gpu_grad_layers=None, **fields)
     engine = resolve_placement(config, rows, seq, auto, gpu_free=gpu_gib * GiB, host_free=host_gib * GiB,
                                later_contributions=False).engine
-    plan = estimate(config, rows, seq, engine, shapes=shapes, later_contributions=False)
-    step = predict(config, rows, seq, engine, REFERENCE, clip=clip, shapes=shapes, routed={}, layer_costs=costs)
+    plan = estimate(config, rows, seq, engine, sizes=sizes, later_contributions=False)
+    step = predict(config, rows, seq, engine, REFERENCE, clip=clip, sizes=sizes, routed={}, layer_costs=costs)
     peak = record["peak"]["sustained_tflops"]
-    tflops = 6 * shapes.params * tokens / step.step_s / 1e12
+    tflops = 6 * sizes.params * tokens / step.step_s / 1e12
     return {
-        "shape": shape, "params_b": round(shapes.params / 1e9, 1), "gpu_gib": gpu_gib, "host_gib": host_gib,
+        "shape": shape, "params_b": round(sizes.params / 1e9, 1), "gpu_gib": gpu_gib, "host_gib": host_gib,
         "tokens_per_step": tokens, "mode": mode, "clipping": clip,
         "norm_pass": norm_pass(engine, clip), "resident_layers": engine.resident_layers,
         "gpu_grad_layers": engine.gpu_grad_layers, "offloaded_inputs": engine.offload_activations,
@@ -82,7 +84,7 @@ def main() -> None:
     sys.path.insert(0, HERE)
     from versions import versions, versions_line
 
-    from hf_megatrain.memory import MODES
+    from hf_megatrain.planner.estimator import MODES
 
     with open(a.record) as f:
         record = json.load(f)

@@ -272,9 +272,9 @@ def transient_grads(args, device: torch.device) -> bool | None:
 
 def engine_config(args, device: torch.device, host_jobs: bool | None = None) -> EngineConfig:
     """The EngineConfig these arguments ask for on `device`; the placements stay None where they
-    say 'auto' (memory.resolve_placement decides them). host_jobs: background_host_jobs where the
+    say 'auto' (planner.resolve_placement decides them). host_jobs: background_host_jobs where the
     arguments leave it on auto (None: the device's default)."""
-    from .memory import mlp_tile
+    from .planner.estimator import mlp_tile
 
     grad_layers = parse_count(args.gpu_grad_layers, "gpu_grad_layers")
     return EngineConfig(

@@ -284,7 +284,7 @@ def _estimate_parser():
 def _estimate_request(a):
     """(Request, Machine) of the parsed flags: what plan_run settles for the trainer, from the command line."""
     from .engine.config import EngineConfig, parse_count, parse_switch
-    from .memory import GiB, mlp_tile
+    from .planner.estimator import GiB, mlp_tile
     from .planner import Machine, Request
 
     def parsed(name, parse, takes):
@@ -321,7 +321,7 @@ def _estimate_request(a):
                       max_grad_norm=a.max_grad_norm, world_size=a.world_size, local_ranks=a.local_ranks,
                       peft_config=peft_config, admit=given,
                       suggest_row=a.gpu_gib is not None and a.host_gib is not None, mlp_tile_tokens=a.mlp_tile_tokens)
-    from . import probe
+    from .planner import probe
 
     rates = probe.rates_for_planning() if a.device == "cuda" and a.world_size == 1 else None
     if rates is probe.REFERENCE and probe.gpu_name() is None:  # a probe here measures no GPU: no advice to run it
@@ -414,7 +414,7 @@ def _probe(argv: list[str]) -> int:
         raise MegaTrainError(f"--seconds must be positive, not {a.seconds:g}")
     from dataclasses import asdict
 
-    from . import probe
+    from .planner import probe
 
     rates = probe.measure(a.seconds, progress=(lambda line: None) if a.json else
                           (lambda line: print(line, file=sys.stderr, flush=True)))

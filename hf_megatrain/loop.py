@@ -46,7 +46,7 @@ def prepare(model, *, device=None, compute_dtype=None, lr: float = 1e-5, betas=(
     before any weight is read, unless memory_check=False. The plan is `engine.run_plan`.
     """
     from .errors import MegaTrainError
-    from .memory import mlp_tile
+    from .planner.estimator import mlp_tile
     from .patcher.adapters import base_model
     from .planner import LONG_CONTEXT_TOKENS, Machine, Request, plan_run
 

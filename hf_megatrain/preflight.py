@@ -7,7 +7,7 @@ and the data (its columns, and its first rows tokenized as training will tokeniz
 
 Two more checks live where the work is done, and also run before any weight: the model id
 resolves in `checkpoint.loading` (config, tokenizer and a meta skeleton, no weights), and
-`memory.admit` refuses a sequence length or placement that does not fit.
+`planner.admit` refuses a sequence length or placement that does not fit.
 """
 
 from __future__ import annotations

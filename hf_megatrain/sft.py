@@ -220,7 +220,7 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         aux = [c["aux_loss"] for c in chunks if "aux_loss" in c]
         if self.aux_loss_enabled and aux:
             # the model's outputs.aux_loss (before its coefficient); a micro-batch the engine ran in row
-            # chunks (memory.split_step) has one per chunk: their mean
+            # chunks (planner.split_step) has one per chunk: their mean
             metrics["aux_loss"].append(gather(sum(aux) / len(aux)).mean())
 
     def log(self, logs, start_time=None):

@@ -304,7 +304,7 @@ class MegaTrainTrainer(Trainer):
             if self._last_log is None:
                 self._last_log = time.perf_counter()
             items = num_items_in_batch if scaled else None
-            # each micro-batch in chunks of rows (memory.split_step; a short last batch in fewer)
+            # each micro-batch in chunks of rows (planner.split_step; a short last batch in fewer)
             chunks = [split_rows(b, self._split) for b in group]
             self._owner = [i for i, parts in enumerate(chunks) for _ in parts]  # which micro-batch each chunk is of
             if items is None and len(self._owner) > len(group):  # the mean over the micro-batch's tokens

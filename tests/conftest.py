@@ -11,7 +11,7 @@ from tests.support.warning_guard import deprecations_from_our_calls
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# the step-time model's rate cache (hf_megatrain/probe.py): the tests' own, never the user's
+# the step-time model's rate cache (hf_megatrain/planner/probe.py): the tests' own, never the user's
 os.environ["HF_MEGATRAIN_CACHE"] = tempfile.mkdtemp(prefix="hf_megatrain-cache-")
 atexit.register(shutil.rmtree, os.environ["HF_MEGATRAIN_CACHE"], ignore_errors=True)
 

@@ -1,12 +1,12 @@
 """EngineConfig: every knob of the engine, typed and checked once.
 
 The trainer builds one from its arguments (`arguments.engine_config`), the planner
-(`memory.estimate`) reads the same object to say what the engine will allocate, and the engine
+(`planner.estimate`) reads the same object to say what the engine will allocate, and the engine
 takes it as it is: nothing below this point reads an arguments object or invents a default.
 A config is frozen; a changed plan is a new config (`dataclasses.replace`).
 
 `None` means "auto" for the placements (resident layers, offloaded layer inputs, lean residency):
-the planner (`memory.resolve_placement`) settles them before an engine is built.
+the planner (`planner.resolve_placement`) settles them before an engine is built.
 """
 
 from __future__ import annotations

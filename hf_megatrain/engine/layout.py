@@ -1,6 +1,6 @@
 """The engine's layout as facts: what the engine allocates, said once for the engine and the planner.
 
-The engine builds itself from these functions and the planner (`memory.estimate`) counts with
+The engine builds itself from these functions and the planner (`planner.estimate`) counts with
 them, so an estimate cannot drift from what a run allocates:
 
 - `config_units(config)`: the units (embedding, decoder layers, head) with their exact parameter
@@ -54,7 +54,7 @@ def mark_resident(units, layers: int, lean: bool = False, lean_streamed: bool = 
     for u in units:
         u.resident = bool(layers) and (u.kind != "layer" or u.layer < layers)
         wanted = bool(lean) if u.resident else bool(lean_streamed)
-        u.lean = wanted and u.kind == "layer" and u.n_train == u.numel
+        u.no_compute_copy = wanted and u.kind == "layer" and u.n_train == u.numel
         u.grad_on_gpu = False
     for u in streamed_layers(units)[::-1][: max(0, int(gpu_grads or 0))]:
         u.grad_on_gpu = bool(u.n_train)
@@ -68,7 +68,7 @@ def streamed_layers(units) -> list:
 def ring_layers(units) -> list:
     """The decoder layers the GPU reads from a ring slot: the streamed ones and the lean resident
     ones (cast from their fp32 master into the slot)."""
-    return [u for u in units if u.kind == "layer" and (u.lean or not u.resident)]
+    return [u for u in units if u.kind == "layer" and (u.no_compute_copy or not u.resident)]
 
 
 def ring_numel(units) -> int:

@@ -3,8 +3,9 @@ that plan_run made, with the memory modes at its placement priced beside it."""
 
 from __future__ import annotations
 
-from .. import memory
-from ..memory import GiB
+from .admission import shortfalls
+from .estimator import GiB, mode_plans, model_sizes, state_bytes_per_parameter
+from .placement import one_at_a_time
 from .run import Machine, Request, RunPlan
 
 
@@ -25,21 +26,21 @@ def mode_rows(model_config, request: Request, run: RunPlan, machine: Machine) ->
     time is predicted (a GPU run of one process)."""
     if run.step_time is None:
         return []
-    from ..steptime import norm_pass, predict, routed_per_layer
+    from .steptime import norm_pass, predict, routed_per_layer
 
-    shapes, ga, clip = memory.model_shapes(model_config, request.peft_config), request.grad_accum, request.clip
+    sizes, ga, clip = model_sizes(model_config, request.peft_config), request.grad_accum, request.clip
     n = ga * run.split
     routed = routed_per_layer(model_config)
-    later = memory.one_at_a_time(ga, run.split, run.together)
+    later = one_at_a_time(ga, run.split, run.together)
     rows = []
-    for name, eng, plan in memory.mode_plans(model_config, run.rows, request.seq, run.engine, shapes=shapes,
+    for name, eng, plan in mode_plans(model_config, run.rows, request.seq, run.engine, sizes=sizes,
                                              micro_batches=run.together or 1, later_contributions=later):
         step = predict(model_config, run.rows, request.seq, eng, machine.planning_rates(), micro_batches=n,
-                       together=bool(run.together) or n == 1, clip=clip, shapes=shapes, routed=routed)
+                       together=bool(run.together) or n == 1, clip=clip, sizes=sizes, routed=routed)
         fits = None if machine.host_free is None else \
-            not memory.shortfalls(plan, machine.host_free, machine.gpu_free or float("inf"))
-        rows.append(dict(mode=name, state_bytes_per_parameter=round(memory.state_bytes_per_parameter(plan,
-                                                                                                   shapes.params), 2),
+            not shortfalls(plan, machine.host_free, machine.gpu_free or float("inf"))
+        rows.append(dict(mode=name, state_bytes_per_parameter=round(state_bytes_per_parameter(plan,
+                                                                                                   sizes.params), 2),
                          host_gib=round(plan.host_per_host / GiB, 1), gpu_gib=round(plan.gpu_total / GiB, 1),
                          step_s=round(step.step_s, 2), clipping=clip, norm_pass=norm_pass(eng, clip), fits=fits))
     return rows
@@ -57,13 +58,13 @@ def as_text(name: str, model_config, request: Request, run: RunPlan, machine: Ma
     import torch
 
     from ..errors import counted, parameter_count
-    from ..steptime import norm_pass
+    from .steptime import norm_pass
 
     plan, engine = run.memory, run.engine
     dtype = str(torch.empty(0, dtype=engine.compute_dtype).dtype).replace("torch.", "")
-    shapes = memory.model_shapes(model_config, request.peft_config)
-    lora = f" (LoRA: {parameter_count(sum(u.n_train for u in shapes.units))} trained)" if request.lora else ""
-    out = [f"{name}: {parameter_count(shapes.params)} parameters{lora}, "
+    sizes = model_sizes(model_config, request.peft_config)
+    lora = f" (LoRA: {parameter_count(sum(u.n_train for u in sizes.units))} trained)" if request.lora else ""
+    out = [f"{name}: {parameter_count(sizes.params)} parameters{lora}, "
            f"{run.rows} x {request.seq} tokens per micro-batch, "
            f"{run.step.describe(request.batch, request.grad_accum)}, "
            f"{dtype} compute, {counted(plan.resident_layers, 'layer')} resident on the GPU"

@@ -18,7 +18,10 @@ import logging
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-from .. import memory
+from .admission import admit, allocator_advice
+from .estimator import MemoryPlan, estimate, model_sizes
+from .machine import Machine, ranks_on_this_host
+from .placement import StepSplit, longest_fitting_row, one_at_a_time, resolve_placement, split_step
 from ..engine.config import EngineConfig
 from ..errors import MegaTrainError
 
@@ -35,7 +38,7 @@ class Request:
     max_grad_norm: clipping (0: none). world_size / local_ranks: data-parallel ranks in all / on this
     host (None: all). peft_config: a LoRA run's adapters (a peft config, a dict of LoraConfig fields,
     inline JSON or a JSON file, as MegaTrainArguments.peft_config takes them; None: full fine-tuning):
-    the plan's units then train only the adapters (memory.model_shapes), the base is frozen (no
+    the plan's units then train only the adapters (model_sizes), the base is frozen (no
     step-time prediction yet).
     admit: check the plan against the machine (memory_check). suggest_row: a refusal also names the
     longest row that fits (mlp_tile_tokens: the tile as asked, for that search)."""
@@ -64,43 +67,6 @@ class Request:
         return bool(self.max_grad_norm) and self.max_grad_norm > 0
 
 
-@dataclass(frozen=True)
-class Machine:
-    """What the machine has: free GPU and available host bytes (None: not known, so nothing auto is
-    weighed against it and admission does not check it), and the rates the step-time model runs on
-    (None: the cached probe of this GPU, else the reference rates)."""
-    gpu_free: float | None = None
-    host_free: float | None = None
-    rates: object | None = None
-
-    @classmethod
-    def measured(cls, device, *, max_gpu_memory: float | None = None, max_host_memory: float | None = None,
-                 rates=None) -> "Machine":
-        """This machine now (the GPU's free memory on a GPU run only), each capped where a cap is given,
-        in GiB (MegaTrainArguments.max_gpu_memory / max_host_memory: a shared card, or planning for a
-        smaller one)."""
-        import torch
-
-        for name, cap in (("max_gpu_memory", max_gpu_memory), ("max_host_memory", max_host_memory)):
-            if cap is not None and not cap > 0:
-                raise MegaTrainError(f"{name} is a number of GiB greater than 0, not {cap!r}.")
-        device = torch.device(device)
-        gpu = memory.gpu_available(device) if device.type == "cuda" else None
-        host = memory.host_available()
-        if max_gpu_memory is not None and gpu is not None:
-            gpu = min(gpu, max_gpu_memory * memory.GiB)
-        if max_host_memory is not None:
-            host = min(host, max_host_memory * memory.GiB)
-        return cls(gpu, host, rates)
-
-    def planning_rates(self):
-        if self.rates is not None:
-            return self.rates
-        from ..probe import rates_for_planning
-
-        return rates_for_planning()
-
-
 @dataclass
 class RunPlan:
     """What plan_run settled: the EngineConfig to build (every placement a number), how a step runs
@@ -111,9 +77,9 @@ class RunPlan:
     split: int
     together: int
     rows: int
-    memory: memory.MemoryPlan
+    memory: MemoryPlan
     placement_planned: bool
-    step: memory.StepSplit
+    step: StepSplit
     step_time: object | None = None
     refusal: str | None = None
     notes: list = field(default_factory=list)  # INFO
@@ -151,7 +117,7 @@ def request_from_arguments(args, device, lora: bool = False, model=None) -> Requ
                    grad_accum=args.gradient_accumulation_steps,
                    layer_major=parse_switch(args.layer_major_accumulation, "layer_major_accumulation"),
                    max_grad_norm=args.max_grad_norm or 0.0, world_size=args.world_size,
-                   local_ranks=memory.ranks_on_this_host(args.world_size),
+                   local_ranks=ranks_on_this_host(args.world_size),
                    peft_config=planned_adapters(args.peft_config, model) if lora else None, admit=bool(args.memory_check),
                    suggest_row=args.world_size == 1 and tokens >= LONG_CONTEXT_TOKENS,
                    mlp_tile_tokens=args.mlp_tile_tokens)
@@ -207,39 +173,39 @@ def plan_run(model_config, request: Request, machine: Machine | None = None) -> 
     local = request.local_ranks
     ranks = dict(world_size=world, local_ranks=local)
     cuda = engine.device.type == "cuda"
-    shapes = memory.model_shapes(model_config, request.peft_config)
+    sizes = model_sizes(model_config, request.peft_config)
     if world > 1:  # data parallel runs its micro-batches one at a time, as asked
-        step = memory.StepSplit(1, 0, memory.resolve_placement(
+        step = StepSplit(1, 0, resolve_placement(
             model_config, request.batch, request.seq, engine, gpu_free=machine.gpu_free, host_free=machine.host_free,
-            later_contributions=memory.one_at_a_time(ga), shapes=shapes, **ranks))
+            later_contributions=one_at_a_time(ga), sizes=sizes, **ranks))
     else:
         asked = request.layer_major
         if asked is None and cuda and (machine.gpu_free is None or machine.host_free is None):
             asked = False  # auto weighs the machine: with none given, as asked
-        step = memory.split_step(model_config, request.batch, request.seq, engine, ga, asked=asked,
-                                 gpu_free=machine.gpu_free, host_free=machine.host_free, shapes=shapes)
+        step = split_step(model_config, request.batch, request.seq, engine, ga, asked=asked,
+                                 gpu_free=machine.gpu_free, host_free=machine.host_free, sizes=sizes)
         if step.together or step.split > 1:
             notes.append(f"step: {step.describe(request.batch, ga)}")
-        if step.placement.engine.transient_grads and memory.one_at_a_time(ga, step.split, step.together):
+        if step.placement.engine.transient_grads and one_at_a_time(ga, step.split, step.together):
             raise MegaTrainError("transient_grads with gradient accumulation needs a step's micro-batches "
                                  "through each layer together (a unit's gradient has no buffer to be added "
                                  "to): set layer_major_accumulation=true, or leave transient_grads off.")
     placement, rows = step.placement, request.batch // step.split
-    later = memory.one_at_a_time(ga, step.split, step.together)
-    plan = memory.estimate(model_config, rows, request.seq, placement.engine, shapes=shapes,
+    later = one_at_a_time(ga, step.split, step.together)
+    plan = estimate(model_config, rows, request.seq, placement.engine, sizes=sizes,
                            micro_batches=step.together or 1, later_contributions=later, **ranks)
     n = ga * step.split
-    timed = dict(micro_batches=n, together=bool(step.together) or n == 1, clip=request.clip, shapes=shapes)
+    timed = dict(micro_batches=n, together=bool(step.together) or n == 1, clip=request.clip, sizes=sizes)
     run = RunPlan(placement.engine, step.split, step.together, rows, plan, placement.planned, step, notes=notes)
     if request.admit:
         run.refusal = _admission(model_config, request, machine, run, timed, ranks)
     if cuda and machine.gpu_free is not None:
-        advice = memory.allocator_advice(plan, machine.gpu_free)
+        advice = allocator_advice(plan, machine.gpu_free)
         if advice:
             run.warnings.append(advice)
     if cuda and world == 1 and not request.lora:
         try:  # a diagnostic: a config it cannot read costs the prediction, never the run
-            from ..steptime import lean_verdict, predict, routed_per_layer
+            from .steptime import lean_verdict, predict, routed_per_layer
 
             model_step = partial(predict, model_config, rows, request.seq, rates=machine.planning_rates(),
                                  routed=routed_per_layer(model_config), **timed)
@@ -258,16 +224,16 @@ def _admission(model_config, request: Request, machine: Machine, run: RunPlan, t
     cuda = run.engine.device.type == "cuda"
     hint = cost = None
     if cuda and request.suggest_row:  # the longest row that would fit
-        hint = partial(memory.longest_fitting_row, model_config, run.rows, request.seq, engine=request.engine,
+        hint = partial(longest_fitting_row, model_config, run.rows, request.seq, engine=request.engine,
                        mlp_tile_tokens=request.mlp_tile_tokens, micro_batches=run.together or 1,
-                       shapes=timed["shapes"], **ranks)
+                       sizes=timed["sizes"], **ranks)
     if cuda and ranks["world_size"] == 1:  # a refusal naming a memory mode says what it costs
-        from ..steptime import mode_cost
+        from .steptime import mode_cost
 
         cost = mode_cost(model_config, run.rows, request.seq, run.engine, machine.planning_rates(), **timed)
     unknown = float("inf")  # what is not known of the machine is not checked
     try:
-        memory.admit(run.memory, host_free=unknown if machine.host_free is None else machine.host_free,
+        admit(run.memory, host_free=unknown if machine.host_free is None else machine.host_free,
                      gpu_free=unknown if machine.gpu_free is None else machine.gpu_free, hint=hint,
                      residency_planned=run.placement_planned or not cuda,  # no GPU: no layers to keep there
                      step_cost=cost)

@@ -137,12 +137,12 @@ def test_together_is_refused_with_data_parallel_and_off_on_the_cpu_by_default(tm
 
 @pytest.mark.parametrize("mean_loss", [False, True])
 def test_trainer_cut_micro_batches_equal_uncut(tmp_path, monkeypatch, mean_loss):
-    """Micro-batches cut into chunks of rows (what memory.split_step picks on a GPU when the asked batch
+    """Micro-batches cut into chunks of rows (what planner.split_step picks on a GPU when the asked batch
     does not fit), run through each layer together: the same loss function, so the same logged losses,
     norms and weights as uncut, to rounding (fp32), both with Trainer's num_items_in_batch and with the
     mean-loss rule (each chunk divided by its whole micro-batch's token count)."""
-    import hf_megatrain.memory as memory_module
-    from hf_megatrain.memory import StepSplit
+    import hf_megatrain.planner.run as run_module
+    from hf_megatrain.planner.placement import StepSplit
 
     data, model = rows(25, 0), make_model("llama", seed=1)  # the last micro-batch has one row: it stays whole
     results = {}
@@ -152,8 +152,8 @@ def test_trainer_cut_micro_batches_equal_uncut(tmp_path, monkeypatch, mean_loss)
                                   num_train_epochs=1,
                                   logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
         if cut:
-            real = memory_module.split_step  # what the planner (planner.plan_run) calls
-            monkeypatch.setattr(memory_module, "split_step",
+            real = run_module.split_step  # what the planner (planner.plan_run) calls
+            monkeypatch.setattr(run_module, "split_step",
                                 lambda *a, **k: StepSplit(2, 4, real(*a, **{**k, "asked": False}).placement))
         trainer = MegaTrainTrainer(copy.deepcopy(model), args, train_dataset=data, data_collator=default_data_collator)
         if mean_loss:

@@ -29,7 +29,9 @@ from transformers import AutoModelForCausalLM, default_data_collator
 from hf_megatrain import HostAdamW, HostJobError, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
 from hf_megatrain.engine.config import EngineConfig
 from hf_megatrain.engine.layout import mark_resident
-from hf_megatrain.memory import GiB, admit, estimate, model_shapes, resolve_placement, shortfalls, split_step
+from hf_megatrain.planner.admission import admit, shortfalls
+from hf_megatrain.planner.estimator import estimate, GiB, model_sizes
+from hf_megatrain.planner.placement import resolve_placement, split_step
 from hf_megatrain.shapes import make_config
 from tests.support.tiny import make_batch, make_model, make_rows as rows
 
@@ -69,7 +71,7 @@ def test_lean_streamed_is_bit_identical(kind, ga, together, clip):
     _, ref_record, ref = train(kind, False, ga, together, clip)
     engine, record, got = train(kind, True, ga, together, clip)
     layers = [u for u in engine.units if u.kind == "layer"]
-    assert all(u.lean and engine.store.compute[u.index] is None for u in layers)  # no bf16 copy kept
+    assert all(u.no_compute_copy and engine.store.compute[u.index] is None for u in layers)  # no bf16 copy kept
     assert engine.engine_config.lean_streamed and not engine.engine_config.lean_resident
     assert same(record, ref_record)
     for name in ref:
@@ -80,7 +82,7 @@ def test_lean_streamed_beside_resident_layers():
     """Resident layers keep their copy (lean_resident off); only the streamed ones go lean."""
     _, ref_record, ref = train("llama", False, 2, True, 0.05, resident=1)
     engine, record, got = train("llama", True, 2, True, 0.05, resident=1)
-    assert [u.lean for u in engine.units if u.kind == "layer"] == [False, True, True]
+    assert [u.no_compute_copy for u in engine.units if u.kind == "layer"] == [False, True, True]
     assert same(record, ref_record) and all(torch.equal(got[n], ref[n]) for n in ref)
 
 
@@ -113,25 +115,25 @@ def test_the_plan_counts_16_bytes_per_streamed_parameter():
     """estimate: with lean_streamed the host holds no bf16 copy of the streamed decoder layers (the
     embedding and head keep theirs), and the GPU holds one layer's fp32 landing buffer."""
     cfg = make_config("llama-3.1-70b")
-    shapes = model_shapes(cfg)
-    layer_params = sum(u.numel for u in shapes.units if u.kind == "layer")
-    default = estimate(cfg, 16, 1024, shapes=shapes)
-    lean = estimate(cfg, 16, 1024, shapes=shapes, lean_streamed=True)
+    sizes = model_sizes(cfg)
+    layer_params = sum(u.numel for u in sizes.units if u.kind == "layer")
+    default = estimate(cfg, 16, 1024, sizes=sizes)
+    lean = estimate(cfg, 16, 1024, sizes=sizes, lean_streamed=True)
     assert default.host["compute copy (streamed)"] - lean.host["compute copy (streamed)"] == 2 * layer_params
     assert default.host_total - lean.host_total == 2 * layer_params
-    assert lean.gpu["fp32 landing of a lean streamed layer"] == 4 * shapes.layer
+    assert lean.gpu["fp32 landing of a lean streamed layer"] == 4 * sizes.layer
     for resident in (0, 10):  # the GPU side is the default's plus that buffer, beside resident layers too
-        kw = dict(shapes=shapes, resident_layers=resident, lean_resident=True)
+        kw = dict(sizes=sizes, resident_layers=resident, lean_resident=True)
         assert estimate(cfg, 16, 1024, lean_streamed=True, **kw).gpu_total == \
-            estimate(cfg, 16, 1024, **kw).gpu_total + 4 * shapes.layer
+            estimate(cfg, 16, 1024, **kw).gpu_total + 4 * sizes.layer
     per_param = (lean.host["fp32 master weights"] + lean.host["compute copy (streamed)"]
-                 + lean.host["fp32 gradient accumulator"] + lean.host["Adam moments (fp32 x2)"]) / shapes.params
+                 + lean.host["fp32 gradient accumulator"] + lean.host["Adam moments (fp32 x2)"]) / sizes.params
     assert 16.0 < per_param < 16.1  # 16 B, plus the embedding and head's bf16 copies
     assert lean.host_total / GiB < 1100  # 70B: about 1.04 TiB, against 1.16 with the bf16 copy
     # in fp32 compute the master already streams: nothing changes
     fp32 = dict(compute_dtype=torch.float32)
-    assert estimate(cfg, 16, 1024, shapes=shapes, lean_streamed=True, **fp32).host == \
-        estimate(cfg, 16, 1024, shapes=shapes, **fp32).host
+    assert estimate(cfg, 16, 1024, sizes=sizes, lean_streamed=True, **fp32).host == \
+        estimate(cfg, 16, 1024, sizes=sizes, **fp32).host
 
 
 def test_a_refusal_names_lean_streamed_when_it_would_fit():
@@ -140,7 +142,7 @@ def test_a_refusal_names_lean_streamed_when_it_would_fit():
     transient_grads too, which it then names; on 80 GiB neither, and it offers neither."""
     cfg = make_config("llama-2-13b")
     plan = estimate(cfg, 16, 1024, resident_layers=19, lean_resident=True)
-    assert plan.lean_streamed_saving == 2 * 21 * model_shapes(cfg).layer
+    assert plan.lean_streamed_saving == 2 * 21 * model_sizes(cfg).layer
     with pytest.raises(MegaTrainError) as fits:
         admit(plan, host_free=112 * GiB, gpu_free=139 * GiB)
     fixes = str(fits.value).split("Would fit with: ", 1)[1]
@@ -368,12 +370,12 @@ def test_trainer_with_transient_grads_and_lean_streamed_equals_the_default(tmp_p
 
 def test_the_plan_counts_12_bytes_per_streamed_parameter_with_both_modes():
     cfg = make_config("llama-3.1-70b")
-    shapes = model_shapes(cfg)
-    both = estimate(cfg, 16, 1024, shapes=shapes, lean_streamed=True, transient_grads=True)
-    default = estimate(cfg, 16, 1024, shapes=shapes)
+    sizes = model_sizes(cfg)
+    both = estimate(cfg, 16, 1024, sizes=sizes, lean_streamed=True, transient_grads=True)
+    default = estimate(cfg, 16, 1024, sizes=sizes)
     assert "fp32 gradient accumulator" not in both.host and "pinned staging slabs" not in both.host
-    assert both.host["fp32 gradient buffers (transient, 3)"] == 4 * 3 * shapes.head  # the largest streamed unit
-    state = (both.host["fp32 master weights"] + both.host["Adam moments (fp32 x2)"]) / shapes.params
+    assert both.host["fp32 gradient buffers (transient, 3)"] == 4 * 3 * sizes.head  # the largest streamed unit
+    state = (both.host["fp32 master weights"] + both.host["Adam moments (fp32 x2)"]) / sizes.params
     assert state == 12
     # 70B: 807 GiB, which a 1 TB host (931 GiB) holds, against 1,194 GiB by default
     assert both.host_total / GiB < 820 and default.host_total / GiB > 1150
@@ -385,9 +387,9 @@ def test_the_plan_counts_12_bytes_per_resident_layer_parameter_with_transient_gr
     layers then fit: 18.3 B parameters (dense-18b) train on one H200 and 122.7 GiB of host without
     clipping, which neither mode alone allows."""
     cfg = make_config("dense-18b")
-    shapes = model_shapes(cfg)
-    layer = shapes.units[1].numel
-    kw = dict(shapes=shapes, resident_layers=20, lean_resident=True, lean_streamed=True)
+    sizes = model_sizes(cfg)
+    layer = sizes.units[1].numel
+    kw = dict(sizes=sizes, resident_layers=20, lean_resident=True, lean_streamed=True)
     plain, both = estimate(cfg, 16, 1024, **kw), estimate(cfg, 16, 1024, transient_grads=True, **kw)
     assert plain.gpu["lean resident layers (master, grad, Adam)"] == 16 * 20 * layer
     assert both.gpu["lean resident layers (master, Adam)"] == 12 * 20 * layer
@@ -397,10 +399,10 @@ def test_the_plan_counts_12_bytes_per_resident_layer_parameter_with_transient_gr
     auto = EngineConfig(device="cuda", resident_layers=None, offload_activations=None, lean_resident=None,
                         lean_streamed=None, transient_grads=True)
     placed = resolve_placement(cfg, 16, 1024, auto, gpu_free=138.5 * GiB, host_free=122.7 * GiB).engine
-    assert placed.lean_streamed and not shortfalls(estimate(cfg, 16, 1024, placed, shapes=shapes), 122.7 * GiB, 138.5 * GiB)
+    assert placed.lean_streamed and not shortfalls(estimate(cfg, 16, 1024, placed, sizes=sizes), 122.7 * GiB, 138.5 * GiB)
     without = resolve_placement(cfg, 16, 1024, replace(auto, transient_grads=False), gpu_free=138.5 * GiB,
                                 host_free=122.7 * GiB).engine
-    assert shortfalls(estimate(cfg, 16, 1024, without, shapes=shapes), 122.7 * GiB, 138.5 * GiB)
+    assert shortfalls(estimate(cfg, 16, 1024, without, sizes=sizes), 122.7 * GiB, 138.5 * GiB)
 
 
 def test_the_planner_takes_transient_grads_before_lean_streamed_and_only_where_exact():
@@ -444,9 +446,9 @@ def test_the_plan_moves_the_last_streamed_layers_gradients_to_the_gpu():
     accumulator to the GPU, beside two 32 MiB pinned landing tiles; nothing else changes. With a step of
     one micro-batch (or its micro-batches together) no staging slab is planned: none is ever allocated."""
     cfg = make_config("qwen2.5-14b")
-    shapes = model_shapes(cfg)
-    layer = shapes.units[1].n_train
-    kw = dict(shapes=shapes, resident_layers=20, lean_resident=True, lean_streamed=True)
+    sizes = model_sizes(cfg)
+    layer = sizes.units[1].n_train
+    kw = dict(sizes=sizes, resident_layers=20, lean_resident=True, lean_streamed=True)
     plain, moved = estimate(cfg, 16, 1024, **kw), estimate(cfg, 16, 1024, gpu_grad_layers=3, **kw)
     assert plain.host["fp32 gradient accumulator"] - moved.host["fp32 gradient accumulator"] == 3 * 4 * layer
     assert moved.host["pinned landing tiles (2, gradients kept on the GPU)"] == 2 * 4 * (1 << 23)
@@ -454,7 +456,7 @@ def test_the_plan_moves_the_last_streamed_layers_gradients_to_the_gpu():
     assert moved.gpu_total - plain.gpu_total == 3 * 4 * layer
     assert "pinned staging slabs" in plain.host
     assert "pinned staging slabs" not in estimate(cfg, 16, 1024, later_contributions=False, **kw).host
-    units = shapes.units
+    units = sizes.units
     mark_resident(units, 20, True, True, gpu_grads=3)
     assert [u.layer for u in units if u.grad_on_gpu] == [45, 46, 47]  # stepped last: they cross while others step
     with pytest.raises(MegaTrainError, match="exclude each other"):
@@ -536,8 +538,8 @@ def test_estimate_shows_each_mode_and_a_refusal_names_the_one_that_fits(tmp_path
     placed = resolve_placement(cfg, 16, 1024, EngineConfig(device="cuda", resident_layers=None, offload_activations=None,
                                                           lean_resident=None, lean_streamed=None),
                                gpu_free=139 * GiB, host_free=953 * GiB).engine
-    from hf_megatrain.probe import REFERENCE
-    from hf_megatrain.steptime import mode_cost
+    from hf_megatrain.planner.probe import REFERENCE
+    from hf_megatrain.planner.steptime import mode_cost
 
     with pytest.raises(MegaTrainError) as refused:
         admit(estimate(cfg, 16, 1024, placed), host_free=953 * GiB, gpu_free=139 * GiB,

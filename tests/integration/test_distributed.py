@@ -68,7 +68,7 @@ def test_folder_load_gives_each_rank_what_from_model_gives(spawned):
 def test_estimate_counts_what_each_rank_allocates(spawned):
     """Admission's host figure per rank at N ranks is what the rank with the largest slices
     allocates: the whole compute copy, 1/N of the fp32 master, gradient and Adam moments."""
-    from hf_megatrain.memory import estimate
+    from hf_megatrain.planner.estimator import estimate
 
     world, out, cases = spawned
     got = [torch.load(f"{out}.{rank}") for rank in range(world)]

@@ -17,7 +17,8 @@ from hf_megatrain.engine.config import EngineConfig, parse_count
 from hf_megatrain.engine.cuda_pipeline import CudaPipeline
 from hf_megatrain.engine.layout import loss_chunk, mark_resident
 from hf_megatrain.engine.pipeline import HostPipeline, Pipeline
-from hf_megatrain.memory import estimate, model_shapes, resolve_placement
+from hf_megatrain.planner.estimator import estimate, model_sizes
+from hf_megatrain.planner.placement import resolve_placement
 from hf_megatrain.patcher import specs
 from hf_megatrain.patcher.tiling import tile_mlp, untile_mlp
 from hf_megatrain.trainer import TRAINER_OVERRIDES, _RECOMPUTE_FLAG, hook_problems
@@ -27,30 +28,30 @@ PACKAGE = os.path.dirname(hf_megatrain.__file__)
 
 
 def _layout(units):
-    return [(u.kind, u.layer, u.numel, u.n_train, u.n_decay, u.resident, u.lean, u.tied_local) for u in units]
+    return [(u.kind, u.layer, u.numel, u.n_train, u.n_decay, u.resident, u.no_compute_copy, u.tied_local) for u in units]
 
 
 # -- one source of truth -------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_planner_counts_the_units_the_engine_builds(kind):
     model = make_model(kind)
-    shapes = model_shapes(model.config)
+    sizes = model_sizes(model.config)
     engine = StreamingEngine(model, compute_dtype=torch.float32, resident_layers=2)
-    assert shapes.params == engine.num_parameters == sum(p.numel() for p in model.parameters())
-    plan = estimate(model.config, 2, 16, compute_dtype="float32", resident_layers=2, shapes=shapes)
-    mark_resident(shapes.units, 2)  # as estimate marks its own copy (it leaves the units handed in as they were)
-    assert _layout(shapes.units) == _layout(engine.units)
+    assert sizes.params == engine.num_parameters == sum(p.numel() for p in model.parameters())
+    plan = estimate(model.config, 2, 16, compute_dtype="float32", resident_layers=2, sizes=sizes)
+    mark_resident(sizes.units, 2)  # as estimate marks its own copy (it leaves the units handed in as they were)
+    assert _layout(sizes.units) == _layout(engine.units)
     on_gpu = sum(u.numel for u in engine.units if u.resident)
     assert plan.gpu["resident units (weights, master, grad, Adam)"] == (4 + 16) * on_gpu
     assert plan.host["fp32 master weights"] == 4 * (engine.num_parameters - on_gpu)
     # lean residency: the same layers resident, without their compute copy, and the ring they pass through
     lean = StreamingEngine(make_model(kind), compute_dtype=torch.bfloat16, resident_layers=2, lean_resident=True)
-    slim = estimate(model.config, 2, 16, compute_dtype="bfloat16", resident_layers=2, lean_resident=True, shapes=shapes)
-    mark_resident(shapes.units, 2, lean=True)
-    assert _layout(shapes.units) == _layout(lean.units) and any(u.lean for u in lean.units)
-    in_ring = [u.numel for u in lean.units if u.lean or not u.resident]
+    slim = estimate(model.config, 2, 16, compute_dtype="bfloat16", resident_layers=2, lean_resident=True, sizes=sizes)
+    mark_resident(sizes.units, 2, lean=True)
+    assert _layout(sizes.units) == _layout(lean.units) and any(u.no_compute_copy for u in lean.units)
+    in_ring = [u.numel for u in lean.units if u.no_compute_copy or not u.resident]
     assert slim.gpu["weight ring (prefetch slots)"] == 2 * 2 * max(in_ring)
-    kept = sum(u.numel for u in lean.units if u.resident and not u.lean)
+    kept = sum(u.numel for u in lean.units if u.resident and not u.no_compute_copy)
     assert slim.gpu["resident units (weights, master, grad, Adam)"] == (2 + 16) * kept
     assert slim.gpu["lean resident layers (master, grad, Adam)"] == 16 * (on_gpu - kept)
 
@@ -72,13 +73,13 @@ def test_the_planner_reads_the_ring_knobs_of_the_engine_config():
     cfg = make_model("llama").config
     base = estimate(cfg, 1, 64, EngineConfig(device="cuda"))
     more = estimate(cfg, 1, 64, EngineConfig(device="cuda", prefetch_depth=3, grad_slots=4, staging_slabs=3))
-    layer = max(u.numel for u in model_shapes(cfg).units if u.kind == "layer")
+    layer = max(u.numel for u in model_sizes(cfg).units if u.kind == "layer")
     assert more.gpu["weight ring (prefetch slots)"] == 3 * 2 * layer == 1.5 * base.gpu["weight ring (prefetch slots)"]
     assert more.gpu["gradient ring (fp32)"] == 4 * 4 * layer
     assert more.host["pinned staging slabs"] == 3 * 4 * layer
     # a streamed embedding larger than a layer: its accumulated gradients need slabs of its size
     wide = make_model("llama", vocab_size=4096).config
-    units = model_shapes(wide).units
+    units = model_sizes(wide).units
     assert units[0].numel > max(u.numel for u in units if u.kind == "layer")
     largest = max(u.n_train for u in units)  # the head: the embedding's size and the final norm
     assert largest > max(u.n_train for u in units if u.kind == "layer")

@@ -12,7 +12,7 @@ from hf_megatrain import MegaTrainError, StreamingEngine
 from hf_megatrain.checkpoint.hf_format import save_hf_model
 from hf_megatrain.checkpoint.loading import load_model_and_tokenizer
 from hf_megatrain.checkpoint.stream_load import engine_from_checkpoint
-from hf_megatrain.memory import model_shapes
+from hf_megatrain.planner.estimator import model_sizes
 from hf_megatrain.patcher.specs import supported_model_types
 from tests.support.tiny import FAMILIES, make_batch, make_model, refuses_sdpa
 
@@ -78,7 +78,7 @@ def test_tiled_mlp_equals_stock(family):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_estimator_counts_the_parameters(family):
     model = make_model(family, attn="eager")
-    assert model_shapes(model.config).params == sum(p.numel() for p in model.parameters())
+    assert model_sizes(model.config).params == sum(p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -127,7 +127,7 @@ def test_an_architecture_outside_the_registry_is_refused_by_name():
     from transformers import GPT2Config
 
     with pytest.raises(MegaTrainError, match="gpt2.*Supported decoder-only families: .*gemma2.*qwen3_moe"):
-        model_shapes(GPT2Config(n_layer=2, n_embd=64, n_head=4))
+        model_sizes(GPT2Config(n_layer=2, n_embd=64, n_head=4))
 
 
 def test_a_standard_architecture_outside_the_registry_is_verified_then_trained(caplog):
@@ -222,7 +222,7 @@ def test_later_families_count_and_stream_in(family, tmp_path):
     from hf_megatrain.patcher.templates import persistent_buffers
 
     src = _later_model(family)
-    assert model_shapes(src.config).params == sum(p.numel() for p in src.parameters())
+    assert model_sizes(src.config).params == sum(p.numel() for p in src.parameters())
     src.save_pretrained(tmp_path / "src")
     skeleton, _, folder = load_model_and_tokenizer(str(tmp_path / "src"))
     engine = engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False,

@@ -10,7 +10,8 @@ import torch
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
 from hf_megatrain.cli import main
 from hf_megatrain.engine.config import EngineConfig
-from hf_megatrain.memory import GiB, admit, estimate, model_shapes
+from hf_megatrain.planner.admission import admit
+from hf_megatrain.planner.estimator import estimate, GiB, model_sizes
 from tests.support import ROOT
 from tests.support.tiny import KINDS, make_model
 
@@ -18,7 +19,7 @@ from tests.support.tiny import KINDS, make_model
 @pytest.mark.parametrize("kind", KINDS)
 def test_parameter_count_from_config(kind):
     model = make_model(kind)
-    assert model_shapes(model.config).params == sum(p.numel() for p in model.parameters())
+    assert model_sizes(model.config).params == sum(p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -58,7 +59,7 @@ def test_admission_counts_every_rank_on_the_host(capsys):
     one = estimate(cfg, 1, 4096)
     spread = estimate(cfg, 1, 4096, world_size=8, local_ranks=1)  # one rank on each of 8 hosts
     packed = estimate(cfg, 1, 4096, world_size=8)  # all 8 on this host
-    params = model_shapes(cfg).params
+    params = model_sizes(cfg).params
     for name in ("fp32 master weights", "fp32 gradient accumulator", "Adam moments (fp32 x2)"):
         assert one.host[name] / 8 <= packed.host[name] <= one.host[name] / 8 + 16 * (cfg.num_hidden_layers + 2)
     assert packed.host["compute copy (streamed)"] == one.host["compute copy (streamed)"] == 2 * params
@@ -81,9 +82,9 @@ def test_admission_counts_every_rank_on_the_host(capsys):
 
 
 def test_trainer_checks_before_loading(tmp_path, monkeypatch):
-    import hf_megatrain.memory as memory
+    import hf_megatrain.planner.machine as machine
 
-    monkeypatch.setattr(memory, "host_available", lambda: 1.0 * GiB)
+    monkeypatch.setattr(machine, "host_available", lambda: 1.0 * GiB)
     args = MegaTrainArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     with pytest.raises(MegaTrainError, match="does not fit"):
         MegaTrainTrainer(make_model("llama"), args)
@@ -119,7 +120,9 @@ def test_long_context_refusal_names_the_longest_row_that_fits(capsys):
     says 256K fits, with the placement the planner would use there (measured: BENCHMARKS run 7)."""
     from functools import partial
 
-    from hf_megatrain.memory import longest_fitting_row, mlp_tile, plan_placement
+    from hf_megatrain.planner.estimator import mlp_tile
+
+    from hf_megatrain.planner.placement import longest_fitting_row, plan_placement
     from hf_megatrain.shapes import make_config
 
     cfg = make_config("qwen2.5-7b", max_positions=524288)
@@ -137,7 +140,7 @@ def test_long_context_refusal_names_the_longest_row_that_fits(capsys):
 
 
 def test_residency_plan_fills_the_gpu_and_no_more():
-    from hf_megatrain.memory import plan_placement
+    from hf_megatrain.planner.placement import plan_placement
     from hf_megatrain.shapes import make_config
 
     cfg = make_config("qwen2.5-7b")
@@ -157,7 +160,8 @@ def test_long_context_plan_offloads_activations_only_when_they_do_not_fit():
     """At 512K tokens the 3B shape's 28 layer inputs (84 GiB) do not fit a 139 GiB card beside one
     layer's recompute: the plan offloads just enough of them, none at 32K, and on a 48 GiB card
     it cannot fit even with all of them offloaded, which the admission check refuses."""
-    from hf_megatrain.memory import admit, plan_placement
+    from hf_megatrain.planner.admission import admit
+    from hf_megatrain.planner.placement import plan_placement
     from hf_megatrain.shapes import make_config
 
     cfg = make_config("llama-3.2-3b", max_positions=524288)
@@ -212,7 +216,8 @@ def test_host_arenas_are_not_given_to_forked_children():
 def test_planner_moves_layers_to_the_gpu_when_the_host_is_short():
     """The H200 box's 13B case: by the GPU's comfort margin 19 layers are resident and the host plan
     (117.0 GiB) misses admission against 123 GiB; the planner then uses the GPU headroom."""
-    from hf_megatrain.memory import ADMIT_MARGIN, plan_placement
+    from hf_megatrain.planner.admission import ADMIT_MARGIN
+    from hf_megatrain.planner.placement import plan_placement
     from hf_megatrain.shapes import make_config
 
     cfg = make_config("llama-2-13b")
@@ -239,18 +244,18 @@ def test_projection_uses_measured_layer_costs_and_the_planner():
     import importlib.util
 
     from hf_megatrain.engine.config import EngineConfig
-    from hf_megatrain.probe import REFERENCE
+    from hf_megatrain.planner.probe import REFERENCE
     from hf_megatrain.shapes import make_config
-    from hf_megatrain.steptime import LayerCosts, predict
+    from hf_megatrain.planner.steptime import LayerCosts, predict
 
     cfg = make_config("llama-3.1-70b")
-    shapes = model_shapes(cfg)
-    layer = shapes.units[1].numel
+    sizes = model_sizes(cfg)
+    layer = sizes.units[1].numel
     engine = EngineConfig(device="cuda", resident_layers=4, offload_activations=0, lean_resident=True)
 
     def lanes(fwd, bwd, adamw, tokens=16384, clip=True):
         costs = LayerCosts(fwd, bwd, adamw, layer, 16384)
-        return predict(cfg, tokens // 1024, 1024, engine, REFERENCE, clip=clip, shapes=shapes, routed={},
+        return predict(cfg, tokens // 1024, 1024, engine, REFERENCE, clip=clip, sizes=sizes, routed={},
                        layer_costs=costs).lanes
 
     base = lanes(0.0, 0.0, 0.5)
@@ -299,7 +304,8 @@ def test_split_step_picks_micro_batches_that_fit_and_keep_layers_resident(capsys
     to a split that does; 16 x 1 runs as asked; an MoE with its load-balancing loss is never cut; off,
     it runs as asked. `hf-megatrain estimate --grad_accum` says the same."""
     from hf_megatrain.engine.config import EngineConfig
-    from hf_megatrain.memory import resolve_placement, shortfalls, split_step
+    from hf_megatrain.planner.admission import shortfalls
+    from hf_megatrain.planner.placement import resolve_placement, split_step
     from hf_megatrain.shapes import make_config
 
     cfg = make_config("llama-2-13b")
@@ -339,7 +345,8 @@ def test_allocator_advice_near_a_full_gpu(monkeypatch):
     """Near a full card the trainer advises expandable segments unless they are set; the train command
     sets them before torch is imported, and keeps a value the user chose."""
     from hf_megatrain import cli
-    from hf_megatrain.memory import MemoryPlan, allocator_advice
+    from hf_megatrain.planner.admission import allocator_advice
+    from hf_megatrain.planner.estimator import MemoryPlan
 
     full = MemoryPlan(gpu={"everything": 120 * GiB})
     assert "expandable_segments:True" in allocator_advice(full, 130 * GiB, conf="")
@@ -368,17 +375,17 @@ def test_allocator_advice_near_a_full_gpu(monkeypatch):
 def _count_meta_builds(monkeypatch):
     """Count engine.layout.config_units calls (each builds the model on the meta device), with the memo
     emptied first."""
-    from hf_megatrain import memory
+    from hf_megatrain.planner import estimator as estimate
 
     builds = []
-    real = memory.config_units
+    real = estimate.config_units
 
     def counting(config, *a, **kw):
         builds.append(config.model_type)
         return real(config, *a, **kw)
 
-    monkeypatch.setattr(memory, "config_units", counting)
-    monkeypatch.setattr(memory, "_UNITS", type(memory._UNITS)())
+    monkeypatch.setattr(estimate, "config_units", counting)
+    monkeypatch.setattr(estimate, "_UNITS", type(estimate._UNITS)())
     return builds
 
 
@@ -388,10 +395,10 @@ def test_a_plan_builds_the_model_on_the_meta_device_once(monkeypatch, shape):
     estimate), the step-time model and a refusal's costs ask for the same config's units hundreds of
     times: the meta build runs once per config (it once ran 105-115 times for the 70B shape)."""
     from hf_megatrain.engine.config import EngineConfig
-    from hf_megatrain.memory import split_step
-    from hf_megatrain.probe import REFERENCE as rates
+    from hf_megatrain.planner.placement import split_step
+    from hf_megatrain.planner.probe import REFERENCE as rates
     from hf_megatrain.shapes import make_config
-    from hf_megatrain.steptime import mode_cost, predict, routed_per_layer
+    from hf_megatrain.planner.steptime import mode_cost, predict, routed_per_layer
 
     builds = _count_meta_builds(monkeypatch)
     cfg = make_config(shape)
@@ -406,17 +413,17 @@ def test_a_plan_builds_the_model_on_the_meta_device_once(monkeypatch, shape):
 
 
 def test_estimate_and_predict_leave_the_units_they_are_handed_as_they_were():
-    """estimate and steptime.predict mark residency on units of their own: the Shapes handed in (shapes=)
-    keep their marks, so one Shapes serves every plan of a search."""
+    """estimate and steptime.predict mark residency on units of their own: the ModelSizes handed in (sizes=)
+    keep their marks, so one ModelSizes serves every plan of a search."""
     from hf_megatrain.shapes import make_config
 
     cfg = make_config("qwen2.5-14b")
-    shapes = model_shapes(cfg)
-    before = [(u.resident, u.lean, u.grad_on_gpu) for u in shapes.units]
-    estimate(cfg, 16, 1024, shapes=shapes, resident_layers=20, lean_resident=True, lean_streamed=True,
+    sizes = model_sizes(cfg)
+    before = [(u.resident, u.no_compute_copy, u.grad_on_gpu) for u in sizes.units]
+    estimate(cfg, 16, 1024, sizes=sizes, resident_layers=20, lean_resident=True, lean_streamed=True,
              gpu_grad_layers=3)
-    assert [(u.resident, u.lean, u.grad_on_gpu) for u in shapes.units] == before
-    assert model_shapes(cfg).units is not shapes.units  # each caller gets units of its own
+    assert [(u.resident, u.no_compute_copy, u.grad_on_gpu) for u in sizes.units] == before
+    assert model_sizes(cfg).units is not sizes.units  # each caller gets units of its own
 
 
 LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
@@ -432,11 +439,11 @@ def test_lora_plan_counts_what_the_store_allocates(dtype):
     from hf_megatrain.checkpoint.loading import lora_config
 
     model = make_model("llama")
-    shapes = model_shapes(model.config, LORA)
-    plan = estimate(model.config, 2, 16, compute_dtype=str(dtype).split(".")[1], device="cpu", shapes=shapes)
+    sizes = model_sizes(model.config, LORA)
+    plan = estimate(model.config, 2, 16, compute_dtype=str(dtype).split(".")[1], device="cpu", sizes=sizes)
     engine = StreamingEngine(get_peft_model(model, lora_config(LORA)), compute_dtype=dtype)
     opt = HostAdamW(engine)
-    assert [(u.numel, u.n_train) for u in shapes.units] == [(u.numel, u.n_train) for u in engine.units]
+    assert [(u.numel, u.n_train) for u in sizes.units] == [(u.numel, u.n_train) for u in engine.units]
     trained = sum(u.n_train for u in engine.units)
     assert 0 < trained < sum(u.numel for u in engine.units) // 10
 
@@ -459,18 +466,18 @@ def test_lora_resident_units_count_the_state_of_their_adapters():
     config = make_model("llama").config
     full = estimate(config, 1, 16, resident_layers=config.num_hidden_layers, offload_activations=0)
     lora = estimate(config, 1, 16, resident_layers=config.num_hidden_layers, offload_activations=0,
-                    shapes=model_shapes(config, LORA))
-    units = model_shapes(config, LORA).units
+                    sizes=model_sizes(config, LORA))
+    units = model_sizes(config, LORA).units
     key = "resident units (weights, master, grad, Adam)"
     assert lora.gpu[key] == sum(2 * u.numel + 16 * u.n_train for u in units)
-    assert full.gpu[key] == 18 * model_shapes(config).params
+    assert full.gpu[key] == 18 * model_sizes(config).params
     assert lora.host["fp32 master weights"] == 0
 
 
 def test_trainer_admits_a_lora_run_that_a_full_fine_tune_does_not_fit(tmp_path):
     """On a host capped (max_host_memory) between the two plans, the full fine-tune is refused and the
     LoRA run of the same model is admitted: the plan counts what the LoRA store holds."""
-    from hf_megatrain.memory import ADMIT_MARGIN
+    from hf_megatrain.planner.admission import ADMIT_MARGIN
     from hf_megatrain.planner import Machine, Request, plan_run
 
     config = make_model("llama").config

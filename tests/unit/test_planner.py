@@ -5,7 +5,8 @@ import torch
 
 from hf_megatrain import MegaTrainArguments, MegaTrainError, MegaTrainTrainer
 from hf_megatrain.engine.config import EngineConfig
-from hf_megatrain.memory import GiB, split_step
+from hf_megatrain.planner.estimator import GiB
+from hf_megatrain.planner.placement import split_step
 from hf_megatrain.planner import Machine, Request, plan_run, request_from_arguments
 from hf_megatrain.shapes import make_config
 from tests.support.tiny import KINDS, make_model

@@ -359,9 +359,9 @@ def test_lora_estimate_counts_the_adapters_peft_adds(tmp_path, model_dir, weight
 
 
 def test_run_that_does_not_fit_is_refused_before_weights(tmp_path, model_dir, weights_read, monkeypatch):
-    import hf_megatrain.memory as memory
+    import hf_megatrain.planner.machine as machine
 
-    monkeypatch.setattr(memory, "host_available", lambda: 1024.0**3)  # a 1 GiB machine
+    monkeypatch.setattr(machine, "host_available", lambda: 1024.0**3)  # a 1 GiB machine
     data = write_jsonl(tmp_path / "train.jsonl", text_rows())
     with pytest.raises(MegaTrainError) as info:
         MegaTrainTrainer(model_dir, args_for(tmp_path, data_path=data))

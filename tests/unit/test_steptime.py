@@ -5,11 +5,11 @@ from dataclasses import replace
 
 import pytest
 
-from hf_megatrain import probe
+from hf_megatrain.planner import probe
 from hf_megatrain.engine.config import EngineConfig
-from hf_megatrain.memory import model_shapes
+from hf_megatrain.planner.estimator import model_sizes
 from hf_megatrain.shapes import make_config as shape_config
-from hf_megatrain.steptime import (ATTENTION_BACKWARD, GPU_EFFICIENCY, lean_verdict, predict,
+from hf_megatrain.planner.steptime import (ATTENTION_BACKWARD, GPU_EFFICIENCY, lean_verdict, predict,
                                    routed_per_layer)
 from tests.support.tiny import make_config
 
@@ -27,7 +27,7 @@ def test_all_resident_is_compute_and_counts_every_flop():
     cfg = make_config("llama")
     rows, seq, layers = 4, 128, cfg.num_hidden_layers
     t = predict(cfg, rows, seq, gpu(resident_layers=layers), RATES)
-    s = model_shapes(cfg)
+    s = model_sizes(cfg)
     tokens = rows * seq
     layer_params = sum(u.numel for u in s.units if u.kind == "layer")
     attention = 2 * rows * seq * seq * cfg.hidden_size * layers
@@ -181,7 +181,7 @@ def test_estimate_prints_the_step_time_with_its_bound(tmp_path, monkeypatch, cap
 def test_lean_streamed_layers_cross_pcie_in_fp32():
     """lean_streamed: a streamed layer's weights cross as its fp32 master, twice the bf16 bytes."""
     cfg = make_config("llama")
-    s = model_shapes(cfg)
+    s = model_sizes(cfg)
     layers = sum(u.numel for u in s.units if u.kind == "layer")
     base = predict(cfg, 4, 128, gpu(resident_layers=0), RATES)
     lean = predict(cfg, 4, 128, gpu(resident_layers=0, lean_streamed=True), RATES)

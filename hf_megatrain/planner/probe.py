@@ -223,7 +223,7 @@ def host_adamw_gparams(numel: int = 1 << 27, clip: bool = True, lean: bool = Fal
 def _adamw_rate(numel: int, clip: bool, lean: bool = False) -> float:
     import torch
 
-    from .engine import optimizer
+    from ..engine import optimizer
 
     master, grad = torch.randn(numel), torch.randn(numel)
     m, v = torch.zeros(numel), torch.zeros(numel)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .engine.layout import mark_resident
+from ..engine.layout import mark_resident
 
 # The fraction of the sustained bf16 matmul rate a decoder layer's compute reaches on the GPU
 # (matmuls, attention, norms, activations, casts together), from the compute lane's busy time in
@@ -64,7 +64,7 @@ class StepTime:
 def routed_per_layer(config) -> dict[int, tuple[int, float]]:
     """{layer: (routed expert parameters, fraction active per token)} from the model's units (a meta copy):
     a routed expert's weights (named `.experts.`, HF v5's fused tensors) count top_k / experts."""
-    from .memory import config_units_memo
+    from .estimator import config_units_memo
 
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     if not experts:
@@ -100,10 +100,10 @@ def norm_pass(engine, clip: bool) -> bool:
 
 
 def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 1, together: bool = True,
-            clip: bool = True, shapes=None, routed=None, layer_costs: LayerCosts | None = None) -> StepTime:
+            clip: bool = True, sizes=None, routed=None, layer_costs: LayerCosts | None = None) -> StepTime:
     """The step time of `micro_batches` micro-batches of `rows` x `seq` tokens per optimizer step.
 
-    engine: the EngineConfig the run is built with, placements settled (memory.resolve_placement).
+    engine: the EngineConfig the run is built with, placements settled (placement.resolve_placement).
     together: the micro-batches run through each layer together (one weight pass per step); else
     one at a time, each re-streaming the weights and adding its gradient into the host accumulator.
     clip: exact gradient clipping (max_grad_norm > 0): the host AdamW waits for the whole backward;
@@ -111,9 +111,9 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
     each unit is stepped, clipped, as its gradient lands.
     layer_costs: measured per-layer seconds to use for the decoder layers' compute and host AdamW
     instead of the rates (a projection of a model this box cannot hold from one it trained)."""
-    from .memory import copy_units, model_shapes
+    from .estimator import copy_units, model_sizes
 
-    s = shapes or model_shapes(config)
+    s = sizes or model_sizes(config)
     units = copy_units(s.units)  # marked here: the units handed in stay as they were
     mark_resident(units, engine.resident_layers or 0, engine.lean_resident, engine.lean_streamed,
                   engine.gpu_grad_layers or 0)
@@ -259,15 +259,15 @@ def compared(with_it: StepTime, other: StepTime, other_is: str) -> str:
 
 
 def mode_cost(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 1, together: bool = True,
-              clip: bool = True, shapes=None, routed=None):
-    """For a refusal that names a memory mode (memory.admit's step_cost): a function of the mode's
+              clip: bool = True, sizes=None, routed=None):
+    """For a refusal that names a memory mode (admission.admit's step_cost): a function of the mode's
     EngineConfig fields that says, in words, the modelled step time with it against the plan as asked.
     With clipping, transient_grads is priced with the norm pass it then runs first. Nothing is computed
     until a refusal asks. routed: routed_per_layer(config), where the caller has it already."""
-    from .memory import mode_engine
+    from .estimator import mode_engine
 
     def cost(fields: dict) -> str:
-        kw = dict(micro_batches=micro_batches, together=together, shapes=shapes,
+        kw = dict(micro_batches=micro_batches, together=together, sizes=sizes,
                   routed=routed_per_layer(config) if routed is None else routed)
         asked = predict(config, rows, seq, engine, rates, clip=clip, **kw)
         with_it = predict(config, rows, seq, mode_engine(engine, fields), rates, clip=clip, **kw)

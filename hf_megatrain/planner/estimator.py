@@ -1,0 +1,404 @@
+"""What a run needs, component by component: `estimate(config, batch, seq)` returns host RAM and GPU
+memory from the same layout the engine builds (units, flat buffers, ring slots, activations, loss
+chunk), and `model_sizes` the parameter counts per unit (a meta build of the model, once per config).
+
+Per parameter on the host: fp32 master 4 B, bf16 compute copy 2 B (0 in fp32 mode: the master
+streams), fp32 gradient 4 B, Adam moments 8 B: 18 B, i.e. 1.26 TB for a 70B model; 16 B with
+lean_streamed (the master streams and the GPU casts it). A resident parameter costs the same on the
+GPU, or 16 B when lean (no compute copy; cast per use).
+
+Data parallel over W ranks (engine/distributed.py): each rank holds the whole compute copy but
+only 1/W of the master, gradient and moments, so the host entries are per rank, and a host
+running L of the ranks needs L times their total; that per-host figure is what admission checks.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+
+from ..engine.config import EngineConfig
+from ..engine.layout import (GRAD_LANDING_BUFFERS, LOSS_CHUNK_COPIES, TRANSIENT_GRAD_BUFFERS, config_units,
+                             LANDING_TILE, fixed_buffer_numel, grad_slot_numel, loss_chunk, mark_resident,
+                             ring_numel, slab_numel)
+
+
+logger = logging.getLogger(__name__)
+
+GiB = 1024**3
+
+
+# Fixed costs of torch + CUDA context + libraries, host and GPU (measured on the device: BENCHMARKS.md,
+# "Measurements the code's defaults rest on").
+HOST_RUNTIME = 3.0 * GiB
+
+
+GPU_RUNTIME = 1.0 * GiB
+
+
+@dataclass
+class ModelSizes:
+    params: int
+    embed: int
+    head: int
+    layer: int  # largest decoder layer
+    layers: int
+    hidden: int
+    inter: int
+    vocab: int
+    kv_dim: int
+    tied: bool
+    units: list = field(default_factory=list, repr=False)  # the engine's own units (engine.layout)
+
+
+_UNITS: OrderedDict = OrderedDict()  # config's contents -> its units (a meta build each: ~0.1-0.3 s)
+
+
+_UNITS_KEPT = 8
+
+
+def _config_key(config):
+    """What a config's units depend on, as a key (None: not serialisable, so not memoized)."""
+    try:
+        return type(config).__qualname__, config.to_json_string(use_diff=False)
+    except Exception:  # noqa: BLE001 - an odd attribute costs the memo, never the plan
+        return None
+
+
+def config_units_memo(config) -> list:
+    """engine.layout.config_units(config), built on the meta device once per config's contents
+    (the planner's search asks for the same config's units hundreds of times). Each call returns
+    fresh Unit objects (shallow copies: mark_resident sets flags on them, the slots are shared and
+    never written), so a caller that marks them marks only its own."""
+    return _memoized(_config_key(config), lambda: config_units(config))
+
+
+def _memoized(key, build) -> list:
+    """Fresh copies of the units `build()` makes, kept under `key` (the last _UNITS_KEPT keys; None:
+    not kept, built each time)."""
+    units = _UNITS.get(key) if key is not None else None
+    if units is None:
+        units = build()
+        if key is not None:
+            _UNITS[key] = units
+            while len(_UNITS) > _UNITS_KEPT:
+                _UNITS.popitem(last=False)
+    else:
+        _UNITS.move_to_end(key)
+    return copy_units(units)
+
+
+def _adapters_key(peft_config):
+    """A peft config's contents, as a key (None: not serialisable, so not memoized)."""
+    import json
+
+    try:
+        return type(peft_config).__qualname__, json.dumps(peft_config.to_dict(), sort_keys=True, default=repr)
+    except Exception:  # noqa: BLE001 - an odd field costs the memo, never the plan
+        return None
+
+
+def adapter_units_memo(config, peft_config) -> list:
+    """The units the engine builds for `config` with `peft_config`'s adapters (a LoRA run): PEFT
+    injects them into a meta copy of the model, as checkpoint.loading.with_adapters does into the
+    real one, and store.build_units lays the result out as StreamingEngine does (the base model
+    under the wrapper), so each unit's `n_train` is its adapters and `numel` its whole layer.
+    Memoized per (config, adapters) like config_units_memo; the Unit objects are the caller's own.
+    peft_config: a peft config, a dict of LoraConfig fields, or inline JSON / a JSON file."""
+    from ..checkpoint.loading import lora_config
+
+    peft_config = lora_config(peft_config)
+    base, adapters = _config_key(config), _adapters_key(peft_config)
+    key = ("adapters", base, adapters) if base is not None and adapters is not None else None
+    return _memoized(key, lambda: _adapter_units(config, peft_config))
+
+
+def _adapter_units(config, peft_config) -> list:
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ..engine.store import build_units
+    from ..errors import MegaTrainError
+    from ..patcher.specs import spec_for
+
+    with torch.device("meta"):
+        # a copy: building a model settles attributes on its config (the attention choice)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
+        try:
+            model = get_peft_model(model, copy.deepcopy(peft_config)).get_base_model()
+        except (ValueError, TypeError, KeyError) as e:
+            text = " ".join(str(e).split())
+            raise MegaTrainError(f"peft_config does not fit this {config.model_type} model: {text}; fix "
+                                 "target_modules (or the other fields named).") from e
+    return build_units(model, spec_for(config), [n for n, _ in model.named_parameters()])
+
+
+def copy_units(units) -> list:
+    """Units of one's own to mark (mark_resident), sharing the slot lists that nothing writes."""
+    return [copy.copy(u) for u in units]
+
+
+def model_sizes(config, peft_config=None) -> ModelSizes:
+    """Parameter counts per unit, laid out as the engine lays them out (engine.layout.config_units:
+    a meta copy of the model, no memory, built once per config: config_units_memo), plus the widths
+    the activation terms need. The units are the caller's own. peft_config: a LoRA run's adapters
+    (adapter_units_memo): the units' trainable part (n_train) is then the adapters alone."""
+    units = config_units_memo(config) if peft_config is None else adapter_units_memo(config, peft_config)
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or h // heads
+    kv = getattr(config, "num_key_value_heads", heads) * hd
+    layers = [u for u in units if u.kind == "layer"]
+    return ModelSizes(params=sum(u.numel for u in units), embed=units[0].numel, head=units[-1].numel,
+                  layer=max((u.numel for u in layers), default=0), layers=len(layers), hidden=h,
+                  inter=config.intermediate_size, vocab=config.vocab_size, kv_dim=kv,
+                  tied=units[-1].tied_local is not None, units=units)
+
+
+@dataclass
+class MemoryPlan:
+    host: dict = field(default_factory=dict)
+    gpu: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+    resident_layers: int = 0
+    offload_activations: int = 0
+    world_size: int = 1  # data-parallel ranks in all
+    local_ranks: int = 1  # of them on this host: each holds the `host` entries
+    lean_streamed_saving: float = 0.0  # host bytes lean_streamed would save (0: on already, or it cannot)
+    transient_saving: float = 0.0  # host bytes transient_grads would save (0: on already, or it cannot)
+
+    @property
+    def host_total(self) -> float:
+        """Host RAM of one rank."""
+        return sum(self.host.values())
+
+    @property
+    def host_per_host(self) -> float:
+        """Host RAM of every rank on this host together: what the host must have."""
+        return self.host_total * self.local_ranks
+
+    @property
+    def gpu_total(self) -> float:
+        """The fixed part plus the largest of the phases ("[phase] ..." entries never coexist)."""
+        phases: dict[str, float] = {}
+        fixed = 0.0
+        for k, v in self.gpu.items():
+            if k.startswith("["):
+                phase = k[1 : k.index("]")]
+                phases[phase] = phases.get(phase, 0.0) + v
+            else:
+                fixed += v
+        return fixed + max(phases.values(), default=0.0)
+
+    def table(self) -> str:
+        ranks = self.world_size > 1
+        w = max(map(len, [*self.host, *self.gpu, "total (fixed + largest [phase])"]))  # the labels' column
+        lines = [f"{'host RAM per rank' if ranks else 'host RAM':{w + 2}} {'GiB':>9}"]
+        lines += [f"  {k:{w}} {v / GiB:9.2f}" for k, v in self.host.items()]
+        lines += [f"  {'total':{w}} {self.host_total / GiB:9.2f}"]
+        if ranks:
+            here = f"x {self.local_ranks} ranks on this host" if self.local_ranks > 1 else "1 rank on this host"
+            lines += [f"  {here:{w}} {self.host_per_host / GiB:9.2f}"]
+        lines += ["", f"{'GPU memory per rank' if ranks else 'GPU memory':{w + 2}} {'GiB':>9}"]
+        lines += [f"  {k:{w}} {v / GiB:9.2f}" for k, v in self.gpu.items()]
+        lines += [f"  {'total (fixed + largest [phase])':{w}} {self.gpu_total / GiB:9.2f}"]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+    def as_dict(self) -> dict:
+        return {"host": self.host, "gpu": self.gpu, "host_total": self.host_total, "gpu_total": self.gpu_total,
+                "resident_layers": self.resident_layers, "offload_activations": self.offload_activations,
+                "world_size": self.world_size, "local_ranks": self.local_ranks, "host_per_host": self.host_per_host}
+
+
+def planning_config(engine: EngineConfig | None = None, **fields) -> EngineConfig:
+    """The engine config a plan is made for: `engine` with `fields` replaced, or one built from
+    `fields` alone, which plans a GPU run unless `device` says otherwise."""
+    if engine is None:
+        return EngineConfig(**{"device": "cuda", **fields})
+    return replace(engine, **fields) if fields else engine
+
+
+def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *, world_size: int = 1,
+             local_ranks: int | None = None, sizes: ModelSizes | None = None, micro_batches: int = 1,
+             later_contributions: bool = True, **engine_fields) -> MemoryPlan:
+    """What training `config` at `batch` x `seq` tokens per micro-batch needs, by component.
+
+    micro_batches: how many micro-batches of a step run through each layer together
+    (StreamingEngine.forward_backward_many): their layer inputs, the gradients flowing down and
+    a tied head's gradients are kept for all of them at once.
+    later_contributions: a unit's gradient may get a second contribution in one step (micro-batches
+    one at a time), which crosses PCIe through the pinned staging slabs; False when every step runs
+    as one micro-batch or its micro-batches together (the pipeline then never allocates the slabs).
+
+    engine: the EngineConfig the run will be built with (EngineConfig fields given as keywords
+    replace its values; without one, a GPU run with the engine's defaults is planned). Its
+    placements must be numbers ("auto" is resolve_placement's to settle; an unsettled
+    lean_resident plans without it).
+    world_size: data-parallel ranks; local_ranks: how many of them run on this host (default all).
+    The entries are one rank's; `host_per_host` is what this host needs for its ranks."""
+    eng = planning_config(engine, **engine_fields)
+    s = sizes or model_sizes(config)
+    cbytes = eng.compute_dtype.itemsize
+    cuda = eng.device.type == "cuda"
+    tokens = batch * seq
+    world = max(1, world_size)
+    # data parallel streams every layer (residency is not combined with sharding yet); marked on a
+    # copy: the units handed in (sizes=) stay as they were
+    units = copy_units(s.units)
+    resident_layers = mark_resident(units, 0 if world > 1 else eng.resident_layers or 0, eng.lean_resident,
+                                    eng.lean_streamed and world == 1,
+                                    0 if world > 1 or not cuda else eng.gpu_grad_layers)
+    offload = max(0, min(eng.offload_activations or 0, s.layers)) if cuda else 0
+    layer_input = tokens * s.hidden * cbytes  # one saved [batch, seq, hidden] layer input
+    on_gpu = sum(u.numel for u in units if u.resident)
+    streamed = s.params - on_gpu
+    # The fp32 state (master, gradient, moments) covers each unit's trainable prefix (n_train: all of
+    # it in a full fine-tune, the adapters in a LoRA run); the compute copy covers every weight.
+    trained_streamed = sum(u.n_train for u in units if not u.resident)
+    plan = MemoryPlan(resident_layers=resident_layers, offload_activations=offload, world_size=world,
+                      local_ranks=1 if world == 1 else max(1, min(local_ranks or world, world)))
+    # This rank's share of the fp32 state: the largest rank's slice of every unit, ceil(n / world)
+    # (engine.distributed.Sharding); all of it in one process.
+    owned = trained_streamed if world == 1 else sum(_share(u.n_train, world) for u in units)
+    plan.host["fp32 master weights"] = 4 * owned
+    # fp32 compute in one process streams the master itself; a rank holds only a slice of the master
+    # but streams every weight, so it keeps a whole compute copy of its own
+    lean_streamed = sum(u.numel for u in units if u.lean and not u.resident)  # their fp32 master streams
+    # (HostStore.aliased: fp32 compute, everything trained, one process)
+    aliased = cbytes == 4 and world == 1 and all(u.n_train == u.numel for u in units)
+    plan.host["compute copy (streamed)"] = 0 if aliased else cbytes * (streamed - lean_streamed)
+    if cuda and cbytes == 2 and world == 1:  # what lean_streamed would take off (mark_resident's rule)
+        plan.lean_streamed_saving = cbytes * sum(u.numel for u in units if u.kind == "layer" and not u.resident
+                                                 and not u.lean and u.n_train == u.numel)
+    buffers = 4 * TRANSIENT_GRAD_BUFFERS * max((u.n_train for u in units if not u.resident), default=0)
+    if eng.transient_grads and world == 1:  # a few shared buffers of the largest streamed unit
+        plan.host[f"fp32 gradient buffers (transient, {TRANSIENT_GRAD_BUFFERS})"] = buffers
+    else:
+        on_gpu_grads = sum(u.n_train for u in units if u.grad_on_gpu)
+        plan.host["fp32 gradient accumulator"] = 4 * (owned - on_gpu_grads)
+        if on_gpu_grads:
+            plan.host[f"pinned landing tiles ({GRAD_LANDING_BUFFERS}, gradients kept on the GPU)"] = \
+                4 * GRAD_LANDING_BUFFERS * LANDING_TILE
+        if cuda and world == 1 and owned:  # the accumulator and the staging slabs, for the buffers
+            plan.transient_saving = 4 * (owned - on_gpu_grads) - buffers \
+                + (eng.staging_slabs * 4 * slab_numel(units) if later_contributions else 0)
+    plan.host["Adam moments (fp32 x2)"] = 8 * owned
+    if world > 1:
+        # Transient, one unit at a time: the all-gather of updated weights (own slice + the whole
+        # unit, compute dtype) and, on a CPU, the gradient reduce-scatter on the host (an fp32 copy,
+        # its padded copy, this rank's sum); the largest unit is usually the embedding.
+        n = max(u.numel for u in units)
+        gather = cbytes * (n + _share(n, world))
+        reduce = 4 * (2 * n + _share(n, world)) if not cuda else 0
+        plan.host["data-parallel exchange (one unit)"] = max(gather, reduce)
+        plan.notes.append(f"data parallel: {world} ranks, {plan.local_ranks} on this host; each rank holds the "
+                          f"whole compute copy and 1/{world} of the fp32 master, gradient and Adam moments.")
+    if cuda and not eng.transient_grads and later_contributions:
+        plan.host["pinned staging slabs"] = eng.staging_slabs * 4 * slab_numel(units)
+    group = max(1, micro_batches)
+    if offload:
+        plan.host["offloaded layer inputs (pinned)"] = group * offload * layer_input
+    plan.host["runtime (torch, CUDA, Python)"] = HOST_RUNTIME
+    if not cuda:
+        plan.notes.append("CPU run: the compute happens in host RAM; the GPU column does not apply.")
+        return plan
+
+    chunk = min(loss_chunk(s.vocab, eng.device.type, eng.loss_chunk_tokens), tokens)
+    plan.gpu["weight ring (prefetch slots)"] = eng.prefetch_depth * cbytes * ring_numel(units)
+    plan.gpu["embedding + head buffers"] = cbytes * fixed_buffer_numel(units)
+    if lean_streamed:  # torch lands the fp32 master on the GPU, then casts it into the slot
+        plan.gpu["fp32 landing of a lean streamed layer"] = 4 * max(u.numel for u in units if u.lean and not u.resident)
+    plan.gpu["gradient ring (fp32)"] = eng.grad_slots * 4 * grad_slot_numel(units)
+    if any(u.grad_on_gpu for u in units):
+        plan.gpu["fp32 gradients of streamed layers (gpu_grad_layers)"] = \
+            4 * sum(u.n_train for u in units if u.grad_on_gpu)
+    lean = sum(u.numel for u in units if u.lean and u.resident)
+    def state(group, per_trained):  # compute copy of every weight, fp32 state of the trained ones
+        return sum(cbytes * u.numel + per_trained * u.n_train for u in group)
+
+    if eng.transient_grads and resident_layers:  # the resident layers share one gradient buffer
+        full = [u for u in units if u.resident and u.kind == "layer" and not u.lean]
+        plan.gpu["resident units (weights, master, grad, Adam)"] = \
+            state([u for u in units if u.resident and u.kind != "layer"], 16)
+        if full:
+            plan.gpu["resident layers (weights, master, Adam)"] = state(full, 12)
+        if lean:
+            plan.gpu["lean resident layers (master, Adam)"] = 12 * lean
+        plan.gpu["fp32 gradient of a resident layer (transient, shared)"] = \
+            4 * max(u.n_train for u in units if u.resident and u.kind == "layer")
+    elif lean:
+        plan.gpu["resident units (weights, master, grad, Adam)"] = \
+            state([u for u in units if u.resident and not u.lean], 16)
+        plan.gpu["lean resident layers (master, grad, Adam)"] = 16 * lean
+    else:
+        plan.gpu["resident units (weights, master, grad, Adam)"] = state([u for u in units if u.resident], 16)
+    plan.gpu["saved layer inputs"] = group * (s.layers - offload) * layer_input
+    if offload:  # brought back ahead of need (engine.activations: the lookahead, plus the one in use)
+        plan.gpu["offloaded inputs in flight"] = group * min(offload, eng.activation_lookahead + 1) * layer_input
+    if group > 1 and slab_numel(units):  # a later micro-batch's weight gradient, before it joins the first's
+        plan.gpu["gradient scratch (fp32, micro-batches together)"] = 4 * slab_numel(units)
+    # The backward passes through three phases that never overlap; the GPU peak is the fixed part
+    # plus the largest phase. Calibrated against measured peaks on the device (BENCHMARKS.md,
+    # "Measurements the code's defaults rest on").
+    head_w = s.vocab * s.hidden
+    grad_x = group * tokens * s.hidden * cbytes  # the gradients flowing down, alive in every phase
+    held = group * 4 * s.embed if s.tied else 0  # a tied head's fp32 gradients wait for the embedding's
+    plan.gpu["[loss] fp32 logits chunk x3"] = chunk * s.vocab * 4 * LOSS_CHUNK_COPIES
+    # (the other micro-batches' last hidden states wait for the head beside the gradient)
+    plan.gpu["[loss] head weight gradient (fp32, x2 while packed)"] = 2 * 4 * head_w + grad_x \
+        + (group - 1) * (layer_input + held // group)
+    # One layer's recompute with autograd and its backward: HF's RMSNorm computes in fp32 and
+    # autograd keeps those tensors, so a layer holds about 18 [tokens, hidden] compute-dtype tensors
+    # beside q/k/v, plus one MLP tile's intermediates and the layer's weight gradient.
+    mlp_tokens = min(tokens, eng.mlp_tile_tokens) if eng.mlp_tile_tokens else tokens  # a tiled MLP holds one tile
+    act = (tokens * (18 * s.hidden + 4 * s.kv_dim) + mlp_tokens * 4 * s.inter) * cbytes
+    plan.gpu["[layer] one layer's recompute + grads"] = act + cbytes * s.layer + held + grad_x
+    plan.gpu["[embedding] embedding gradient (fp32)"] = 4 * s.embed + held + grad_x
+    plan.gpu["runtime (CUDA context, cuBLAS)"] = GPU_RUNTIME
+    return plan
+
+
+MODES = (("default", {}), ("lean_streamed", dict(lean_streamed=True)),
+         ("lean_streamed + transient_grads", dict(lean_streamed=True, transient_grads=True)))
+
+
+def state_bytes_per_parameter(plan: MemoryPlan, params: int) -> float:
+    """Host bytes of the training state (master, compute copy, gradients, moments) per parameter."""
+    keys = ("fp32 master", "compute copy", "fp32 gradient", "Adam moments")
+    return sum(v for k, v in plan.host.items() if k.startswith(keys)) / params  # a resident unit's is on the GPU
+
+
+def mode_plans(config, batch: int, seq: int, engine: EngineConfig, *, sizes: ModelSizes | None = None,
+               micro_batches: int = 1, later_contributions: bool = True) -> list[tuple[str, EngineConfig, MemoryPlan]]:
+    """The plan of each memory mode (MODES) at `engine`'s placement: what `estimate` shows side by side
+    (gradients kept on the GPU stay where they are, except with transient_grads, which keeps none)."""
+    sizes = sizes or model_sizes(config)
+    out = []
+    for name, fields in MODES:
+        eng = mode_engine(engine, {"lean_streamed": False, "transient_grads": False, **fields})
+        out.append((name, eng, estimate(config, batch, seq, eng, sizes=sizes, micro_batches=micro_batches,
+                                        later_contributions=later_contributions)))
+    return out
+
+
+def _share(n: int, world: int) -> int:
+    return -(-n // world)
+
+
+def mlp_tile(seq: int, tile: int | None = None) -> int | None:
+    """The MLP sequence tile: the one asked for, or 16K tokens once rows are long (> 32K tokens).
+
+    Tiles cut along the sequence, so they only pay off for long rows; many short rows are
+    better split into micro-batches than into thin slices.
+    """
+    return tile or (16384 if seq > 32768 else None)
+
+
+def mode_engine(engine: EngineConfig, fields: dict) -> EngineConfig:
+    """`engine` with a memory mode's fields (MODES). transient_grads keeps no gradient to place on the
+    GPU, so gpu_grad_layers goes to 0 with it (EngineConfig refuses the two together)."""
+    return replace(engine, **fields, **({"gpu_grad_layers": 0} if fields.get("transient_grads") else {}))
