@@ -181,10 +181,11 @@ def _landing(flat, slot, index: tuple, e, target: str):
 def _read_tensor(store, reader, e, u: int, slot, index: tuple, target: str) -> int:
     """One checkpoint tensor into unit u: all of it into the compute copy, and the part inside this
     rank's master slice into the master, both as HostStore.from_model would fill them. Returns the
-    number of elements of the slot it filled. A lean unit has no compute copy: its master, the one
-    copy, gets the checkpoint's exact values (what the other path gives the master too)."""
+    number of elements of the slot it filled. A unit without a compute copy (Unit.no_compute_copy):
+    its master, the one copy, gets the checkpoint's exact values (what the other path gives the
+    master too)."""
     if store.compute[u] is None:
-        return _read_lean(store, reader, e, u, slot, index, target)
+        return _read_master_only(store, reader, e, u, slot, index, target)
     flat = store.compute[u][slot.offset : slot.offset + slot.numel]
     dest = _landing(flat, slot, index, e, target)
     a = slot.offset + dest.storage_offset() - flat.storage_offset()  # [a, b) in the unit's flat layout
@@ -214,9 +215,9 @@ def _read_tensor(store, reader, e, u: int, slot, index: tuple, target: str) -> i
     return b - a
 
 
-def _read_lean(store, reader, e, u: int, slot, index: tuple, target: str) -> int:
-    """_read_tensor for a lean unit, resident or streamed (every slot trained, no data parallel):
-    the master is the only copy."""
+def _read_master_only(store, reader, e, u: int, slot, index: tuple, target: str) -> int:
+    """_read_tensor for a unit without a compute copy, resident or streamed (every slot trained, no
+    data parallel): the master is the only copy."""
     dest = _landing(store.master[u][slot.offset : slot.offset + slot.numel], slot, index, e, target)
     reader.read_into(e, dest.reshape(-1))  # an exact upcast of what is on disk, to the master's device
     return dest.numel()

@@ -91,7 +91,7 @@ class CudaPipeline(Pipeline):
         self.ring = [_Buffer(torch.empty(n, dtype=dt, device=device)) for _ in range(depth if n else 0)]
         self.fixed: dict[int, _Buffer] = {}
         for u in store.units:
-            if u.lean:
+            if u.no_compute_copy:
                 continue  # through the ring, cast from its master
             if u.resident:  # already on the device: its "buffer" is the resident copy, never loaded
                 self.fixed[u.index] = _Buffer(store.compute[u.index])
@@ -133,7 +133,7 @@ class CudaPipeline(Pipeline):
         last_use = [-1] * self.depth
         for k, u in enumerate(plan):
             unit = self.store.units[u]
-            if unit.kind != "layer" or (unit.resident and not unit.lean):
+            if unit.kind != "layer" or (unit.resident and not unit.no_compute_copy):
                 entries.append(_Entry(u, self.fixed[u], u not in seen_fixed and not unit.resident, None))
                 seen_fixed.add(u)
                 continue
@@ -160,8 +160,8 @@ class CudaPipeline(Pipeline):
             if e.load:
                 self.store.ready[e.unit].wait()  # its optimizer step must be finished (raises if it failed)
                 unit = self.store.units[e.unit]
-                cast = unit.lean and unit.resident  # a master already on the GPU: no PCIe
-                src = self.store.master[e.unit] if unit.lean else self.store.compute[e.unit]
+                cast = unit.no_compute_copy and unit.resident  # a master already on the GPU: no PCIe
+                src = self.store.master[e.unit] if unit.no_compute_copy else self.store.compute[e.unit]
                 with torch.cuda.stream(self.h2d):
                     self.h2d.wait_event(e.buffer.released)
                     if cast:

@@ -98,7 +98,7 @@ class HostPipeline(Pipeline):
 
     def weights(self, index: int) -> torch.Tensor:
         self.store.ready[index].wait()  # its pending optimizer step writes this very buffer
-        if self.store.units[index].lean:  # no copy kept: the same rounding, made for this use
+        if self.store.units[index].no_compute_copy:  # no copy kept: the same rounding, made for this use
             return self.store.master[index].to(self.store.compute_dtype)
         # `.data`: a tensor with a version counter of its own. Every unit's copy is a view of one
         # arena, whose counter they would share, so a unit stepped during the backward (its

@@ -180,8 +180,8 @@ class StreamingEngine(nn.Module):
         self.resident_layers = mark_resident(self.units, config.resident_layers, config.lean_resident,
                                              config.lean_streamed, config.gpu_grad_layers)
         self.engine_config = replace(config, resident_layers=self.resident_layers,
-                                     lean_resident=any(u.lean and u.resident for u in self.units),
-                                     lean_streamed=any(u.lean and not u.resident for u in self.units),
+                                     lean_resident=any(u.no_compute_copy and u.resident for u in self.units),
+                                     lean_streamed=any(u.no_compute_copy and not u.resident for u in self.units),
                                      gpu_grad_layers=sum(u.grad_on_gpu for u in self.units))
         pin = self.device.type == "cuda"
         if load_weights is None:

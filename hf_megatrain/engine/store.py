@@ -62,10 +62,10 @@ class Unit:
     # Resident: the unit's weights, fp32 master, gradient and Adam moments live on the compute
     # device and it is stepped there; it never crosses PCIe during training.
     resident: bool = False
-    # Lean: no compute copy; each use casts the fp32 master into a ring slot, on the GPU
-    # (EngineConfig.lean_resident for resident layers, lean_streamed for streamed ones, whose
-    # master then crosses PCIe). store.compute[index] is None.
-    lean: bool = False
+    # No compute copy (store.compute[index] is None): each use casts the fp32 master into a ring
+    # slot, on the GPU. EngineConfig.lean_resident asks it of resident layers, lean_streamed of
+    # streamed ones (whose master then crosses PCIe instead of a compute copy).
+    no_compute_copy: bool = False
     # A streamed decoder layer whose fp32 gradient accumulator lives on the GPU
     # (EngineConfig.gpu_grad_layers); it crosses PCIe only for its host step, tile by tile.
     grad_on_gpu: bool = False
@@ -76,6 +76,12 @@ class Unit:
     @property
     def train_slots(self) -> list[Slot]:
         return [s for s in self.slots if s.trainable]
+
+    @property
+    def lean(self) -> bool:
+        """no_compute_copy under its former name, for the planner's readers (planner/estimate.py,
+        planner/steptime.py) until they read the new one."""
+        return self.no_compute_copy
 
     @property
     def label(self) -> str:
@@ -161,7 +167,7 @@ class HostStore:
         self.pin = pin
         self.device = torch.device(device or "cpu")
         self.sharding = sharding
-        if sharding is not None and (transient_grads or any(u.resident or u.lean for u in units)):
+        if sharding is not None and (transient_grads or any(u.resident or u.no_compute_copy for u in units)):
             raise ValueError("GPU residency, lean streaming and transient gradients cannot be combined with data "
                              "parallel sharding yet")
         # Data parallel: this rank's fp32 state covers [lo, hi) of each trainable prefix.
@@ -177,14 +183,14 @@ class HostStore:
         # Only what crosses PCIe is page-locked: the streamed copy (H2D) and the gradient
         # accumulator (the D2H lands in it). The master leaves the host only when it is what
         # streams (fp32 compute, or lean streamed layers).
-        streams_master = self.aliased or any(u.lean and not u.resident for u in units)
+        streams_master = self.aliased or any(u.no_compute_copy and not u.resident for u in units)
         self.master = self._alloc(trained, torch.float32, pin=pin and streams_master)
         if self.aliased:
             self.compute = list(self.master)
         else:
-            self.compute = self._alloc([0 if u.resident or u.lean else u.numel for u in units], compute_dtype)
+            self.compute = self._alloc([0 if u.resident or u.no_compute_copy else u.numel for u in units], compute_dtype)
             for u in units:
-                if u.lean:
+                if u.no_compute_copy:
                     self.compute[u.index] = None
         # transient_grads: a streamed unit's gradient lives in one of a few shared buffers from its
         # first contribution until its step has run (claim_grad), instead of a buffer of its own.
@@ -215,7 +221,7 @@ class HostStore:
             if u.grad_on_gpu:
                 self.grad[u.index] = torch.empty(u.n_train, dtype=torch.float32, device=self.device)
         # Resident units: master, gradient and compute copy on the device (the compute copy is the
-        # master itself in fp32 compute mode; a lean unit has none).
+        # master itself in fp32 compute mode; a no_compute_copy unit has none).
         for u in units:
             if u.resident:
                 self.master[u.index] = torch.empty(u.n_train, dtype=torch.float32, device=self.device)
@@ -223,7 +229,7 @@ class HostStore:
                     self.grad[u.index] = torch.empty(u.n_train, dtype=torch.float32, device=self.device)
                 if self.aliased:
                     self.compute[u.index] = self.master[u.index]
-                elif u.lean:
+                elif u.no_compute_copy:
                     self.compute[u.index] = None
                 else:
                     self.compute[u.index] = torch.empty(u.numel, dtype=compute_dtype, device=self.device)
@@ -329,7 +335,7 @@ class HostStore:
         """{name: view} of what the model's parameters show for unit `index` (see `bind`)."""
         unit = self.units[index]
         compute = self.compute[index]
-        master = None if self.views_compute else self.master[index]  # a lean unit's one copy
+        master = None if self.views_compute else self.master[index]  # a no_compute_copy unit's one copy
         out = {}
         for s in unit.slots:
             flat = master if s.trainable and master is not None else compute
@@ -361,9 +367,9 @@ class HostStore:
         """Bring the copy the GPU reads up to date with the master (after a step)."""
         unit = self.units[index]
         if unit.resident:
-            if not unit.lean and self.compute[index] is not self.master[index]:
+            if not unit.no_compute_copy and self.compute[index] is not self.master[index]:
                 self.compute[index][: unit.n_train].copy_(self.master[index])
-        elif not self.aliased and not unit.lean:
+        elif not self.aliased and not unit.no_compute_copy:
             lo, hi = self.bounds[index]
             self.compute[index][lo:hi].copy_(self.master[index])
             self.gather_compute(index)

@@ -28,7 +28,8 @@ PACKAGE = os.path.dirname(hf_megatrain.__file__)
 
 
 def _layout(units):
-    return [(u.kind, u.layer, u.numel, u.n_train, u.n_decay, u.resident, u.no_compute_copy, u.tied_local) for u in units]
+    return [(u.kind, u.layer, u.numel, u.n_train, u.n_decay, u.resident, u.no_compute_copy, u.tied_local)
+            for u in units]
 
 
 # -- one source of truth -------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ def test_lean_residency_is_bit_identical(kind, clip):
                                                                   ref.named_master_params()))
         engine, model, record = train_bf16(kind, resident, lean=True, clip=clip)
         assert engine.engine_config.lean_resident
-        lean = [u for u in engine.units if u.lean]
+        lean = [u for u in engine.units if u.no_compute_copy]
         assert lean and all(u.kind == "layer" and u.resident for u in lean)
         assert len(lean) == engine.resident_layers
         assert record == ref_record
@@ -146,7 +146,7 @@ def test_lean_resident_loads_and_saves(tmp_path):
 
     ref, _, ref_loss = run(False)
     engine, skeleton, loss = run(True)
-    assert loss == ref_loss and any(u.lean for u in engine.units)
+    assert loss == ref_loss and any(u.no_compute_copy for u in engine.units)
     masters = dict(ref.named_master_params())
     for name, t in engine.named_master_params():
         assert torch.equal(t, masters[name]), name
