@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -67,6 +68,17 @@ def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor | Non
     clip_grad_norm_ computes it; None where that is 1 (nothing to do)."""
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     return coef if float(coef) < 1.0 else None
+
+
+@dataclass
+class _ArmedStep:
+    """The step that step_during_backward() arms for the next backward: the step number, the
+    hyper-parameters and clip coefficient read when it was armed, and the units stepped so far."""
+
+    step: int
+    hyper: list[dict]
+    clip: torch.Tensor | None
+    stepped: set[int] = field(default_factory=set)
 
 
 class HostAdamW(torch.optim.Optimizer):
@@ -126,7 +138,7 @@ class HostAdamW(torch.optim.Optimizer):
             out.extend(tensors)
         self.step_count = 0
         self._clip = None  # multiplier for the next step's gradients, set by clip_grad_norm_
-        self._eager = None  # armed by step_during_backward()
+        self._armed: _ArmedStep | None = None  # set by step_during_backward()
         self._torn = None  # why step() must refuse: units were stepped by a backward that then failed
         # On a GPU (or on the CPU when asked: engine.background_host_jobs) the step runs on a host
         # thread, unit by unit in forward order, while the next forward already computes the
@@ -167,8 +179,8 @@ class HostAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_whole()
-        if self._eager is not None:
-            return self._finish_eager(loss)
+        if self._armed is not None:
+            return self._finish_armed(loss)
         self.engine.wait_for_gradients()
         self.step_count += 1
         hyper = self.hyperparameters()
@@ -208,7 +220,7 @@ class HostAdamW(torch.optim.Optimizer):
             return False
         self._check_whole()
         clip = clip_coefficient(*clip_norm) if clip_norm is not None else None
-        self._eager = {"hyper": self.hyperparameters(), "step": self.step_count + 1, "done": set(), "clip": clip}
+        self._armed = _ArmedStep(step=self.step_count + 1, hyper=self.hyperparameters(), clip=clip)
         self.engine.listen(self)
         return True
 
@@ -216,9 +228,9 @@ class HostAdamW(torch.optim.Optimizer):
         """The backward that step_during_backward() armed failed (the engine has stopped telling
         us): forget the arm, so no later backward steps units early. Units it already stepped
         cannot be un-stepped; then the next step() refuses, rather than stepping them twice."""
-        e, self._eager = self._eager, None
-        if e is not None and e["done"]:
-            done = sorted(e["done"])
+        armed, self._armed = self._armed, None
+        if armed is not None and armed.stepped:
+            done = sorted(armed.stepped)
             self._torn = (f"the backward failed after step_during_backward() had already stepped "
                           f"{len(done)} unit(s) ({self.store.units[done[0]].label} first)")
 
@@ -231,31 +243,31 @@ class HostAdamW(torch.optim.Optimizer):
     def final_grad(self, index: int, landed) -> None:
         """GradListener (training thread): unit `index` got its last gradient; `landed()` blocks
         until that gradient is in the host accumulator (and raises if adding it failed)."""
-        e = self._eager
-        e["done"].add(index)
+        armed = self._armed
+        armed.stepped.add(index)
         count = self.store.grad_count[index]
         if self.store.master[index].device.type != "cpu":  # a resident unit: queued now on the device's stream
-            self.step_unit(index, e["hyper"], e["clip"], count, e["step"])
+            self.step_unit(index, armed.hyper, armed.clip, count, armed.step)
             return
         self.store.ready[index].clear()
 
         def job():
             landed()
-            self.step_unit(index, e["hyper"], e["clip"], count, e["step"])
+            self.step_unit(index, armed.hyper, armed.clip, count, armed.step)
 
-        self._stepper.submit(job, f"AdamW step {e['step']} of {self.store.units[index].label} (during the backward)",
+        self._stepper.submit(job, f"AdamW step {armed.step} of {self.store.units[index].label} (during the backward)",
                              self.store.ready[index])
 
-    def _finish_eager(self, loss):
-        e, self._eager = self._eager, None
+    def _finish_armed(self, loss):
+        armed, self._armed = self._armed, None
         self.engine.listen(None)
         if self._clip is not None:
             raise RuntimeError("clip_grad_norm_ was called after step_during_backward(); the steps already ran "
                                "(to clip them, measure the norm first: step_during_backward(clip_norm=...))")
         self.engine.wait_for_gradients()
-        self.step_count = e["step"]
-        rest = [u.index for u in self.store.units if u.index not in e["done"]]
-        self._submit(rest, e["hyper"], e["clip"], list(self.store.grad_count), self.step_count)
+        self.step_count = armed.step
+        rest = [u.index for u in self.store.units if u.index not in armed.stepped]
+        self._submit(rest, armed.hyper, armed.clip, list(self.store.grad_count), self.step_count)
         return loss
 
     def set_openmp_threads(self, threads: int) -> None:

@@ -188,7 +188,8 @@ class HostStore:
         if self.aliased:
             self.compute = list(self.master)
         else:
-            self.compute = self._alloc([0 if u.resident or u.no_compute_copy else u.numel for u in units], compute_dtype)
+            self.compute = self._alloc([0 if u.resident or u.no_compute_copy else u.numel for u in units],
+                                       compute_dtype)
             for u in units:
                 if u.no_compute_copy:
                     self.compute[u.index] = None
