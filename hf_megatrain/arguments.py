@@ -261,22 +261,12 @@ def save_dtype(args) -> torch.dtype | None:
     return None if args.save_dtype == "auto" else getattr(torch, args.save_dtype)
 
 
-def transient_grads(args, device: torch.device) -> bool | None:
-    """transient_grads as asked; 'auto' stays None (for the planner) only where it could be exact:
-    one GPU process without clipping."""
-    asked = parse_switch(args.transient_grads, "transient_grads")
-    if asked is None and (device.type != "cuda" or args.world_size > 1 or (args.max_grad_norm or 0) > 0):
-        return False
-    return asked
-
-
 def engine_config(args, device: torch.device, host_jobs: bool | None = None) -> EngineConfig:
     """The EngineConfig these arguments ask for on `device`; the placements stay None where they
     say 'auto' (planner.resolve_placement decides them). host_jobs: background_host_jobs where the
     arguments leave it on auto (None: the device's default)."""
     from .planner.estimator import mlp_tile
 
-    grad_layers = parse_count(args.gpu_grad_layers, "gpu_grad_layers")
     return EngineConfig(
         device=device,
         compute_dtype=compute_dtype(args, device),
@@ -286,8 +276,8 @@ def engine_config(args, device: torch.device, host_jobs: bool | None = None) -> 
         offload_activations=parse_count(args.offload_activations, "offload_activations"),
         lean_resident=parse_switch(args.lean_resident, "lean_resident"),
         lean_streamed=parse_switch(args.lean_streamed, "lean_streamed"),
-        transient_grads=transient_grads(args, device),
-        gpu_grad_layers=grad_layers if device.type == "cuda" else 0,  # no GPU, no gradients to keep there
+        transient_grads=parse_switch(args.transient_grads, "transient_grads"),
+        gpu_grad_layers=parse_count(args.gpu_grad_layers, "gpu_grad_layers"),
         prefetch_depth=args.prefetch_depth,
         host_threads=args.host_threads,
         background_host_jobs=host_jobs if args.background_host_jobs is None else args.background_host_jobs,

@@ -138,14 +138,12 @@ class EngineConfig:
         set_(self, "lean_streamed", False if self.compute_dtype == torch.float32 else streamed)
         set_(self, "transient_grads", parse_switch(self.transient_grads, "transient_grads"))
         grads = parse_count(self.gpu_grad_layers, "gpu_grad_layers")
-        if grads is None and self.transient_grads:
-            grads = 0  # nothing persists to place
         if grads and self.transient_grads:
             raise MegaTrainError("gpu_grad_layers and transient_grads exclude each other: with transient_grads no "
                                  "gradient persists to be placed; choose one.")
-        # auto is 0 off a GPU (nothing to weigh). On the CPU a number is taken as residency is: the
+        # auto (None) is the planner's to settle. On the CPU a number is taken as residency is: the
         # gradient is kept apart and stepped through the landing tiles, the same numbers (CPU tests).
-        set_(self, "gpu_grad_layers", 0 if grads is None and device.type != "cuda" else grads)
+        set_(self, "gpu_grad_layers", grads)
         if self.background_host_jobs is None:
             set_(self, "background_host_jobs", device.type == "cuda")
         if self.transient_grads and not self.background_host_jobs:

@@ -246,12 +246,11 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     cuda = eng.device.type == "cuda"
     tokens = batch * seq
     world = max(1, world_size)
-    # data parallel streams every layer (residency is not combined with sharding yet); marked on a
-    # copy: the units handed in (sizes=) stay as they were
+    # marked on a copy: the units handed in (sizes=) stay as they were. The placement is the engine's
+    # as given (plan_run streams every layer under data parallel)
     units = copy_units(s.units)
-    resident_layers = mark_resident(units, 0 if world > 1 else eng.resident_layers or 0, eng.lean_resident,
-                                    eng.lean_streamed and world == 1,
-                                    0 if world > 1 or not cuda else eng.gpu_grad_layers)
+    resident_layers = mark_resident(units, eng.resident_layers or 0, eng.lean_resident, eng.lean_streamed,
+                                    eng.gpu_grad_layers if cuda else 0)
     offload = max(0, min(eng.offload_activations or 0, s.layers)) if cuda else 0
     layer_input = tokens * s.hidden * cbytes  # one saved [batch, seq, hidden] layer input
     on_gpu = sum(u.numel for u in units if u.resident)

@@ -38,8 +38,6 @@ def plan_placement(config, batch: int, seq: int, gpu_free: float, *, margin: flo
     sizes = kw.pop("sizes", None) or model_sizes(config)
     layers = sizes.layers
     budget = gpu_free * (1 - margin)
-    if kw.get("world_size", 1) > 1:
-        resident_layers = 0  # data parallel streams every layer (estimate counts none resident)
 
     def plan(n, off):
         return estimate(config, batch, seq, resident_layers=n, offload_activations=off, sizes=sizes, **kw)
@@ -92,7 +90,7 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
     """The engine config with 'auto' (None) placements replaced by the plan's numbers: the one
     place where the automatic placement is decided, for the trainer and `hf-megatrain estimate`.
 
-    Data parallel streams every layer, whatever was asked for. Off a GPU nothing is placed.
+    plan_run settles data parallel's modes first (every layer streams). Off a GPU nothing is placed.
     gpu_free: the GPU's free bytes (default: measured now); host_free: the host's available bytes,
     for moving layers onto the GPU when the host side would not fit, and for an 'auto' lean_streamed,
     taken only when the host side fits with it and not without (None: not considered; lean_streamed
@@ -100,10 +98,6 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
     model_sizes(config[, peft_config]), the units planned (a LoRA run's: its adapters train)."""
     resident, offload, lean = engine.resident_layers, engine.offload_activations, engine.lean_resident
     streamed = engine.lean_streamed
-    if world_size > 1 and resident != 0:
-        if resident:
-            logger.info("data parallel: GPU residency is not combined with sharding yet; streaming all layers")
-        resident = 0
     planned = resident is None and engine.device.type == "cuda"
     if engine.device.type != "cuda":
         resident, offload, lean, streamed = resident or 0, offload or 0, bool(lean), bool(streamed)
@@ -132,7 +126,7 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
             grads = engine.gpu_grad_layers
             if grads is None:
                 grads = 0
-                if world_size == 1 and host_free is not None and not modes["transient_grads"]:
+                if host_free is not None and not modes["transient_grads"]:
                     while grads < config.num_hidden_layers - placed[0] and host_short(placed, modes, grads) \
                             and planned_with(placed, modes, grads + 1).gpu_total <= gpu_free * (1 - ADMIT_MARGIN):
                         grads += 1
@@ -144,7 +138,7 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
         choices = [dict(transient_grads=t, lean_streamed=s)
                    for s in ([False, True] if streamed is None else [bool(streamed)])
                    for t in ([False, True] if engine.transient_grads is None else [bool(engine.transient_grads)])]
-        if world_size > 1 or host_free is None:  # nothing to weigh them against: as asked, auto off
+        if host_free is None:  # nothing to weigh them against: as asked, auto off
             choices = choices[:1]
         modes = choices[0]
         placed, grads = settle(modes)

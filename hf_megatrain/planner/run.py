@@ -130,6 +130,11 @@ def settle_autos(engine: EngineConfig, request: Request, machine: Machine) -> En
     cuda = engine.device.type == "cuda"
     weighed = cuda and request.world_size <= 1 and machine.gpu_free is not None and machine.host_free is not None
     fields = {}
+    if request.world_size > 1:  # each rank holds a slice of the fp32 state: every layer streams, modes off
+        fields.update(resident_layers=0, lean_resident=False, lean_streamed=False, transient_grads=False,
+                      gpu_grad_layers=0)
+    if engine.transient_grads and engine.gpu_grad_layers is None:
+        fields["gpu_grad_layers"] = 0  # no gradient persists to be placed
     if engine.transient_grads is None and not (weighed and not request.clip):
         fields["transient_grads"] = False
     if engine.gpu_grad_layers is None and not weighed:
@@ -137,8 +142,9 @@ def settle_autos(engine: EngineConfig, request: Request, machine: Machine) -> En
     if engine.lean_streamed is None and not weighed:
         fields["lean_streamed"] = False
     if not cuda or machine.gpu_free is None:  # no GPU to place for: what is not given stays off
-        fields.update(resident_layers=engine.resident_layers or 0, offload_activations=engine.offload_activations or 0,
-                      lean_resident=bool(engine.lean_resident))
+        fields.update(resident_layers=fields.get("resident_layers", engine.resident_layers) or 0,
+                      offload_activations=engine.offload_activations or 0,
+                      lean_resident=bool(fields.get("lean_resident", engine.lean_resident)))
     return replace(engine, **fields) if fields else engine
 
 
@@ -154,6 +160,9 @@ def refuse_data_parallel(request: Request) -> None:
     if request.engine.lean_streamed:
         raise MegaTrainError("lean_streamed is not combined with data parallel yet: each rank holds only a "
                              "slice of the fp32 master, which therefore cannot be what streams; leave it off.")
+    if request.engine.gpu_grad_layers:
+        raise MegaTrainError("gpu_grad_layers is not combined with data parallel yet: each rank keeps a slice of "
+                             "the gradients on the host; leave it on auto.")
 
 
 def plan_run(model_config, request: Request, machine: Machine | None = None) -> RunPlan:
@@ -168,6 +177,8 @@ def plan_run(model_config, request: Request, machine: Machine | None = None) -> 
         notes.append(f"transient_grads with clipping (max_grad_norm={request.max_grad_norm:g}): each step first "
                      "measures the global gradient norm with a forward and backward of its own, then steps each "
                      "layer, clipped, as its gradient lands: exact, for one more forward and backward per step")
+    if request.world_size > 1 and request.engine.resident_layers:
+        notes.append("data parallel: GPU residency is not combined with sharding yet; streaming all layers")
     engine = settle_autos(request.engine, request, machine)
     world, ga = max(1, request.world_size), request.grad_accum
     local = request.local_ranks

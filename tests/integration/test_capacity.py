@@ -32,6 +32,7 @@ from hf_megatrain.engine.layout import mark_resident
 from hf_megatrain.planner.admission import admit, shortfalls
 from hf_megatrain.planner.estimator import estimate, GiB, model_sizes
 from hf_megatrain.planner.placement import resolve_placement, split_step
+from hf_megatrain.planner.run import plan_run
 from hf_megatrain.shapes import make_config
 from tests.support.tiny import make_batch, make_model, make_rows as rows
 
@@ -423,21 +424,23 @@ def test_the_planner_takes_transient_grads_before_lean_streamed_and_only_where_e
     assert (roomy.transient_grads, roomy.lean_streamed, roomy.resident_layers) == (False, False, 21)
     assert (tight.transient_grads, tight.lean_streamed, tight.resident_layers) == (True, False, 26)
     assert (short.transient_grads, short.lean_streamed) == (False, False)
-    assert placed(122.7, world_size=2).transient_grads is False  # data parallel: never
+    from hf_megatrain.planner.run import Machine, Request, settle_autos  # noqa: I001
+
+    machine = Machine(138.5 * GiB, 122.7 * GiB)
+    assert plan_run(cfg, Request(auto, 8, 1024, world_size=2, max_grad_norm=0.0), machine).engine.transient_grads \
+        is False  # data parallel: never
     gpu = dict(host_free=122.7 * GiB, gpu_free=138.5 * GiB)
     together = split_step(cfg, 8, 1024, auto, 2, **gpu)
     assert together.together == 2 and together.placement.engine.transient_grads
     apart = split_step(cfg, 8, 1024, auto, 2, asked=False, **gpu)
     assert not apart.together and not apart.placement.engine.transient_grads and apart.placement.engine.lean_streamed
-    from hf_megatrain.arguments import transient_grads
 
-    def offered(device, clip, asked="auto"):
-        args = MegaTrainArguments(output_dir="unused", use_cpu=True, report_to=[], max_grad_norm=clip,
-                                  transient_grads=asked, background_host_jobs=True)
-        return transient_grads(args, torch.device(device))
+    def offered(device, clip, asked=None):  # what settle_autos leaves for the search to weigh
+        eng = replace(auto, device=device, transient_grads=asked)
+        return settle_autos(eng, Request(eng, 8, 1024, max_grad_norm=clip), machine).transient_grads
 
     assert offered("cuda", 0.0) is None and offered("cuda", 1.0) is False and offered("cpu", 0.0) is False
-    assert offered("cpu", 0.0, "true") is True
+    assert offered("cpu", 0.0, True) is True
 
 
 # -- gradients kept on the GPU (with clipping) ------------------------------------------------------
@@ -461,8 +464,16 @@ def test_the_plan_moves_the_last_streamed_layers_gradients_to_the_gpu():
     assert [u.layer for u in units if u.grad_on_gpu] == [45, 46, 47]  # stepped last: they cross while others step
     with pytest.raises(MegaTrainError, match="exclude each other"):
         EngineConfig(device="cuda", gpu_grad_layers=2, transient_grads=True)
-    assert EngineConfig(device="cuda", gpu_grad_layers="auto", transient_grads=True).gpu_grad_layers == 0
-    assert EngineConfig(device="cpu", gpu_grad_layers="auto").gpu_grad_layers == 0  # nothing to weigh off a GPU
+    from hf_megatrain.planner import Machine, Request
+    from hf_megatrain.planner.run import settle_autos
+
+    def settled(**fields):  # the planner's rules (planner/run.py), not the config's
+        eng = EngineConfig(**fields)
+        return settle_autos(eng, Request(eng, 1, 1024), Machine(139 * GiB, 120 * GiB)).gpu_grad_layers
+
+    assert settled(device="cuda", gpu_grad_layers="auto", transient_grads=True) == 0  # nothing persists to place
+    assert settled(device="cpu", gpu_grad_layers="auto") == 0  # nothing to weigh off a GPU
+    assert settled(device="cuda", gpu_grad_layers="auto") is None  # the search's to weigh
 
 
 @pytest.mark.parametrize("kind", ["llama", "mixtral"])

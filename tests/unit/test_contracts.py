@@ -169,8 +169,10 @@ def test_auto_placement_is_decided_in_one_place():
     placed = resolve_placement(cfg, 1, 64, auto, gpu_free=1e15)
     assert placed.planned and placed.engine.resident_layers == cfg.num_hidden_layers
     assert placed.engine.offload_activations == 0 and placed.engine.planned
-    spread = resolve_placement(cfg, 1, 64, auto, gpu_free=1e15, world_size=2)  # data parallel streams all
-    assert spread.engine.resident_layers == 0 and not spread.planned
+    from hf_megatrain.planner import Machine, Request, plan_run
+
+    spread = plan_run(cfg, Request(auto, 1, 64, world_size=2), Machine(1e15, 1e15))  # data parallel streams all
+    assert spread.engine.resident_layers == 0 and not spread.placement_planned
     cpu = resolve_placement(cfg, 1, 64, dataclasses.replace(auto, device="cpu"))
     assert (cpu.engine.resident_layers, cpu.engine.offload_activations, cpu.planned) == (0, 0, False)
 
