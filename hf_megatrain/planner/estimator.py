@@ -266,13 +266,13 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     plan.host["fp32 master weights"] = 4 * owned
     # fp32 compute in one process streams the master itself; a rank holds only a slice of the master
     # but streams every weight, so it keeps a whole compute copy of its own
-    lean_streamed = sum(u.numel for u in units if u.lean and not u.resident)  # their fp32 master streams
+    lean_streamed = sum(u.numel for u in units if u.no_compute_copy and not u.resident)  # their fp32 master streams
     # (HostStore.aliased: fp32 compute, everything trained, one process)
     aliased = cbytes == 4 and world == 1 and all(u.n_train == u.numel for u in units)
     plan.host["compute copy (streamed)"] = 0 if aliased else cbytes * (streamed - lean_streamed)
     if cuda and cbytes == 2 and world == 1:  # what lean_streamed would take off (mark_resident's rule)
         plan.lean_streamed_saving = cbytes * sum(u.numel for u in units if u.kind == "layer" and not u.resident
-                                                 and not u.lean and u.n_train == u.numel)
+                                                 and not u.no_compute_copy and u.n_train == u.numel)
     buffers = 4 * TRANSIENT_GRAD_BUFFERS * max((u.n_train for u in units if not u.resident), default=0)
     if eng.transient_grads and world == 1:  # a few shared buffers of the largest streamed unit
         plan.host[f"fp32 gradient buffers (transient, {TRANSIENT_GRAD_BUFFERS})"] = buffers
@@ -310,17 +310,17 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     plan.gpu["weight ring (prefetch slots)"] = eng.prefetch_depth * cbytes * ring_numel(units)
     plan.gpu["embedding + head buffers"] = cbytes * fixed_buffer_numel(units)
     if lean_streamed:  # torch lands the fp32 master on the GPU, then casts it into the slot
-        plan.gpu["fp32 landing of a lean streamed layer"] = 4 * max(u.numel for u in units if u.lean and not u.resident)
+        plan.gpu["fp32 landing of a lean streamed layer"] = 4 * max(u.numel for u in units if u.no_compute_copy and not u.resident)
     plan.gpu["gradient ring (fp32)"] = eng.grad_slots * 4 * grad_slot_numel(units)
     if any(u.grad_on_gpu for u in units):
         plan.gpu["fp32 gradients of streamed layers (gpu_grad_layers)"] = \
             4 * sum(u.n_train for u in units if u.grad_on_gpu)
-    lean = sum(u.numel for u in units if u.lean and u.resident)
+    lean = sum(u.numel for u in units if u.no_compute_copy and u.resident)
     def state(group, per_trained):  # compute copy of every weight, fp32 state of the trained ones
         return sum(cbytes * u.numel + per_trained * u.n_train for u in group)
 
     if eng.transient_grads and resident_layers:  # the resident layers share one gradient buffer
-        full = [u for u in units if u.resident and u.kind == "layer" and not u.lean]
+        full = [u for u in units if u.resident and u.kind == "layer" and not u.no_compute_copy]
         plan.gpu["resident units (weights, master, grad, Adam)"] = \
             state([u for u in units if u.resident and u.kind != "layer"], 16)
         if full:
@@ -331,7 +331,7 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
             4 * max(u.n_train for u in units if u.resident and u.kind == "layer")
     elif lean:
         plan.gpu["resident units (weights, master, grad, Adam)"] = \
-            state([u for u in units if u.resident and not u.lean], 16)
+            state([u for u in units if u.resident and not u.no_compute_copy], 16)
         plan.gpu["lean resident layers (master, grad, Adam)"] = 16 * lean
     else:
         plan.gpu["resident units (weights, master, grad, Adam)"] = state([u for u in units if u.resident], 16)

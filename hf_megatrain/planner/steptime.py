@@ -153,10 +153,10 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
         else:
             fwd.append(f / flops_rate)
             bwd.append(b / flops_rate)
-        h2d.append(u.numel * (4 if u.lean else cbytes) if streamed else 0)  # a lean streamed unit: its fp32 master
+        h2d.append(u.numel * (4 if u.no_compute_copy else cbytes) if streamed else 0)  # a lean streamed unit: its fp32 master
         d2h.append(u.n_train * 4 if streamed else 0)
         # a lean unit has no compute copy to refresh, nor does an fp32 one (the master streams itself)
-        rate = rates.adamw(clip, u.lean or (cbytes == 4 and u.n_train == u.numel))
+        rate = rates.adamw(clip, u.no_compute_copy or (cbytes == 4 and u.n_train == u.numel))
         if u.kind == "layer" and layer_costs is not None:  # the measured rate, as much faster as the probe's
             rate = layer_costs.params / layer_costs.adamw_s / 1e9 * rate / rates.adamw(True)
         adam.append(u.n_train / rate / 1e9 if streamed else 0)
