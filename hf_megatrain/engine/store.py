@@ -78,12 +78,6 @@ class Unit:
         return [s for s in self.slots if s.trainable]
 
     @property
-    def lean(self) -> bool:
-        """no_compute_copy under its former name, for the planner's readers (planner/estimate.py,
-        planner/steptime.py) until they read the new one."""
-        return self.no_compute_copy
-
-    @property
     def label(self) -> str:
         """What errors call it: 'decoder layer 3', 'the embedding', 'the head'."""
         if self.kind == "layer":
