@@ -39,6 +39,7 @@ from .engine.distributed import check_launch
 from .engine.loss import loss_denominator
 from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine
+from .engine.step import ENGINE_KEYS, backward, split_rows
 from .engine.timeline import Timeline
 from .errors import MegaTrainError, counted
 from .checkpoint.stream_load import engine_from_checkpoint
@@ -84,103 +85,24 @@ class MegaTrainTrainer(Trainer):
         **kwargs,
     ):
         # Trainer's own parameters, in Trainer's order (positional calls mean what they mean there).
-        check_trainer_hooks()  # a transformers release that renamed a hook we replace fails here, loudly
-        check_overrides(type(self))  # a subclass's hook the engine would silently skip is refused here
-        if model_init is not None:
-            raise MegaTrainError(
-                "model_init is not supported: Trainer calls it again at every train() (and per trial in "
-                "hyperparameter_search) for a fresh model, which the engine's host store, filled once, does not "
-                "follow. Build the model yourself and pass it as model=.")
-        if model is None:
-            raise MegaTrainError("MegaTrainTrainer needs a model: a hub id, a local folder or a loaded CPU model.")
-        args = megatrain_arguments(args)  # our own checked copy: the user's object is never changed
-        self._adamw = check_optimizers(optimizers, optimizer_cls_and_kwargs)
-        # the memory plan and the modes chosen: at INFO on the main process unless log_level says otherwise
-        # (its "passive" would mean transformers' verbosity, WARNING by default, and hide them)
-        show_logs(None if args.log_level == "passive" and args.should_log else args.get_process_log_level())
-        if peft_config is not None:  # where TRL users put it; the same as args.peft_config
-            if args.peft_config is not None and args.peft_config is not peft_config:
-                raise MegaTrainError("peft_config was given twice (as an argument and in args); keep one.")
-            args.peft_config = peft_config
-        check_launch(args)  # several processes but no process group: refused before any weight is read
-        # Preflight: what can be checked without the weights is checked before any is read (loading
-        # a 70B model takes minutes). The model id resolves to a config and a meta skeleton here.
-        check_outputs(args)
-        check_resume(args.resume_from_checkpoint, args.output_dir)
+        # Everything that can be checked without the weights is checked before any is read (loading a 70B
+        # model takes minutes): the arguments, the outputs, the data, the disk, and the memory plan.
+        args = self._checked_arguments(model, args, model_init, optimizers, optimizer_cls_and_kwargs, peft_config)
         preloaded = getattr(self, "_loaded", None)  # a subclass (the TRL one) resolved the model already
         if preloaded is not None and preloaded[0] is model:
             model, tokenizer, weights_from = preloaded
-        else:
+        else:  # the model id resolves to a config and a meta skeleton here
             model, tokenizer, weights_from = load_model_and_tokenizer(model)
         processing_class = processing_class if processing_class is not None else tokenizer
         raw_data = {name: check_data(getattr(args, name), processing_class, args, name)
                     for name, given in (("data_path", train_dataset), ("eval_data_path", eval_dataset))
                     if given is None and getattr(args, name)}
         check_disk(args, model)
-        device = args.device  # resolves the device now, as Trainer would
-        if getattr(args, _RECOMPUTE_FLAG):
-            logger.info("%s: the engine always recomputes at layer boundaries; flag ignored", _RECOMPUTE_FLAG)
-            setattr(args, _RECOMPUTE_FLAG, False)
-
-        config = base_model(model).config
-        lora = args.peft_config is not None or hasattr(model, "peft_config")
-        machine = Machine.measured(device, max_gpu_memory=args.max_gpu_memory, max_host_memory=args.max_host_memory)
-        run = plan_run(config, request_from_arguments(args, device, lora=lora, model=model), machine)
-        for line in run.notes if args.process_index == 0 else []:
-            logger.info(line)
-        self._split, self._together, self.step_time = run.split, run.together, run.step_time
-        placement, plan, batch, seq = run.step.placement, run.memory, run.rows, args.max_seq_length
-        world = args.world_size
-        if batch * seq >= LONG_CONTEXT_TOKENS and args.process_index == 0 and device.type == "cuda":
-            tiles = placement.engine.mlp_tile_tokens
-            print(f"hf_megatrain memory plan for {batch} x {seq} tokens: "
-                  f"{f'MLP tiles of {tiles} tokens' if tiles else 'MLP untiled'}, "
-                  f"{counted(plan.offload_activations, 'layer input')} offloaded to host, "
-                  f"{counted(plan.resident_layers, 'layer')} resident on the GPU\n{plan.table()}")
-        if run.refusal is not None:
-            raise MegaTrainError(run.refusal)  # before a single large allocation
-        for line in run.warnings if args.process_index == 0 else []:
-            logger.warning(line)
-        if device.type == "cpu":
-            args.dataloader_pin_memory = False  # nothing to pin for
-        args._n_gpu = 1 if device.type == "cuda" else args._n_gpu
+        run = self._plan(args, model)
         # Weights are read last: the data is tokenized first, then the LoRA base and the store are filled.
-        if "data_path" in raw_data:
-            train_dataset = self._dataset_from(raw_data["data_path"], processing_class, args)
-            data_collator = data_collator or CausalCollator(_pad_id(processing_class, config))
-        if "eval_data_path" in raw_data:
-            eval_dataset = self._dataset_from(raw_data["eval_data_path"], processing_class, args)
-            data_collator = data_collator or CausalCollator(_pad_id(processing_class, config))
-        # Datasets as TRL takes them: raw text, chat `messages` or prompt/completion columns are
-        # tokenized (and packed) here as data_path would be; tokenized ones pass through as they are.
-        if _untokenized(train_dataset):
-            train_dataset = self._dataset_from(train_dataset, processing_class, args)
-            data_collator = data_collator or CausalCollator(_pad_id(processing_class, config))
-        if _untokenized(eval_dataset):
-            eval_dataset = self._dataset_from(eval_dataset, processing_class, args)
-            data_collator = data_collator or CausalCollator(_pad_id(processing_class, config))
-        if train_dataset is not None and hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
-            raise MegaTrainError("train_dataset is empty: there is nothing to train on.")
-        if args.peft_config is not None:
-            # Seeded as TRL's SFTTrainer seeds them: args.seed just before the adapters are made
-            # (Trainer seeds again later, for the training itself).
-            set_seed(args.seed)
-            model = with_adapters(model, args.peft_config, weights_from, placement.engine.compute_dtype)
-            weights_from = None
-        self.args = args  # what a subclass's get_decay_parameter_names may read (Trainer sets it again)
-        decay = self.get_decay_parameter_names(base_model(model))
-        sharding = None
-        if world > 1:  # data parallel: each rank keeps a slice of the optimizer state
-            from .engine.distributed import Sharding
-
-            sharding = Sharding()
-        build = dict(config=placement.engine, decay_names=decay, sharding=sharding)
-        if weights_from is None:
-            self.engine = StreamingEngine(model, **build)
-        else:
-            self.engine = engine_from_checkpoint(model, weights_from, progress=not args.disable_tqdm, **build)
-        self.engine.writer = model_writer(base_model(model))  # trainer.engine.save_pretrained works as well
-
+        train_dataset, eval_dataset, data_collator = self._datasets(
+            raw_data, train_dataset, eval_dataset, data_collator, processing_class, args, base_model(model).config)
+        model = self._build_engine(model, weights_from, args, run.engine)
         # Rows the engine tokenized itself got its CausalCollator above; anything else gets Trainer's own
         # default (DataCollatorWithPadding for a tokenizer, else default_data_collator), as in stock.
         super().__init__(
@@ -197,19 +119,7 @@ class MegaTrainTrainer(Trainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
             **kwargs,
         )
-        # A loss of the user's (a compute_loss override, compute_loss_func, label smoothing) is honoured through
-        # Trainer's compute_loss over the whole logits the engine builds for it; what it cannot meet is refused.
-        self._custom = custom_loss(type(self), compute_loss_func, args)
-        if self._custom:
-            if self._split > 1:
-                raise MegaTrainError(f"{self._custom} needs each micro-batch's logits at once, but the memory plan "
-                                     f"splits micro-batches of {args.per_device_train_batch_size} rows into "
-                                     f"{self._split}: lower per_device_train_batch_size (raise "
-                                     "gradient_accumulation_steps instead).")
-            if world > 1:
-                raise MegaTrainError(f"{self._custom} is not combined with data parallel yet; run one process.")
-            logger.info("%s: the engine builds each micro-batch's whole [batch, seq, vocab] logits for it, as the "
-                        "model's own forward does", self._custom)
+        self._custom = self._custom_loss_kind(compute_loss_func, args)
         # What the logs show besides Trainer's own: real tokens/s, model TFLOPS (6 * P * tokens),
         # MFU against args.gpu_peak_tflops, and how busy each pipeline lane was.
         self._tokens_since_log = 0
@@ -218,6 +128,117 @@ class MegaTrainTrainer(Trainer):
         self._timeline = Timeline() if args.log_pipeline else None
         if self._timeline is not None:
             self.engine.attach_timeline(self._timeline)
+
+    def _checked_arguments(self, model, args, model_init, optimizers, optimizer_cls_and_kwargs, peft_config):
+        """Our own checked copy of `args` (the user's object is never changed), with what the
+        constructor was given checked against what the engine honours."""
+        check_trainer_hooks()  # a transformers release that renamed a hook we replace fails here, loudly
+        check_overrides(type(self))  # a subclass's hook the engine would silently skip is refused here
+        if model_init is not None:
+            raise MegaTrainError(
+                "model_init is not supported: Trainer calls it again at every train() (and per trial in "
+                "hyperparameter_search) for a fresh model, which the engine's host store, filled once, does not "
+                "follow. Build the model yourself and pass it as model=.")
+        if model is None:
+            raise MegaTrainError("MegaTrainTrainer needs a model: a hub id, a local folder or a loaded CPU model.")
+        args = megatrain_arguments(args)
+        self._adamw = check_optimizers(optimizers, optimizer_cls_and_kwargs)
+        # the memory plan and the modes chosen: at INFO on the main process unless log_level says otherwise
+        # (its "passive" would mean transformers' verbosity, WARNING by default, and hide them)
+        show_logs(None if args.log_level == "passive" and args.should_log else args.get_process_log_level())
+        if peft_config is not None:  # where TRL users put it; the same as args.peft_config
+            if args.peft_config is not None and args.peft_config is not peft_config:
+                raise MegaTrainError("peft_config was given twice (as an argument and in args); keep one.")
+            args.peft_config = peft_config
+        check_launch(args)  # several processes but no process group: refused before any weight is read
+        check_outputs(args)
+        check_resume(args.resume_from_checkpoint, args.output_dir)
+        return args
+
+    def _plan(self, args, model):
+        """The run's plan (planner.plan_run) for this machine, logged, and refused before a single large
+        allocation where it does not fit; the device settings Trainer reads follow it."""
+        device = args.device  # resolves the device now, as Trainer would
+        if getattr(args, _RECOMPUTE_FLAG):
+            logger.info("%s: the engine always recomputes at layer boundaries; flag ignored", _RECOMPUTE_FLAG)
+            setattr(args, _RECOMPUTE_FLAG, False)
+        lora = args.peft_config is not None or hasattr(model, "peft_config")
+        machine = Machine.measured(device, max_gpu_memory=args.max_gpu_memory, max_host_memory=args.max_host_memory)
+        run = plan_run(base_model(model).config, request_from_arguments(args, device, lora=lora, model=model), machine)
+        main = args.process_index == 0
+        for line in run.notes if main else []:
+            logger.info(line)
+        self._split, self._together, self.step_time = run.split, run.together, run.step_time
+        plan, batch, seq = run.memory, run.rows, args.max_seq_length
+        if batch * seq >= LONG_CONTEXT_TOKENS and main and device.type == "cuda":
+            tiles = run.engine.mlp_tile_tokens
+            print(f"hf_megatrain memory plan for {batch} x {seq} tokens: "
+                  f"{f'MLP tiles of {tiles} tokens' if tiles else 'MLP untiled'}, "
+                  f"{counted(plan.offload_activations, 'layer input')} offloaded to host, "
+                  f"{counted(plan.resident_layers, 'layer')} resident on the GPU\n{plan.table()}")
+        if run.refusal is not None:
+            raise MegaTrainError(run.refusal)  # before a single large allocation
+        for line in run.warnings if main else []:
+            logger.warning(line)
+        if device.type == "cpu":
+            args.dataloader_pin_memory = False  # nothing to pin for
+        args._n_gpu = 1 if device.type == "cuda" else args._n_gpu
+        return run
+
+    def _datasets(self, raw_data, train_dataset, eval_dataset, data_collator, processing_class, args, config):
+        """(train_dataset, eval_dataset, data_collator): data_path / eval_data_path loaded, and datasets as
+        TRL takes them (raw text, chat `messages` or prompt/completion columns) tokenized and packed as
+        data_path would be, with the engine's collator for what it tokenized; tokenized ones pass as they are."""
+        data = {"data_path": train_dataset, "eval_data_path": eval_dataset}
+        for name, given in data.items():
+            raw = raw_data[name] if name in raw_data else given if _untokenized(given) else None
+            if raw is not None:
+                data[name] = self._dataset_from(raw, processing_class, args)
+                data_collator = data_collator or CausalCollator(_pad_id(processing_class, config))
+        train_dataset, eval_dataset = data["data_path"], data["eval_data_path"]
+        if train_dataset is not None and hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
+            raise MegaTrainError("train_dataset is empty: there is nothing to train on.")
+        return train_dataset, eval_dataset, data_collator
+
+    def _build_engine(self, model, weights_from, args, engine_config):
+        """The engine over the model's weights (read now, from the checkpoint where one is named), with a
+        LoRA run's adapters made first; returns the model Trainer keeps (the PEFT one for LoRA)."""
+        if args.peft_config is not None:
+            # Seeded as TRL's SFTTrainer seeds them: args.seed just before the adapters are made
+            # (Trainer seeds again later, for the training itself).
+            set_seed(args.seed)
+            model = with_adapters(model, args.peft_config, weights_from, engine_config.compute_dtype)
+            weights_from = None
+        self.args = args  # what a subclass's get_decay_parameter_names may read (Trainer sets it again)
+        decay = self.get_decay_parameter_names(base_model(model))
+        sharding = None
+        if args.world_size > 1:  # data parallel: each rank keeps a slice of the optimizer state
+            from .engine.distributed import Sharding
+
+            sharding = Sharding()
+        build = dict(config=engine_config, decay_names=decay, sharding=sharding)
+        if weights_from is None:
+            self.engine = StreamingEngine(model, **build)
+        else:
+            self.engine = engine_from_checkpoint(model, weights_from, progress=not args.disable_tqdm, **build)
+        self.engine.writer = model_writer(base_model(model))  # trainer.engine.save_pretrained works as well
+        return model
+
+    def _custom_loss_kind(self, compute_loss_func, args) -> str | None:
+        """A loss of the user's (a compute_loss override, compute_loss_func, label smoothing) is honoured through
+        Trainer's compute_loss over the whole logits the engine builds for it; what it cannot meet is refused."""
+        custom = custom_loss(type(self), compute_loss_func, args)
+        if custom:
+            if self._split > 1:
+                raise MegaTrainError(f"{custom} needs each micro-batch's logits at once, but the memory plan "
+                                     f"splits micro-batches of {args.per_device_train_batch_size} rows into "
+                                     f"{self._split}: lower per_device_train_batch_size (raise "
+                                     "gradient_accumulation_steps instead).")
+            if args.world_size > 1:
+                raise MegaTrainError(f"{custom} is not combined with data parallel yet; run one process.")
+            logger.info("%s: the engine builds each micro-batch's whole [batch, seq, vocab] logits for it, as the "
+                        "model's own forward does", custom)
+        return custom
 
     @staticmethod
     def _dataset_from(raw, tokenizer, args):
@@ -309,20 +330,15 @@ class MegaTrainTrainer(Trainer):
             self._owner = [i for i, parts in enumerate(chunks) for _ in parts]  # which micro-batch each chunk is of
             if items is None and len(self._owner) > len(group):  # the mean over the micro-batch's tokens
                 items = [loss_denominator(group[i]["labels"], None) for i in self._owner]
-            step = ([c for parts in chunks for c in parts], items, 1.0 / ga if divide else 1.0)
-            aux = self._aux_loss_scale(items if scaled else None)
-            custom = dict(head_loss=self._custom_loss(group, num_items_in_batch)) if self._custom else {}
-            clip = self.args.max_grad_norm
-            if clip > 0 and self.engine.store.transient:
-                # No gradient outlives its step, so the global norm is measured first, by a pass that
-                # keeps none; then each unit is stepped, clipped by it, as its gradient lands.
-                self._measured_norm = self.engine.gradient_norm(*step, aux_scale=aux, **custom)
-                self.host_optimizer.step_during_backward(clip_norm=(self._measured_norm, clip))
-            elif clip <= 0 and (len(group) > 1 or self.accelerator.sync_gradients):
-                # No clipping: the norm is not needed before stepping, so each unit is stepped on the
-                # host as soon as its gradient is final, overlapping the CPU optimizer with the backward.
-                self.host_optimizer.step_during_backward()
-            losses = self.engine.forward_backward_many(*step, aux_scale=aux, **custom)
+            # the host optimizer's step placed by the engine's step policy (engine/step.py): during this
+            # backward where it can be (the step's last micro-batches), else after it (_clip_grad_norm, step)
+            out = backward(self.engine, self.host_optimizer, [c for parts in chunks for c in parts],
+                           num_items_in_batch=items, scale=1.0 / ga if divide else 1.0,
+                           max_grad_norm=self.args.max_grad_norm,
+                           last=len(group) > 1 or self.accelerator.sync_gradients,
+                           aux_scale=self._aux_loss_scale(items if scaled else None),
+                           head_loss=self._custom_loss(group, num_items_in_batch) if self._custom else None)
+            self._measured_norm, losses = out.norm, out.losses
             self._losses = [sum(x for x, o in zip(losses, self._owner) if o == i) for i in range(len(group))] \
                 if len(losses) > len(group) else losses
         self._tokens_since_log += count_real_tokens(inputs)
@@ -393,7 +409,7 @@ class MegaTrainTrainer(Trainer):
         has_labels = inputs.get("labels") is not None
         want_logits = not prediction_loss_only
         with torch.no_grad():
-            out = self.engine(**{k: v for k, v in inputs.items() if k in _ENGINE_KEYS}, return_logits=want_logits)
+            out = self.engine(**{k: v for k, v in inputs.items() if k in ENGINE_KEYS}, return_logits=want_logits)
         loss = out.loss.detach() if has_labels else None
         if prediction_loss_only:
             return loss, None, None
@@ -619,28 +635,6 @@ class MegaTrainTrainer(Trainer):
         self.write_model_card()
         return self._publish(commit_message or "End of training")
 
-
-_ENGINE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
-
-
-def split_rows(batch: dict, parts: int) -> list[dict]:
-    """`batch` cut into `parts` batches of consecutive rows, or as many as it has rows (a [1, T]
-    position_ids row is shared by all); `[batch]` itself when it stays whole."""
-    rows = batch["input_ids"].shape[0]
-    parts = min(parts, rows)
-    if parts <= 1:
-        return [batch]
-    out = [dict() for _ in range(parts)]
-    for key, value in batch.items():
-        if key not in _ENGINE_KEYS or value is None:
-            continue
-        if value.shape[0] == 1 and rows > 1:  # broadcast over the rows
-            pieces = [value] * parts
-        else:
-            pieces = value.chunk(parts, dim=0)
-        for piece, part in zip(pieces, out):
-            part[key] = piece
-    return out
 
 # Trainer methods that the engine's path never calls, so that a subclass's override of one would be skipped
 # without a word: refused when the trainer is built, saying what to do. Every other hook (log,
