@@ -46,27 +46,34 @@ def main() -> None:
         model = a.model
         data = tokenize_dataset(load_raw_dataset(a.data), tokenizer, a.max_seq_length, packing=True)
 
-    engine, optimizer = hf_megatrain.prepare(model, lr=a.lr, weight_decay=0.1)
+    # planned for the step the loop runs (prepare() refuses a plan that does not fit, before any weight is read)
+    engine, optimizer = hf_megatrain.prepare(model, lr=a.lr, weight_decay=0.1, batch=a.batch, seq=a.max_seq_length,
+                                             grad_accum=a.grad_accum, max_grad_norm=1.0)
     warmup = max(1, a.steps // 20)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, a.steps) / a.steps))
     )
     loader = DataLoader(data, batch_size=a.batch, shuffle=True, collate_fn=CausalCollator(tokenizer.pad_token_id))
     it = iter(loader)
+
+    def next_batch():
+        nonlocal it
+        try:
+            return next(it)
+        except StopIteration:
+            it = iter(loader)
+            return next(it)
+
     for step in range(a.steps):
-        for _ in range(a.grad_accum):
-            try:
-                batch = next(it)
-            except StopIteration:
-                it = iter(loader)
-                batch = next(it)
-            loss = engine.forward_backward(batch, scale=1.0 / a.grad_accum)
-        norm = optimizer.clip_grad_norm_(1.0)
-        optimizer.step()
+        # one optimizer step as the trainer runs it: the loss is the mean over the step's label tokens,
+        # clipped at 1.0, the host AdamW placed by the engine's step policy
+        out = hf_megatrain.train_step(engine, optimizer, [next_batch() for _ in range(a.grad_accum)],
+                                      max_grad_norm=1.0)
         scheduler.step()
         engine.zero_grad()
         if step % max(1, a.steps // 10) == 0 or step == a.steps - 1:
-            print(f"step {step:5d}  loss {loss.item():.4f}  grad_norm {norm.item():.3f}  lr {scheduler.get_last_lr()[0]:.2e}")
+            print(f"step {step:5d}  loss {out.loss.item():.4f}  grad_norm {out.grad_norm.item():.3f}  "
+                  f"lr {scheduler.get_last_lr()[0]:.2e}")
     engine.save_pretrained(a.out, tokenizer=tokenizer)  # waits for the last step, then writes safetensors
 
     from transformers import AutoModelForCausalLM

@@ -14,6 +14,7 @@ _EXPORTS = {
     "StreamingEngine": ".engine.schedule",
     "prepare": ".loop",
     "supported_model_types": ".patcher.specs",
+    "train_step": ".engine.step",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

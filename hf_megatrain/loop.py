@@ -1,12 +1,16 @@
 """The engine without Trainer: one call, then your own loop.
 
-    engine, optimizer = hf_megatrain.prepare(model, lr=1e-5, weight_decay=0.1)
+    engine, optimizer = hf_megatrain.prepare(model, lr=1e-5, weight_decay=0.1, batch=8, seq=2048, grad_accum=4)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1000)
-    for batch in loader:
-        loss = engine.forward_backward(batch)        # accumulates gradients (scale= for GA)
-        optimizer.clip_grad_norm_(1.0)               # optional, exact
-        optimizer.step(); scheduler.step(); engine.zero_grad()
+    for batches in steps:                            # each a list of grad_accum micro-batches
+        out = hf_megatrain.train_step(engine, optimizer, batches, max_grad_norm=1.0)  # out.loss, out.grad_norm
+        scheduler.step(); engine.zero_grad()
     engine.save_pretrained("out", tokenizer=tokenizer)   # from_pretrained("out") loads it
+
+train_step runs a step as the trainer does (engine/step.py: the host AdamW during the backward where
+it can be, the plan's micro-batches together or one at a time). The parts stay yours to call:
+engine.forward_backward(batch, scale=...) accumulates, optimizer.clip_grad_norm_(1.0) and
+optimizer.step() step, exactly.
 """
 
 from __future__ import annotations

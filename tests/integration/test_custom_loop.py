@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 from transformers import Trainer
 
@@ -79,3 +80,38 @@ def test_prepare_saves_a_full_model_and_lora_adapters(tmp_path):
     assert got.keys() == trained.keys()
     for name, t in trained.items():
         assert torch.equal(got[name].detach(), t), name
+
+
+@pytest.mark.parametrize("together", [False, True])
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_train_step_runs_a_step_as_stock_does(together, clip):
+    """hf_megatrain.train_step: a step's micro-batches through the engine's step policy (engine/step.py, the
+    trainer's own), as prepare() planned them (one at a time, or together), clipped or not: the step's loss
+    is the mean over its label tokens and the weights are stock autograd's with torch AdamW, as Trainer's
+    num_items_in_batch makes them."""
+    model = make_model("llama")
+    ref = copy.deepcopy(model)
+    decay = Trainer.get_decay_parameter_names(None, ref)
+    ref_opt = torch.optim.AdamW(
+        [{"params": [p for n, p in ref.named_parameters() if n in decay], "weight_decay": 0.1},
+         {"params": [p for n, p in ref.named_parameters() if n not in decay], "weight_decay": 0.0}], lr=2e-3)
+    engine, opt = hf_megatrain.prepare(model, device="cpu", lr=2e-3, weight_decay=0.1, batch=2, seq=16, grad_accum=2,
+                                       max_grad_norm=clip, layer_major_accumulation=together)
+    assert bool(engine.run_plan.together) is together
+    for step in range(3):
+        batches = [make_batch(seed=10 * step + micro) for micro in range(2)]
+        items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        ref_loss = sum(ref(**b, num_items_in_batch=items).loss for b in batches)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip) if clip else None
+        ref_opt.step(), ref_opt.zero_grad()
+        out = hf_megatrain.train_step(engine, opt, batches, max_grad_norm=clip)
+        engine.zero_grad()
+        torch.testing.assert_close(out.loss, ref_loss.detach(), atol=1e-6, rtol=1e-5)
+        if clip:
+            torch.testing.assert_close(out.grad_norm, ref_norm, atol=1e-6, rtol=1e-5)
+        else:
+            assert out.grad_norm is None
+    masters = dict(engine.named_master_params())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(masters[name], p.detach(), atol=1e-6, rtol=1e-5, msg=name)
