@@ -1,5 +1,7 @@
 """plan_run (issue 33): one planning sequence, the same plan wherever it is asked for."""
 
+import json
+
 import pytest
 import torch
 
@@ -77,6 +79,85 @@ def test_estimate_the_trainer_and_prepare_make_the_same_plan(tmp_path, monkeypat
     assert len(plans) == 3
     estimated, trained, prepared = (p.summary() for p in plans)
     assert estimated == trained == prepared
+
+
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_lora_run_gets_the_same_plan_through_the_three_doors(tmp_path, monkeypatch, capsys, kind):
+    """A LoRA request with GA 2: `estimate --peft_config`, the trainer (args.peft_config) and prepare() of the
+    PEFT model plan the same adapters on the same frozen base."""
+    from peft import LoraConfig, get_peft_model
+
+    import hf_megatrain.planner as planner
+    import hf_megatrain.trainer as trainer_module
+    from hf_megatrain import prepare
+    from hf_megatrain.cli import main
+
+    plans = []
+
+    def recorded(*a, **k):
+        plans.append(plan_run(*a, **k))
+        return plans[-1]
+
+    monkeypatch.setattr(planner, "plan_run", recorded)
+    monkeypatch.setattr(trainer_module, "plan_run", recorded)
+    model = make_model(kind)
+    model.config.save_pretrained(tmp_path / "m")
+    assert main(["estimate", str(tmp_path / "m"), "--batch", "2", "--seq", "16", "--grad_accum", "2",
+                 "--device", "cpu", "--compute_dtype", "float32", "--host_gib", "1000",
+                 "--peft_config", json.dumps(LORA)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("on 1000 GiB host: fits")
+    args = MegaTrainArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_seq_length=16,
+                              gradient_accumulation_steps=2, report_to=[], use_cpu=True, peft_config=LORA)
+    MegaTrainTrainer(model, args)
+    prepare(get_peft_model(make_model(kind), LoraConfig(**LORA)), device="cpu", batch=2, seq=16, grad_accum=2)
+    assert len(plans) == 3
+    estimated, trained, prepared = (p.summary() for p in plans)
+    assert estimated == trained == prepared
+    full = plan_run(model.config, Request(plans[0].engine, 2, 16, grad_accum=2)).memory.host
+    assert plans[0].memory.host["fp32 master weights"] < full["fp32 master weights"]  # only the adapters
+
+
+class _Ranks(MegaTrainArguments):
+    """The trainer's arguments as one rank of a data-parallel launch sees them (no process group here)."""
+    @property
+    def world_size(self):
+        return 4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ga", [1, 2])
+def test_a_data_parallel_run_gets_the_same_plan_from_estimate_and_the_trainer(tmp_path, monkeypatch, capsys,
+                                                                             kind, ga):
+    """Four ranks, two on this host: `estimate --world_size 4 --local_ranks 2` and the trainer's request on its
+    arguments plan alike: every layer streams, the modes are off, each rank holds a quarter of the fp32 state."""
+    import hf_megatrain.planner as planner
+    from hf_megatrain.cli import main
+
+    plans = []
+
+    def recorded(*a, **k):
+        plans.append(plan_run(*a, **k))
+        return plans[-1]
+
+    monkeypatch.setattr(planner, "plan_run", recorded)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    model = make_model(kind)
+    model.config.save_pretrained(tmp_path / "m")
+    assert main(["estimate", str(tmp_path / "m"), "--batch", "2", "--seq", "16", "--grad_accum", str(ga),
+                 "--device", "cpu", "--compute_dtype", "float32", "--host_gib", "1000",
+                 "--world_size", "4", "--local_ranks", "2"]) == 0
+    capsys.readouterr()
+    args = _Ranks(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_seq_length=16,
+                  gradient_accumulation_steps=ga, report_to=[], use_cpu=True)
+    trained = plan_run(model.config, request_from_arguments(args, torch.device("cpu")), Machine.measured("cpu"))
+    assert plans[0].summary() == trained.summary()
+    eng = trained.engine
+    assert (eng.resident_layers, eng.transient_grads, eng.lean_streamed, eng.gpu_grad_layers) == (0, False, False, 0)
+    assert trained.memory.world_size == 4 and trained.memory.local_ranks == 2 and trained.together == 0
 
 
 def test_prepare_refuses_a_plan_that_does_not_fit_before_reading_a_weight(monkeypatch):
