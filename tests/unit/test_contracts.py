@@ -177,6 +177,63 @@ def test_auto_placement_is_decided_in_one_place():
     assert (cpu.engine.resident_layers, cpu.engine.offload_activations, cpu.planned) == (0, 0, False)
 
 
+
+AUTO_FIELDS = ("resident_layers", "offload_activations", "lean_resident", "lean_streamed", "transient_grads",
+               "gpu_grad_layers")
+
+
+def _package_sources():
+    for root, _, files in os.walk(PACKAGE):
+        for name in sorted(n for n in files if n.endswith(".py")):
+            path = os.path.join(root, name)
+            yield os.path.relpath(path, PACKAGE), open(path).read()
+
+
+def test_each_auto_rule_is_decided_in_the_planner_only():
+    """An auto (None) placement or memory mode is read and settled only by the planner (planner/run.py's
+    settle_autos, and the search in planner/placement.py): no other module tests a mode for auto, so a
+    rule cannot be written twice (issue 33 found the transient_grads rule in 4 places)."""
+    asks = re.compile(r"\b(?:%s)\s+is\s+None\b" % "|".join(AUTO_FIELDS))
+    where = {path for path, text in _package_sources() if asks.search(text)}
+    assert where <= {os.path.join("planner", "run.py"), os.path.join("planner", "placement.py")}, where
+    assert os.path.join("planner", "run.py") in where
+
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_the_arguments_and_the_engine_config_leave_every_auto_to_the_planner(tmp_path, device, clip):
+    """What the user leaves on auto reaches plan_run as None, whatever the device or clipping: neither
+    MegaTrainArguments' engine_config nor EngineConfig settles an auto by a rule of its own. (bf16: in fp32
+    the config's own invariant turns the lean modes off, there being no compute copy to drop.)"""
+    from hf_megatrain.arguments import engine_config
+
+    autos = dict(gpu_resident_layers="auto", offload_activations="auto", lean_resident="auto", lean_streamed="auto",
+                 transient_grads="auto", gpu_grad_layers="auto")
+    args = MegaTrainArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_grad_norm=clip,
+                              compute_dtype="bfloat16", **autos)
+    asked = engine_config(args, torch.device(device), host_jobs=True)
+    assert all(getattr(asked, name) is None for name in AUTO_FIELDS), asked
+    built = EngineConfig(device=device, compute_dtype=torch.bfloat16, **{n: None for n in AUTO_FIELDS})
+    assert all(getattr(built, n) is None for n in AUTO_FIELDS), built
+
+
+def test_each_data_parallel_refusal_is_decided_once_in_the_planner():
+    """Each memory mode that data parallel does not combine with is refused once by the planner (before any
+    weight is read) and at most once more by the engine, as its own invariant (a StreamingEngine built by
+    hand); no other module forces or refuses it."""
+    phrase = re.compile(r"(\w+) is not combined with data parallel")
+    found = {}
+    for path, text in _package_sources():
+        for mode in phrase.findall(text):
+            found.setdefault(mode, []).append(path)
+    run, engine = os.path.join("planner", "run.py"), os.path.join("engine", "schedule.py")
+    for mode in ("transient_grads", "lean_streamed", "gpu_grad_layers", "layer_major_accumulation"):
+        assert found[mode].count(run) == 1, (mode, found[mode])
+        assert set(found[mode]) <= {run, engine, os.path.join("engine", "config.py")}, (mode, found[mode])
+        assert found[mode].count(engine) <= 1, (mode, found[mode])
+
+
 def test_the_trainer_never_changes_the_users_arguments(tmp_path):
     args = MegaTrainArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=1, report_to="none",
                               per_device_train_batch_size=2, max_seq_length=16, **{_RECOMPUTE_FLAG: True})
