@@ -21,49 +21,90 @@ logger = logging.getLogger(__name__)
 _VERIFIED: set[str] = set()
 _RUNNING: set[str] = set()
 
-# Widths of the small copy; only the attributes a config has are set.
-_SMALL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts=4, vocab_size=128,
-              num_hidden_layers=2, sliding_window=8)
+# Widths of the small copy; only the attributes a config sets are changed. The head geometry (head_dim, the
+# ratio of query to key/value heads, MLA's rotary and plain parts of a head) stays the config's own: the
+# number of heads shrinks, and the width with it, so the copy computes what the family computes.
+_SMALL = dict(intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+              expert_intermediate_size=64, num_local_experts=4, num_experts=4, vocab_size=128,
+              sliding_window=8, attention_chunk_size=8)
+_RANKS = ("q_lora_rank", "kv_lora_rank")  # MLA's compressed widths: at most 64
+_HEADS = 4  # query heads of the copy, or one group of query heads per key/value head when groups are larger
+_DEPTH = 2
+
+
+def _int(config, name):
+    value = getattr(config, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def small_copy(config):
+    """`config` with 2 layers (or one per layer kind, up to 4) and small widths, its head geometry kept."""
     small = copy.deepcopy(config)
+    heads, kv, hidden = _int(small, "num_attention_heads"), _int(small, "num_key_value_heads"), _int(small, "hidden_size")
+    if heads and hidden:
+        group = heads // kv if kv and heads % kv == 0 else 1
+        new_kv = max(1, min(kv or heads, 2, _HEADS // group or 1))
+        new_heads = new_kv * group if kv else min(heads, _HEADS)
+        if new_heads < heads:
+            if _int(small, "head_dim") is None and getattr(small, "head_dim", None) is None:
+                small.head_dim = hidden // heads  # the width shrinks below; the size of a head stays
+            small.hidden_size = hidden * new_heads // heads if hidden * new_heads % heads == 0 \
+                else new_heads * (hidden // heads)
+            small.num_attention_heads = new_heads
+            if kv:
+                small.num_key_value_heads = new_kv
     for key, value in _SMALL.items():
-        if getattr(small, key, None) is not None:
-            setattr(small, key, value)
-    if getattr(small, "num_experts_per_tok", None):
+        if _int(small, key) is not None:
+            setattr(small, key, min(getattr(small, key), value) if key == "vocab_size" else value)
+    for key in _RANKS:
+        if _int(small, key) is not None:
+            setattr(small, key, min(getattr(small, key), 64))
+    if _int(small, "n_routed_experts"):  # DeepSeek-style grouped routing: 8 experts in 2 groups, 1 group picked
+        small.n_routed_experts = 8
+        if _int(small, "n_group"):
+            small.n_group, small.topk_group = 2, 1
+    if _int(small, "num_experts_per_tok"):
         small.num_experts_per_tok = min(small.num_experts_per_tok, 2)
+    if _int(small, "first_k_dense_replace"):
+        small.first_k_dense_replace = 1  # a dense layer, then a sparse one
+    depth = _DEPTH
     if getattr(small, "layer_types", None):
-        small.layer_types = list(small.layer_types)[:2]
+        types = list(small.layer_types)
+        picked = types[:_DEPTH]
+        for kind in dict.fromkeys(types):  # every kind of layer the family has, once at least
+            if kind not in picked and len(picked) < 4:
+                picked.append(kind)
+        small.layer_types = picked
+        depth = len(picked)
+    small.num_hidden_layers = depth
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(small, key, None), int) and getattr(small, key) >= small.vocab_size:
             setattr(small, key, 0)
     return small
 
 
-def verify(spec, config) -> None:
-    """Refuse a generic spec whose engine run differs from stock on a small copy of `config`."""
-    key = spec.model_type
-    if key in _VERIFIED or key in _RUNNING:  # the check's own engine is built under the same spec
-        return
+def _differences(small, key: str) -> list[str]:
+    """Stock autograd and the engine on one batch of the small copy: what differs (the loss, then each
+    gradient); MegaTrainError where either side cannot run."""
     from transformers import AutoModelForCausalLM
 
     from .schedule import StreamingEngine
 
-    _RUNNING.add(key)
-    start = time.perf_counter()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, small.vocab_size, (2, 24), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
     try:
-        small = small_copy(config)
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(small, dtype=torch.float32).train()
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(small), dtype=torch.float32).train()
         ref = copy.deepcopy(model)
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, small.vocab_size, (2, 24), generator=g)
-        batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
         torch.manual_seed(1)
         out = ref(**batch)
         out.loss.backward()
+    except Exception as e:
+        raise MegaTrainError(f"model type {key!r} is outside the registry, and stock transformers itself fails a "
+                             f"training step on a small copy of this config ({type(e).__name__}: {_line(e)}); it is "
+                             "not trained.") from e
+    try:
         engine = StreamingEngine(model, compute_dtype=torch.float32).train()
         torch.manual_seed(1)
         loss = engine.forward_backward(batch)
@@ -72,19 +113,47 @@ def verify(spec, config) -> None:
         raise
     except Exception as e:
         raise MegaTrainError(f"model type {key!r} is outside the registry and its self-check could not run "
-                             f"({type(e).__name__}: {e}); it is not trained.") from e
-    finally:
-        _RUNNING.discard(key)
+                             f"({type(e).__name__}: {_line(e)}); it is not trained.") from e
     stock_loss = float(out.loss.detach())
     differs = [] if abs(float(loss) - stock_loss) <= 1e-5 * max(1.0, abs(stock_loss)) else ["the loss"]
     differs += [f"the gradient of {n}" for n, p in ref.named_parameters()
                 if p.grad is not None and not torch.allclose(grads[n], p.grad, atol=1e-6, rtol=1e-5)]
+    return differs
+
+
+def _line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def verify(spec, config) -> None:
+    """Refuse a generic spec whose engine run differs from stock on a small copy of `config`."""
+    key = spec.model_type
+    if key in _VERIFIED or key in _RUNNING:  # the check's own engine is built under the same spec
+        return
+    _RUNNING.add(key)
+    start = time.perf_counter()
+    try:
+        small = small_copy(config)
+        differs = _differences(small, key)
+        router_loss = bool(differs) and bool(getattr(small, "output_router_logits", False))
+        if router_loss:  # equal without the router's loss: that loss is what the engine leaves out
+            small.output_router_logits = False
+            router_loss = not _differences(small, key)
+    finally:
+        _RUNNING.discard(key)
+    depth = f"{small.num_hidden_layers}-layer"
+    if router_loss:
+        raise MegaTrainError(
+            f"model type {key!r} is outside the registry; the engine equals stock on a {depth} random copy except "
+            "for the router's load-balancing loss (output_router_logits=True), which it adds only for the MoE "
+            "families it knows, so it is not trained; with config.output_router_logits = False it is.")
     if differs:
         raise MegaTrainError(
             f"model type {key!r} is outside the registry; the engine tried it through the standard layout, but on "
-            f"a 2-layer random copy {differs[0]} differs from stock autograd, so it is not trained (the family "
+            f"a {depth} random copy {differs[0]} differs from stock autograd, so it is not trained (the family "
             "does something outside its layers that the engine does not know)."
         )
     _VERIFIED.add(key)
-    logger.info("model type %r: not in the registry; the engine equals stock on a 2-layer copy (%.1f s)",
-                key, time.perf_counter() - start)
+    logger.info("model type %r: not in the registry; the engine equals stock on a %s copy (%.1f s)",
+                key, depth, time.perf_counter() - start)

@@ -17,12 +17,17 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_chunked_causal_mask,
+    create_sliding_window_causal_mask,
+)
 
 from ..errors import MegaTrainError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+CHUNKED = "chunked_attention"  # Llama 4: attention within chunks of config.attention_chunk_size tokens
 
 # The mask builders' cache argument: transformers 5.25 renamed `past_key_values` to `cache` (the old name
 # warns and goes in 5.40); 5.17 knows only `past_key_values`. Read once from the signature, so neither
@@ -65,7 +70,9 @@ class ArchSpec:
     # the name of the aux-loss function in the modeling module, and the config attribute that
     # holds the number of experts it is given (MoE families only).
     router: str | None = None
-    router_index: int = 0  # where in the router's outputs its logits are (GraniteMoe: 2)
+    # Where in the router's outputs its logits are; None: the output its forward returns as `router_logits`,
+    # read from the installed transformers (GraniteMoe's router returned them last, later first).
+    router_index: int | None = 0
     aux_loss_fn: str | None = None
     experts: str = "num_local_experts"
     # Whether the decoder layers pass extra keyword arguments on to attention (StableLM's do not):
@@ -98,9 +105,9 @@ class ArchSpec:
             **{_CACHE_KW: None},
         )
         masks = {}
+        makers = {SLIDING: create_sliding_window_causal_mask, CHUNKED: create_chunked_causal_mask}
         for kind in set(self.kinds(config)):
-            make = create_sliding_window_causal_mask if kind == SLIDING else create_causal_mask
-            masks[kind] = make(**kw)
+            masks[kind] = makers.get(kind, create_causal_mask)(**kw)
         return masks
 
     def aux_loss(self, model_class):
@@ -187,8 +194,14 @@ def supported_model_types() -> list[str]:
 def spec_for(config) -> ArchSpec:
     """The spec for a config, or a clear error naming what is supported."""
     model_type = getattr(config, "model_type", None)
-    spec = _REGISTRY.get(model_type) or _generic(config)
+    spec = _REGISTRY.get(model_type)
+    why = None
     if spec is None:
+        why = _why_not(config)
+        if why == _UNKNOWN:
+            spec = _generic(config)
+            why = spec if isinstance(spec, str) else None
+    if why is not None:
         if not model_type:  # a PreTrainedModel of the user's own, no transformers family at all
             raise MegaTrainError(
                 f"hf_megatrain trains transformers' decoder-only causal LMs; this model's config "
@@ -196,55 +209,91 @@ def spec_for(config) -> ArchSpec:
                 f"{', '.join(supported_model_types())}.")
         raise MegaTrainError(
             f"hf_megatrain does not support model type {model_type!r} "
-            f"(architectures: {getattr(config, 'architectures', None)}): {_why_not(config)}. "
+            f"(architectures: {getattr(config, 'architectures', None)}): {why}. "
             f"Supported decoder-only families: {', '.join(supported_model_types())}."
         )
     return spec
 
 
-_ATTENTION_KINDS = {FULL, SLIDING, "chunked_attention"}
+_ATTENTION_KINDS = {FULL, SLIDING, CHUNKED}
 _GENERIC: dict[str, ArchSpec] = {}
+# Where a decoder layer keeps its per-token block (what sequence tiling splits), by family.
+_MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "moe", "ffn")
 
 
-def _generic(config) -> ArchSpec | None:
+def _generic(config) -> ArchSpec | str:
     """A spec for a type outside the registry whose causal LM has the standard layout: the embedding,
     a ModuleList of decoder layers taking (hidden_states, attention_mask, position_embeddings, and
     position_ids by name or through **kwargs), a final norm, lm_head, a rotary module. The engine
-    verifies it before training (engine/selfcheck.py); None when the layout is not that or the
-    config says it is not a plain decoder stack."""
+    verifies it before training (engine/selfcheck.py). Otherwise the reason it is not that layout,
+    in a few words."""
     model_type = getattr(config, "model_type", None)
     if model_type in _GENERIC:
         return _GENERIC[model_type]
-    if _why_not(config) != _UNKNOWN:
-        return None
-    try:
-        from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
-        spec = ArchSpec(model_type, _per_layer_types if getattr(config, "layer_types", None) else _uniform_window,
-                        generic=True)
-        layers = model.get_submodule(spec.layers)
-        for path in (spec.embed, spec.norm, spec.lm_head, spec.rotary):
-            model.get_submodule(path)
-        params = inspect.signature(type(layers[0]).forward).parameters
-    except Exception:
-        return None
+    except Exception as e:
+        return f"its causal LM cannot be built from this config ({type(e).__name__}: {_first_line(e)})"
+    spec = ArchSpec(model_type, _per_layer_types if getattr(config, "layer_types", None) else _uniform_window,
+                    generic=True)
+    missing = [p for p in (spec.embed, spec.layers, spec.norm, spec.lm_head, spec.rotary) if not _has(model, p)]
+    if missing:
+        return (f"its causal LM ({type(model).__name__}) has no {', '.join(missing)}, where the engine streams the "
+                f"standard layout (model.embed_tokens, model.layers, model.norm, lm_head, model.rotary_emb)")
+    layers = model.get_submodule(spec.layers)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        return f"its {spec.layers} is a {type(layers).__name__}, not a list of decoder layers"
+    said = {config.num_hidden_layers, model.config.num_hidden_layers}  # building may rewrite it (LongCat-Flash)
+    if said != {len(layers)}:
+        return (f"its causal LM has {len(layers)} decoder layers where its config's num_hidden_layers says "
+                f"{max(said - {len(layers)})}, which the engine's one-unit-per-layer layout does not take")
+    params = inspect.signature(type(layers[0]).forward).parameters
     wanted = {"hidden_states", "attention_mask", "position_embeddings"}
     # position_ids is passed by keyword too: named, or taken by **kwargs (the self-check decides the rest)
     takes_position_ids = "position_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    if not isinstance(layers, torch.nn.ModuleList) or not wanted <= set(params) or not takes_position_ids:
-        return None
+    if not wanted <= set(params) or not takes_position_ids:
+        absent = sorted(wanted - set(params)) + ([] if takes_position_ids else ["position_ids"])
+        return (f"its decoder layer ({type(layers[0]).__name__}) does not take {', '.join(absent)}, which the "
+                "engine passes each layer")
+    mlp = next((n for n in _MLP_NAMES if all(_has(layer, n) for layer in layers)), None)
+    if mlp is None:
+        return (f"its decoder layers ({type(layers[0]).__name__}) have no per-token block under a name the engine "
+                f"knows ({', '.join(_MLP_NAMES)}) in every layer")
+    spec = ArchSpec(model_type, spec.layer_kind, mlp=mlp, generic=True)
     _GENERIC[model_type] = spec
     return spec
 
 
+def _has(module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 def _why_not(config) -> str:
-    """The reason, in a few words, that a config is not one of the decoder stacks the engine trains."""
+    """The reason, in a few words, that a config is not one of the decoder stacks the engine trains
+    (_UNKNOWN: none seen in the config; the generic spec looks at the model next)."""
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder model, not a decoder-only stack"
     if getattr(config, "text_config", None) is not None or getattr(config, "vision_config", None) is not None:
         return "a wrapper around a text model (vision-language or multimodal); train its text model's type instead"
+    if getattr(config, "hidden_size_per_layer_input", None):
+        return ("per-layer embeddings (embed_tokens_per_layer gives every decoder layer an input of its own, "
+                "computed outside the layers), which the engine does not stream yet")
+    varying = getattr(config, "per_layer_attributes", None)
+    if varying:
+        return (f"a per-layer config ({', '.join(sorted(varying))} may differ from layer to layer), which the "
+                "engine's layout does not take yet")
     kinds = set(getattr(config, "layer_types", None) or ())
     if kinds - _ATTENTION_KINDS:
         return f"state-space or hybrid layers ({', '.join(sorted(kinds - _ATTENTION_KINDS))}), not attention layers only"
@@ -281,6 +330,9 @@ register(ArchSpec("gemma2", _per_layer_types, logits=_softcap_logits))
 register(ArchSpec("gemma3_text", _per_layer_types, logits=_softcap_logits))  # a rotary base per attention kind
 register(ArchSpec("granite", _always_full, embed_multiplier="embedding_multiplier", logits=_divided_logits))
 register(ArchSpec("cohere", _always_full, logits=_scaled_logits))
+# MiniCPM3: MLA attention in its layers; its embedding scales itself (scale_emb, a buffer of the module), and its
+# causal LM divides the last hidden state by logits_scaling before lm_head (no bias: the same as the logits)
+register(ArchSpec("minicpm3", _always_full, logits=_divided_logits))
 # Cohere 2: sliding and full layers by config.layer_types (its layers take position_ids through **kwargs)
 register(ArchSpec("cohere2", _per_layer_types, logits=_scaled_logits))
 # Mixture-of-experts families: HF's load-balancing loss, experts fused in memory as HF v5 does.
@@ -301,7 +353,7 @@ register(ArchSpec("glm4_moe", _per_layer_types,
 # gpt-oss: attention sinks need attn_implementation="eager" (HF refuses sdpa for it); experts fused on disk too
 register(ArchSpec("gpt_oss", _per_layer_types, router="mlp.router", aux_loss_fn=_LBL))
 register(ArchSpec("granitemoe", _always_full, mlp="block_sparse_moe", router="block_sparse_moe.router",
-                  router_index=2, aux_loss_fn=_LBL, embed_multiplier="embedding_multiplier", logits=_divided_logits,
+                  router_index=None, aux_loss_fn=_LBL, embed_multiplier="embedding_multiplier", logits=_divided_logits,
                   from_disk=_renamed_disk(("block_sparse_moe.input_linear.weight", "block_sparse_moe.experts.gate_up_proj"),
                                           ("block_sparse_moe.output_linear.weight", "block_sparse_moe.experts.down_proj"),
                                           ("block_sparse_moe.router.layer.weight", "block_sparse_moe.router.weight"))))

@@ -71,9 +71,12 @@ class Template:
         self.module.train(mode)
 
     # -- router capture (MoE) -------------------------------------------------------------
-    def capture(self, submodule_path: str, index: int = 0) -> None:
-        """Record output[index] of a submodule (the router logits) on every call."""
+    def capture(self, submodule_path: str, index: int | None = 0) -> None:
+        """Record output[index] of a submodule (the router logits) on every call; index None: the output
+        its forward returns as `router_logits` (router_logits_index)."""
         sub = self.module.get_submodule(submodule_path)
+        if index is None:
+            index = router_logits_index(sub)
 
         def hook(_mod, _inp, out):
             if self._captures is not None:
@@ -88,6 +91,31 @@ class Template:
             yield self._captures
         finally:
             self._captures = None
+
+
+def router_logits_index(router: nn.Module) -> int:
+    """Where among a router's outputs its logits are, as the installed transformers has it: the index the
+    model's own output recorder takes for `router_logits` (`_can_record_outputs`), else the position of
+    `router_logits` in the tuple its forward returns. GraniteMoe's router returned (index, weights, logits)
+    up to transformers 5.17 and (logits, weights, index) later."""
+    import inspect
+    import re
+    import sys
+
+    module = sys.modules.get(type(router).__module__)
+    for obj in vars(module).values() if module is not None else ():
+        recorder = (getattr(obj, "_can_record_outputs", None) or {}).get("router_logits") \
+            if isinstance(obj, type) else None
+        target = getattr(recorder, "target_class", None)
+        if isinstance(target, type) and isinstance(router, target):
+            return int(getattr(recorder, "index", 0) or 0)
+    try:
+        source = inspect.getsource(type(router).forward)
+    except (OSError, TypeError):
+        return 0
+    returned = re.findall(r"^\s*return\s+\(?([^\n]+?)\)?\s*$", source, re.M)
+    names = [n.strip() for n in returned[-1].split(",")] if returned else []
+    return names.index("router_logits") if "router_logits" in names else 0
 
 
 def recompute_grads(slots, flat: torch.Tensor, grad_flat: torch.Tensor | None, run, grad_seeds) -> tuple:

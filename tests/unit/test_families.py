@@ -3,6 +3,7 @@ gradient (sdpa and eager), the estimator's parameter count, a checkpoint folder 
 (experts fused from per-expert files as HF v5 does), and saved files that load back to the same logits."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -153,7 +154,7 @@ def test_a_standard_architecture_outside_the_registry_is_verified_then_trained(c
     out.loss.backward()
     with caplog.at_level(logging.INFO, logger="hf_megatrain.engine.selfcheck"):
         engine = StreamingEngine(model, compute_dtype=torch.float32).train()
-    assert "the engine equals stock on a 2-layer copy" in caplog.text
+    assert re.search(r"the engine equals stock on a \d-layer copy", caplog.text)
     loss = engine.forward_backward(batch)
     assert abs(float(loss) - float(out.loss)) < 1e-5
     grads = dict(engine.named_grads())
@@ -171,7 +172,7 @@ def test_the_self_check_refuses_what_the_generic_spec_gets_wrong(monkeypatch):
     monkeypatch.delitem(specs._REGISTRY, "granite")
     monkeypatch.setattr(specs, "_GENERIC", {})
     monkeypatch.setattr(selfcheck, "_VERIFIED", set())
-    with pytest.raises(MegaTrainError, match="'granite' is outside the registry.*2-layer random copy the loss "
+    with pytest.raises(MegaTrainError, match="'granite' is outside the registry.*-layer random copy the loss "
                                              "differs from stock autograd"):
         StreamingEngine(make_model("granite"), compute_dtype=torch.float32)
 
