@@ -23,15 +23,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ..patcher.specs import ArchSpec
 from ..errors import MegaTrainError
 from .layout import TRANSIENT_GRAD_BUFFERS
 from .pinned import arena_tensors
 from .worker import Signal
+
+if TYPE_CHECKING:  # a hint only: the planner reads Units back from its cache without the patcher's imports
+    from ..patcher.specs import ArchSpec
 
 
 @dataclass(frozen=True)

@@ -96,9 +96,9 @@ REFERENCE = Rates(gpu="NVIDIA H200", matmul_tflops=669.0, h2d_gbs=55.5, d2h_gbs=
 
 
 def cache_file() -> str:
-    root = os.environ.get("HF_MEGATRAIN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hf_megatrain")
-    return os.path.join(root, "rates.json")
+    from .layout_cache import cache_root
+
+    return os.path.join(cache_root(), "rates.json")
 
 
 def _read_cache() -> dict:

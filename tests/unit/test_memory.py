@@ -372,9 +372,10 @@ def test_allocator_advice_near_a_full_gpu(monkeypatch):
 
 
 # -- the planner's speed (issue 33) -----------------------------------------------------------------
-def _count_meta_builds(monkeypatch):
+def _count_meta_builds(monkeypatch, cache_dir):
     """Count engine.layout.config_units calls (each builds the model on the meta device), with the memo
-    emptied first."""
+    emptied first and a disk cache of the layouts of its own (cache_dir)."""
+    monkeypatch.setenv("HF_MEGATRAIN_CACHE", str(cache_dir))
     from hf_megatrain.planner import estimator as estimate
 
     builds = []
@@ -390,7 +391,7 @@ def _count_meta_builds(monkeypatch):
 
 
 @pytest.mark.parametrize("shape", ["llama-3.1-70b", "mixtral-8x7b"])
-def test_a_plan_builds_the_model_on_the_meta_device_once(monkeypatch, shape):
+def test_a_plan_builds_the_model_on_the_meta_device_once(monkeypatch, tmp_path, shape):
     """The planner's search (split_step -> resolve_placement -> place_layers -> plan_placement ->
     estimate), the step-time model and a refusal's costs ask for the same config's units hundreds of
     times: the meta build runs once per config (it once ran 105-115 times for the 70B shape)."""
@@ -400,7 +401,7 @@ def test_a_plan_builds_the_model_on_the_meta_device_once(monkeypatch, shape):
     from hf_megatrain.shapes import make_config
     from hf_megatrain.planner.steptime import mode_cost, predict, routed_per_layer
 
-    builds = _count_meta_builds(monkeypatch)
+    builds = _count_meta_builds(monkeypatch, tmp_path)
     cfg = make_config(shape)
     auto = EngineConfig(device="cuda", resident_layers=None, offload_activations=None, lean_resident=None,
                         lean_streamed=None, transient_grads=None, gpu_grad_layers=None)
@@ -410,6 +411,40 @@ def test_a_plan_builds_the_model_on_the_meta_device_once(monkeypatch, shape):
     routed_per_layer(cfg)
     estimate(make_config(shape), 1, 1024)  # another object with the same contents: the same units
     assert builds == [cfg.model_type]
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "mixtral", "lora"])
+def test_the_next_process_reads_the_layout_from_disk(monkeypatch, tmp_path, kind):
+    """The units a config lays out are kept on disk (planner/layout_cache.py): a later process (the memo
+    emptied) plans without a meta build, from units equal to the built ones; a file that cannot be read
+    is built again; another config, or other layout code, is another file."""
+    from hf_megatrain.planner import estimator, layout_cache
+    from hf_megatrain.planner.estimator import adapter_units_memo, config_units_memo
+
+    builds = _count_meta_builds(monkeypatch, tmp_path)
+    lora = {"r": 4, "target_modules": ["q_proj", "v_proj"]} if kind == "lora" else None
+    cfg = make_model("llama" if lora else kind).config
+
+    def units():
+        estimator._UNITS.clear()  # as a fresh process starts
+        return config_units_memo(cfg) if lora is None else adapter_units_memo(cfg, lora)
+
+    def same(a, b):
+        return [vars(u) for u in a] == [vars(u) for u in b]
+
+    first = units()
+    files = list((tmp_path / "layouts").iterdir())
+    assert len(files) == 1 and (lora is not None or builds == [cfg.model_type])
+    again = units()
+    assert same(again, first) and (lora is not None or len(builds) == 1)  # read back, not built
+    files[0].write_text("{not json")
+    assert same(units(), first) and (lora is not None or len(builds) == 2)  # unreadable: built again
+    cfg.num_hidden_layers += 1
+    units()
+    assert len(list((tmp_path / "layouts").iterdir())) == 2
+    monkeypatch.setattr(layout_cache, "code_version", lambda: "other layout code")
+    units()
+    assert len(list((tmp_path / "layouts").iterdir())) == 3
 
 
 def test_estimate_and_predict_leave_the_units_they_are_handed_as_they_were():
