@@ -151,7 +151,8 @@ class StreamingEngine(nn.Module):
         config = config if config is not None else EngineConfig(**options)
         if not config.planned:
             raise MegaTrainError("resident_layers, offload_activations and lean_resident must be settled here; 'auto' is "
-                                 "resolved by hf_megatrain.memory.resolve_placement before the engine is built.")
+                                 "settled by hf_megatrain.planner.plan_run before the engine is built (prepare() "
+                                 "and the trainer call it).")
         # A PEFT model trains through its underlying causal LM: the adapter layers are part of
         # the decoder layers (so of the templates), and only they are trainable.
         self.peft_model = model if is_peft_model(model) else None
