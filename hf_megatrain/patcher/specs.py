@@ -237,15 +237,12 @@ def _generic(config) -> ArchSpec | str:
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     except Exception as e:
         return f"its causal LM cannot be built from this config ({type(e).__name__}: {_first_line(e)})"
-    spec = ArchSpec(model_type, _per_layer_types if getattr(config, "layer_types", None) else _uniform_window,
-                    generic=True)
-    missing = [p for p in (spec.embed, spec.layers, spec.norm, spec.lm_head, spec.rotary) if not _has(model, p)]
-    if missing:
-        return (f"its causal LM ({type(model).__name__}) has no {', '.join(missing)}, where the engine streams the "
-                f"standard layout (model.embed_tokens, model.layers, model.norm, lm_head, model.rotary_emb)")
+    paths = _layout(model)
+    if isinstance(paths, str):
+        return paths
+    kind = _per_layer_types if getattr(config, "layer_types", None) else _uniform_window
+    spec = ArchSpec(model_type, kind, generic=True, **paths)
     layers = model.get_submodule(spec.layers)
-    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
-        return f"its {spec.layers} is a {type(layers).__name__}, not a list of decoder layers"
     said = {config.num_hidden_layers, model.config.num_hidden_layers}  # building may rewrite it (LongCat-Flash)
     if said != {len(layers)}:
         return (f"its causal LM has {len(layers)} decoder layers where its config's num_hidden_layers says "
@@ -262,9 +259,45 @@ def _generic(config) -> ArchSpec | str:
     if mlp is None:
         return (f"its decoder layers ({type(layers[0]).__name__}) have no per-token block under a name the engine "
                 f"knows ({', '.join(_MLP_NAMES)}) in every layer")
-    spec = ArchSpec(model_type, spec.layer_kind, mlp=mlp, generic=True)
+    spec = ArchSpec(model_type, kind, mlp=mlp, generic=True, **paths)
     _GENERIC[model_type] = spec
     return spec
+
+
+def _layout(model) -> dict | str:
+    """Where a causal LM keeps the parts the engine streams, found from the model itself: its input
+    embedding and output head (get_input_embeddings / get_output_embeddings), and in its base model the
+    list of decoder layers, a rotary module and the final norm (GPT-NeoX's gpt_neox.final_layer_norm, Phi's
+    model.final_layernorm, Falcon's transformer.ln_f). The reason it is not that layout otherwise: every
+    parameter must be in one of them."""
+    names = {id(m): n for n, m in model.named_modules()}
+    embed = names.get(id(model.get_input_embeddings()))
+    head = names.get(id(model.get_output_embeddings()))
+    prefix = getattr(model, "base_model_prefix", "") or "model"
+    if embed is None or head is None or not _has(model, prefix):
+        return f"its causal LM ({type(model).__name__}) has no input embedding and output head the engine can find"
+    base = model.get_submodule(prefix)
+    layers = [n for n, m in base.named_children() if isinstance(m, torch.nn.ModuleList)]
+    rotary = [n for n, m in base.named_children() if type(m).__name__.endswith("RotaryEmbedding")]
+    if len(layers) != 1:
+        return (f"its base model ({type(base).__name__}) holds {len(layers)} lists of layers itself, where the engine "
+                "streams exactly one list of decoder layers")
+    if len(rotary) != 1:
+        return (f"its base model ({type(base).__name__}) has no rotary module of its own (its positions are made "
+                "some other way), where the engine hands each layer the rotary embeddings")
+    taken = {f"{prefix}.{layers[0]}", f"{prefix}.{rotary[0]}", embed, head}
+    rest = [(f"{prefix}.{n}", m) for n, m in base.named_children()
+            if f"{prefix}.{n}" not in taken and not isinstance(m, torch.nn.Dropout)]
+    if len(rest) > 1:  # a final norm without parameters (OLMo's) beside modules with some is not the norm
+        rest = [(n, m) for n, m in rest if any(True for _ in m.parameters())] or rest
+    rest = [n for n, _ in rest]
+    if len(rest) != 1:
+        extra = ", ".join(rest) if rest else "no final norm"
+        return (f"its base model has parameters outside the embedding, the decoder layers and one final norm "
+                f"({extra}), which the engine does not run")
+    if any(not n.startswith(tuple(p + "." for p in taken | set(rest))) for n, _ in model.named_parameters()):
+        return "its causal LM has parameters outside the embedding, the decoder layers, the final norm and the head"
+    return dict(embed=embed, layers=f"{prefix}.{layers[0]}", norm=rest[0], lm_head=head, rotary=f"{prefix}.{rotary[0]}")
 
 
 def _has(module, path: str) -> bool:
@@ -297,8 +330,6 @@ def _why_not(config) -> str:
     kinds = set(getattr(config, "layer_types", None) or ())
     if kinds - _ATTENTION_KINDS:
         return f"state-space or hybrid layers ({', '.join(sorted(kinds - _ATTENTION_KINDS))}), not attention layers only"
-    if not hasattr(config, "intermediate_size"):
-        return "no intermediate_size: not the plain decoder stack the engine streams layer by layer"
     return _UNKNOWN
 
 

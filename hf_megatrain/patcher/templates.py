@@ -55,6 +55,14 @@ class Template:
         self.module = module
         self.buffers = buffers or {}
         self._captures: list | None = None
+        # Arguments the module's forward requires that the engine does not pass: given None, as a model
+        # forward passes them when it has nothing there (Falcon's alibi, without ALiBi). For a type outside
+        # the registry the self-check shows that this is what stock computes.
+        import inspect
+
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+        self._required = [p.name for p in params if p.default is p.empty
+                          and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
     # -- binding ---------------------------------------------------------------------------
     @staticmethod
@@ -65,7 +73,12 @@ class Template:
         """The module's forward on `named` tensors: its parameters, and any buffer that is one unit's own
         (a persistent buffer of one decoder layer: GLM-4-MoE's router bias), which takes the place of the
         template's (those of the layer it was copied from)."""
-        return functional_call(self.module, {**self.buffers, **named}, args, kwargs, tie_weights=False)
+        for name in self._required[len(args):]:
+            kwargs.setdefault(name, None)
+        out = functional_call(self.module, {**self.buffers, **named}, args, kwargs, tie_weights=False)
+        # A layer that returns (hidden_states, attention weights) as Falcon's does: its model forward goes on
+        # with the first.
+        return out[0] if isinstance(out, tuple) else out
 
     def train(self, mode: bool) -> None:
         self.module.train(mode)
