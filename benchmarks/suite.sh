@@ -36,6 +36,9 @@
 #    tests (gradients of streamed layers on the GPU among them) and the probe; W the 14.8 B shape with
 #    clipping at 16K tokens/step (gradients of streamed layers on the GPU); X dense-18b with clipping through
 #    transient_grads' norm pass.
+# Y: issue 33's second check (needs the H200: the 13B shape does not fit an H100 box): the 13B shape at 64K
+#    tokens/step asked as 16 x 4 (default placement, clipping 1.0), this code beside the code before the change
+#    (.old, as in G), one checkpoint written once for both.
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
 # Every call first writes $OUT/versions.json and prints one VERSIONS line (benchmarks/versions.py:
 # Python, torch, CUDA, transformers, accelerate, peft, GPU and driver, hf_megatrain commit); each
@@ -103,6 +106,13 @@ G)
       --systems stock,megatrain:0,megatrain:0@.old,megatrain:auto,megatrain:auto@.old --steps 6 --warmup 2 \
       --out "$OUT"
   fi ;;
+Y)
+  export LARGEST_KEEP=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  for code in now old; do
+    script=benchmarks/largest.py; [ "$code" = old ] && script=.old/benchmarks/largest.py  # imports .old's package
+    part 290 13b_64k_$code python3 $script --shape llama-2-13b --tokens 65536 --micro 16 --steps 5 --warmup 2 \
+      --skip_all_host --tag "_$code" --out "$OUT/$code"
+  done ;;
 H)
   part 260 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
     tests/integration/test_failures.py tests/integration/test_checkpoints.py tests/unit/test_contracts.py
@@ -229,6 +239,6 @@ X)  # transient_grads with exact clipping (a norm pass first): dense-18b (18.3 B
   part 560 18b_clip_norm_pass python3 benchmarks/largest.py --shape dense-18b --tokens 16384 --clip 1.0 --lr 1e-4 \
     --learnable --steps 12 --warmup 2 --lean_streamed true --transient_grads true --skip_all_host --skip_disk_check \
     --tag _norm_pass --out "$OUT" ;;
-*) echo "unknown group $1 (A to X)"; exit 2 ;;
+*) echo "unknown group $1 (A to Y)"; exit 2 ;;
 esac
 for f in "${names[@]}"; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done
