@@ -440,7 +440,7 @@ def worker(opts) -> None:
                     row["model"] = trainer.step_time.as_dict()
                     row["vs_model"] = round(tps / trainer.step_time.tokens_per_s, 3)
                 cut = trainer._split
-                row["micro_batches"] = f"{micro // cut}x{bs // micro * cut}" + (" together" if trainer._together else "")
+                row["micro_batches"] = f"{micro // cut}x{bs // micro * cut}" + (" together" if trainer._per_pass > 1 else "")
             if timeline is not None:
                 b = timeline.collect()
                 row["breakdown"] = {k: v for k, v in b.items() if k.endswith("_busy") or k == "gpu_idle"}

@@ -179,7 +179,7 @@ def main() -> None:
     record.update(
         params=params, resident_layers=trainer.engine.resident_layers, tokens_per_step=opts.tokens,
         micro_batches=f"{micro // trainer._split}x{bs // micro * trainer._split}"
-        + (" together" if trainer._together else "") + (f" (asked {micro}x{bs // micro})" if trainer._split > 1 else ""),
+        + (" together" if trainer._per_pass > 1 else "") + (f" (asked {micro}x{bs // micro})" if trainer._split > 1 else ""),
         step_s=round(dt / steps, 3), tokens_per_s=round(tps, 1), model_tflops=round(6 * params * tps / 1e12, 1),
         mfu=round(6 * params * tps / 1e12 / record["peak"]["sustained_tflops"], 3),
         gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -201,8 +201,8 @@ def main() -> None:
     from hf_megatrain.planner.placement import one_at_a_time
 
     eng = trainer.engine.engine_config  # the placement and memory modes the run was built with
-    plan = estimate(cfg, micro // trainer._split, opts.seq, eng, micro_batches=trainer._together or 1,
-                    later_contributions=one_at_a_time(bs // micro, trainer._split, trainer._together))
+    plan = estimate(cfg, micro // trainer._split, opts.seq, eng, micro_batches=trainer._per_pass,
+                    later_contributions=one_at_a_time(bs // micro, trainer._split, trainer._per_pass))
     record.update(estimate_host_gib=round(plan.host_total / GiB, 2), estimate_gpu_gib=round(plan.gpu_total / GiB, 2),
                   host_vs_estimate=round(record["host_peak_gib"] / (plan.host_total / GiB), 3),
                   gpu_vs_estimate=round(record["gpu_peak_gib"] / (plan.gpu_total / GiB), 3),

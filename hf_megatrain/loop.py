@@ -44,7 +44,7 @@ def prepare(model, *, device=None, compute_dtype=None, lr: float = 1e-5, betas=(
 
     The plan is for the step the loop runs: micro-batches of `batch` rows of `seq` tokens, `grad_accum`
     of them per step, clipped at `max_grad_norm` (0: none), one at a time (layer_major_accumulation=
-    False; True, or None for auto: engine.run_plan.together of them through each layer at once, with
+    False; True, or None for auto: engine.run_plan.per_pass of them through each layer at once, with
     StreamingEngine.forward_backward_many). A plan that does not fit this machine (free GPU memory and
     available host RAM, each capped at max_gpu_memory / max_host_memory GiB where given) is refused
     before any weight is read, unless memory_check=False. The plan is `engine.run_plan`.

@@ -168,7 +168,7 @@ class MegaTrainTrainer(Trainer):
         main = args.process_index == 0
         for line in run.notes if main else []:
             logger.info(line)
-        self._split, self._together, self.step_time = run.split, run.together, run.step_time
+        self._split, self._per_pass, self.step_time = run.split, run.per_pass, run.step_time
         plan, batch, seq = run.memory, run.rows, args.max_seq_length
         if batch * seq >= LONG_CONTEXT_TOKENS and main and device.type == "cuda":
             tiles = run.engine.mlp_tile_tokens
@@ -291,7 +291,7 @@ class MegaTrainTrainer(Trainer):
         # Trainer fetches a step's micro-batches before it runs them: kept, so that the first
         # training_step can run them all through each layer together (forward_backward_many).
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._step_batches = batches if self._together and len(batches) * self._split > 1 else None
+        self._step_batches = batches if self._per_pass > 1 and len(batches) * self._split > 1 else None
         return batches, num_items
 
     def _micro_batch(self, inputs) -> tuple[int, list]:

@@ -62,7 +62,7 @@ def train_step(engine, optimizer, batches: list[dict], *, max_grad_norm: float =
     together or one at a time), clipped at max_grad_norm (0: none), then `optimizer.step()`.
     The caller then steps its scheduler and calls `engine.zero_grad()`."""
     plan = plan if plan is not None else getattr(engine, "run_plan", None)
-    split, together = (plan.split, bool(plan.together)) if plan is not None else (1, False)
+    split, together = (plan.split, plan.per_pass > 1) if plan is not None else (1, False)
     chunks = [c for b in batches for c in split_rows(b, split)]
     items = sum(int(loss_denominator(b["labels"], None)) for b in batches)
     if together or len(chunks) == 1:

@@ -273,8 +273,8 @@ def _layout(model) -> dict | str:
     names = {id(m): n for n, m in model.named_modules()}
     embed = names.get(id(model.get_input_embeddings()))
     head = names.get(id(model.get_output_embeddings()))
-    prefix = getattr(model, "base_model_prefix", "") or "model"
-    if embed is None or head is None or not _has(model, prefix):
+    prefix = embed.rpartition(".")[0] if embed else ""  # the base model holds the embedding
+    if not embed or not head or not prefix:
         return f"its causal LM ({type(model).__name__}) has no input embedding and output head the engine can find"
     base = model.get_submodule(prefix)
     layers = [n for n, m in base.named_children() if isinstance(m, torch.nn.ModuleList)]

@@ -168,23 +168,23 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
                              gpu_grad_layers=engine.gpu_grad_layers or 0), planned)
 
 
-def one_at_a_time(ga: int, split: int = 1, together: int = 0) -> bool:
+def one_at_a_time(ga: int, split: int = 1, per_pass: int = 1) -> bool:
     """A step's `ga` micro-batches (each cut into `split` chunks of rows) run one at a time rather
     than together, so a unit's gradient gets later contributions in a step: what `estimate`'s
     later_contributions asks (they cross PCIe through the pinned staging slabs)."""
-    return ga * split > 1 and not together
+    return ga * split > 1 and per_pass <= 1
 
 
 class StepSplit(NamedTuple):
     split: int  # each micro-batch the loader gives is cut into this many chunks of rows
-    together: int  # chunks of a step that run through each layer together (0: one micro-batch at a time)
+    per_pass: int  # chunks of a step through each layer in one pass (1: one micro-batch at a time)
     placement: Placement  # planned for that
 
     def describe(self, batch: int, ga: int) -> str:
         rows, n = batch // self.split, ga * self.split
         if n == 1:
             return "one micro-batch per step"
-        how = "through each layer together" if self.together else "one at a time"
+        how = "through each layer together" if self.per_pass > 1 else "one at a time"
         asked = f" (asked: {batch} x {ga})" if self.split > 1 else ""
         return f"micro-batches of {counted(rows, 'row')} x {n}{asked}, {how}"
 
@@ -211,7 +211,7 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
         splittable = not (getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
 
     def placed(rows, n=1, eng=engine):
-        later = one_at_a_time(ga, together=n > 1)
+        later = one_at_a_time(ga, per_pass=n)
         if later and eng.transient_grads is None:  # one micro-batch at a time: never exact
             eng = replace(eng, transient_grads=False)
         return resolve_placement(config, rows, seq, eng, host_free=host_free, gpu_free=gpu_free, micro_batches=n,
@@ -219,7 +219,7 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
 
     cuda = engine.device.type == "cuda"
     if asked is False or (asked is None and not cuda) or (asked and ga < 2):
-        return StepSplit(1, 0, placed(batch))
+        return StepSplit(1, 1, placed(batch))
     if asked:
         return StepSplit(1, ga, placed(batch, ga))
     base = placed(batch)
@@ -228,12 +228,12 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
 
     def fits(placement, rows, n):
         plan = estimate(config, rows, seq, placement.engine, micro_batches=n, sizes=sizes,
-                        later_contributions=one_at_a_time(ga, together=n > 1))
+                        later_contributions=one_at_a_time(ga, per_pass=n))
         return not shortfalls(plan, host_free, gpu_free)
 
     streams = base.engine.resident_layers < config.num_hidden_layers
     if fits(base, batch, 1) and (ga == 1 or not streams):
-        return StepSplit(1, 0, base)  # nothing would cross PCIe per micro-batch: as asked
+        return StepSplit(1, 1, base)  # nothing would cross PCIe per micro-batch: as asked
     # The host memory modes on auto are the last resort: every split without them first (cutting rows
     # costs smaller matmuls; lean_streamed twice the PCIe bytes of the streamed weights, gradients kept
     # on the GPU a copy during the host step; transient_grads nothing, but the plain plan is the one
@@ -249,7 +249,7 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
             placement = placed(batch // f, ga * f, eng)
             if fits(placement, batch // f, ga * f):
                 return StepSplit(f, ga * f, placement)
-    return StepSplit(1, 0, base)
+    return StepSplit(1, 1, base)
 
 
 def longest_fitting_row(config, batch: int, seq: int, gpu_free: float, host_free: float, *,

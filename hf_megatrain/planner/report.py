@@ -31,12 +31,12 @@ def mode_rows(model_config, request: Request, run: RunPlan, machine: Machine) ->
     sizes, ga, clip = model_sizes(model_config, request.peft_config), request.grad_accum, request.clip
     n = ga * run.split
     routed = routed_per_layer(model_config)
-    later = one_at_a_time(ga, run.split, run.together)
+    later = one_at_a_time(ga, run.split, run.per_pass)
     rows = []
     for name, eng, plan in mode_plans(model_config, run.rows, request.seq, run.engine, sizes=sizes,
-                                             micro_batches=run.together or 1, later_contributions=later):
+                                             micro_batches=run.per_pass, later_contributions=later):
         step = predict(model_config, run.rows, request.seq, eng, machine.planning_rates(), micro_batches=n,
-                       together=bool(run.together) or n == 1, clip=clip, sizes=sizes, routed=routed)
+                       together=run.per_pass > 1 or n == 1, clip=clip, sizes=sizes, routed=routed)
         fits = None if machine.host_free is None else \
             not shortfalls(plan, machine.host_free, machine.gpu_free or float("inf"))
         rows.append(dict(mode=name, state_bytes_per_parameter=round(state_bytes_per_parameter(plan,
@@ -49,7 +49,7 @@ def mode_rows(model_config, request: Request, run: RunPlan, machine: Machine) ->
 def as_dict(request: Request, run: RunPlan, modes: list[dict]) -> dict:
     """The numbers `estimate --json` prints."""
     return {**run.memory.as_dict(), "verdict": verdict(request, run), "rows_per_micro_batch": run.rows,
-            "micro_batches": request.grad_accum * run.split, "together": bool(run.together),
+            "micro_batches": request.grad_accum * run.split, "together": run.per_pass > 1,
             "step_time": run.step_time.as_dict() if run.step_time else None, "modes": modes}
 
 

@@ -70,12 +70,12 @@ class Request:
 @dataclass
 class RunPlan:
     """What plan_run settled: the EngineConfig to build (every placement a number), how a step runs
-    (each loader micro-batch cut into `split` chunks of `rows` rows; `together` of them through each
-    layer at once, 0: one at a time), the memory plan, the step-time prediction (a GPU run of one
+    (each loader micro-batch cut into `split` chunks of `rows` rows; `per_pass` of them through each
+    layer in one pass, 1: one at a time), the memory plan, the step-time prediction (a GPU run of one
     process, full fine-tuning), the refusal (admission's words) or None, and the lines to log."""
     engine: EngineConfig
     split: int
-    together: int
+    per_pass: int
     rows: int
     memory: MemoryPlan
     placement_planned: bool
@@ -87,7 +87,7 @@ class RunPlan:
 
     def summary(self) -> dict:
         """What must agree between the trainer, estimate and prepare() for one request."""
-        return {"engine": self.engine, "split": self.split, "together": self.together, "rows": self.rows,
+        return {"engine": self.engine, "split": self.split, "per_pass": self.per_pass, "rows": self.rows,
                 "host": dict(self.memory.host), "gpu": dict(self.memory.gpu), "refusal": self.refusal}
 
 
@@ -186,7 +186,7 @@ def plan_run(model_config, request: Request, machine: Machine | None = None) -> 
     cuda = engine.device.type == "cuda"
     sizes = model_sizes(model_config, request.peft_config)
     if world > 1:  # data parallel runs its micro-batches one at a time, as asked
-        step = StepSplit(1, 0, resolve_placement(
+        step = StepSplit(1, 1, resolve_placement(
             model_config, request.batch, request.seq, engine, gpu_free=machine.gpu_free, host_free=machine.host_free,
             later_contributions=one_at_a_time(ga), sizes=sizes, **ranks))
     else:
@@ -195,19 +195,19 @@ def plan_run(model_config, request: Request, machine: Machine | None = None) -> 
             asked = False  # auto weighs the machine: with none given, as asked
         step = split_step(model_config, request.batch, request.seq, engine, ga, asked=asked,
                                  gpu_free=machine.gpu_free, host_free=machine.host_free, sizes=sizes)
-        if step.together or step.split > 1:
+        if step.per_pass > 1 or step.split > 1:
             notes.append(f"step: {step.describe(request.batch, ga)}")
-        if step.placement.engine.transient_grads and one_at_a_time(ga, step.split, step.together):
+        if step.placement.engine.transient_grads and one_at_a_time(ga, step.split, step.per_pass):
             raise MegaTrainError("transient_grads with gradient accumulation needs a step's micro-batches "
                                  "through each layer together (a unit's gradient has no buffer to be added "
                                  "to): set layer_major_accumulation=true, or leave transient_grads off.")
     placement, rows = step.placement, request.batch // step.split
-    later = one_at_a_time(ga, step.split, step.together)
+    later = one_at_a_time(ga, step.split, step.per_pass)
     plan = estimate(model_config, rows, request.seq, placement.engine, sizes=sizes,
-                           micro_batches=step.together or 1, later_contributions=later, **ranks)
+                           micro_batches=step.per_pass, later_contributions=later, **ranks)
     n = ga * step.split
-    timed = dict(micro_batches=n, together=bool(step.together) or n == 1, clip=request.clip, sizes=sizes)
-    run = RunPlan(placement.engine, step.split, step.together, rows, plan, placement.planned, step, notes=notes)
+    timed = dict(micro_batches=n, together=step.per_pass > 1 or n == 1, clip=request.clip, sizes=sizes)
+    run = RunPlan(placement.engine, step.split, step.per_pass, rows, plan, placement.planned, step, notes=notes)
     if request.admit:
         run.refusal = _admission(model_config, request, machine, run, timed, ranks)
     if cuda and machine.gpu_free is not None:
@@ -236,7 +236,7 @@ def _admission(model_config, request: Request, machine: Machine, run: RunPlan, t
     hint = cost = None
     if cuda and request.suggest_row:  # the longest row that would fit
         hint = partial(longest_fitting_row, model_config, run.rows, request.seq, engine=request.engine,
-                       mlp_tile_tokens=request.mlp_tile_tokens, micro_batches=run.together or 1,
+                       mlp_tile_tokens=request.mlp_tile_tokens, micro_batches=run.per_pass,
                        sizes=timed["sizes"], **ranks)
     if cuda and ranks["world_size"] == 1:  # a refusal naming a memory mode says what it costs
         from .steptime import mode_cost

@@ -119,7 +119,7 @@ def test_trainer_together_equals_one_at_a_time(tmp_path, clip):
                                   use_cpu=True, disable_tqdm=True, layer_major_accumulation=together)
         trainer = MegaTrainTrainer(copy.deepcopy(model), args, train_dataset=data,
                                    data_collator=default_data_collator)
-        assert trainer._together == (4 if together == "true" else 0)
+        assert trainer._per_pass == (4 if together == "true" else 1)
         trainer.train()
         logs = [(h["loss"], h.get("grad_norm")) for h in trainer.state.log_history if "loss" in h]
         results[together] = (logs, dict(trainer.engine.named_master_params()))
@@ -130,7 +130,7 @@ def test_trainer_together_equals_one_at_a_time(tmp_path, clip):
 
 def test_together_is_refused_with_data_parallel_and_off_on_the_cpu_by_default(tmp_path):
     args = MegaTrainArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], gradient_accumulation_steps=4)
-    assert MegaTrainTrainer(make_model("llama"), args, train_dataset=rows(4, 0))._together == 0  # auto: nothing streams
+    assert MegaTrainTrainer(make_model("llama"), args, train_dataset=rows(4, 0))._per_pass == 1  # auto: nothing streams
     with pytest.raises(MegaTrainError, match="layer_major_accumulation"):
         MegaTrainArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], layer_major_accumulation="maybe")
 
@@ -158,7 +158,7 @@ def test_trainer_cut_micro_batches_equal_uncut(tmp_path, monkeypatch, mean_loss)
         trainer = MegaTrainTrainer(copy.deepcopy(model), args, train_dataset=data, data_collator=default_data_collator)
         if mean_loss:
             trainer.model_accepts_loss_kwargs = False
-        assert (trainer._split, trainer._together) == ((2, 4) if cut else (1, 0))
+        assert (trainer._split, trainer._per_pass) == ((2, 4) if cut else (1, 1))
         trainer.train()
         logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
         results[cut] = (logs, dict(trainer.engine.named_master_params()))

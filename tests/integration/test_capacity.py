@@ -431,9 +431,9 @@ def test_the_planner_takes_transient_grads_before_lean_streamed_and_only_where_e
         is False  # data parallel: never
     gpu = dict(host_free=122.7 * GiB, gpu_free=138.5 * GiB)
     together = split_step(cfg, 8, 1024, auto, 2, **gpu)
-    assert together.together == 2 and together.placement.engine.transient_grads
+    assert together.per_pass == 2 and together.placement.engine.transient_grads
     apart = split_step(cfg, 8, 1024, auto, 2, asked=False, **gpu)
-    assert not apart.together and not apart.placement.engine.transient_grads and apart.placement.engine.lean_streamed
+    assert apart.per_pass == 1 and not apart.placement.engine.transient_grads and apart.placement.engine.lean_streamed
 
     def offered(device, clip, asked=None):  # what settle_autos leaves for the search to weigh
         eng = replace(auto, device=device, transient_grads=asked)

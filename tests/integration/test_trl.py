@@ -92,7 +92,7 @@ def test_sft_equals_stock_sfttrainer(case, tmp_path):
     config_cls = SFTConfig if case == "lora" else MegaTrainSFTConfig
     trainer, logs, weights = run(MegaTrainSFTTrainer, config_cls, folder, tmp_path / "mega", data, lora, **extra)
     assert isinstance(trainer.args, MegaTrainSFTConfig)
-    assert trainer._together == (KW["gradient_accumulation_steps"] if "layer_major_accumulation" in extra else 0)
+    assert trainer._per_pass == (KW["gradient_accumulation_steps"] if "layer_major_accumulation" in extra else 1)
     assert len(logs) == len(stock_logs) == KW["max_steps"]
     for ours, theirs in zip(logs, stock_logs):
         assert ours.keys() == theirs.keys(), (ours, theirs)

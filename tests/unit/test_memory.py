@@ -317,21 +317,21 @@ def test_split_step_picks_micro_batches_that_fit_and_keep_layers_resident(capsys
         return split_step(cfg, batch, 1024, eng, ga, gpu_free=gpu, host_free=host, **kw)
 
     def fits(step, batch):
-        plan = estimate(cfg, batch // step.split, 1024, step.placement.engine, micro_batches=step.together or 1)
+        plan = estimate(cfg, batch // step.split, 1024, step.placement.engine, micro_batches=step.per_pass)
         return not shortfalls(plan, host, gpu)
 
     together = resolve_placement(cfg, 16, 1024, eng, gpu_free=gpu, host_free=host, micro_batches=4)
     assert not fits(type(split(16, 4))(1, 4, together), 16)  # uncut, the host is short
     s = split(16, 4)
-    assert (s.split, s.together) == (2, 8) and fits(s, 16)
+    assert (s.split, s.per_pass) == (2, 8) and fits(s, 16)
     assert s.describe(16, 4) == "micro-batches of 8 rows x 8 (asked: 16 x 4), through each layer together"
     s = split(64, 1)
-    assert s.split > 1 and s.together == s.split and fits(s, 64)
+    assert s.split > 1 and s.per_pass == s.split and fits(s, 64)
     base = resolve_placement(cfg, 64, 1024, eng, gpu_free=gpu, host_free=host)
     assert shortfalls(estimate(cfg, 64, 1024, base.engine), host, gpu)  # as asked it is refused
-    assert split(16, 1)[:2] == (1, 0)
-    assert split(16, 4, splittable=False)[:2] == (1, 0)  # uncut together does not fit: one at a time
-    assert split(16, 4, asked=False)[:2] == (1, 0)
+    assert split(16, 1)[:2] == (1, 1)
+    assert split(16, 4, splittable=False)[:2] == (1, 1)  # uncut together does not fit: one at a time
+    assert split(16, 4, asked=False)[:2] == (1, 1)
     assert split(16, 4, asked=True)[:2] == (1, 4)
     assert main(["estimate", "llama-2-13b", "--batch", "16", "--seq", "1024", "--grad_accum", "4", "--gpu_gib", "139",
                  "--host_gib", "123.7"]) == 0

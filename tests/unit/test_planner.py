@@ -27,7 +27,7 @@ def test_the_trainer_builds_what_plan_run_plans(tmp_path, kind, ga):
                    Machine.measured("cpu"))
     assert run.refusal is None
     assert trainer.engine.engine_config == run.engine
-    assert (trainer._split, trainer._together) == (run.split, run.together)
+    assert (trainer._split, trainer._per_pass) == (run.split, run.per_pass)
 
 
 
@@ -157,7 +157,7 @@ def test_a_data_parallel_run_gets_the_same_plan_from_estimate_and_the_trainer(tm
     assert plans[0].summary() == trained.summary()
     eng = trained.engine
     assert (eng.resident_layers, eng.transient_grads, eng.lean_streamed, eng.gpu_grad_layers) == (0, False, False, 0)
-    assert trained.memory.world_size == 4 and trained.memory.local_ranks == 2 and trained.together == 0
+    assert trained.memory.world_size == 4 and trained.memory.local_ranks == 2 and trained.per_pass == 1
 
 
 def test_prepare_refuses_a_plan_that_does_not_fit_before_reading_a_weight(monkeypatch):
@@ -191,7 +191,7 @@ def test_plan_run_settles_every_auto_and_agrees_with_the_split_search():
     run = plan_run(cfg, Request(_auto(), 4, 4096, grad_accum=8), machine)
     assert run.engine.planned
     step = split_step(cfg, 4, 4096, _auto(transient_grads=False), 8, gpu_free=70 * GiB, host_free=400 * GiB)
-    assert (run.split, run.together, run.engine) == (step.split, step.together, step.placement.engine)
+    assert (run.split, run.per_pass, run.engine) == (step.split, step.per_pass, step.placement.engine)
     assert run.step_time is not None and run.refusal.startswith("this run does not fit: host RAM: needs 1174.5 GiB")
 
 
