@@ -14,6 +14,22 @@ from hf_megatrain.shapes import make_config
 from tests.support.tiny import KINDS, make_model
 
 
+def recorded_plans(monkeypatch) -> list:
+    """Every RunPlan that estimate, the trainer and prepare() get from plan_run, in order."""
+    import hf_megatrain.planner as planner
+    import hf_megatrain.trainer as trainer_module
+
+    plans = []
+
+    def recorded(*a, **k):
+        plans.append(plan_run(*a, **k))
+        return plans[-1]
+
+    monkeypatch.setattr(planner, "plan_run", recorded)
+    monkeypatch.setattr(trainer_module, "plan_run", recorded)
+    return plans
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("ga", [1, 2])
 def test_the_trainer_builds_what_plan_run_plans(tmp_path, kind, ga):
@@ -54,19 +70,10 @@ def test_prepare_builds_what_the_trainer_builds(tmp_path, kind, ga):
 def test_estimate_the_trainer_and_prepare_make_the_same_plan(tmp_path, monkeypatch, capsys, kind, ga):
     """One request (2 rows of 16 tokens, GA ga, clipping at 1, fp32 on the CPU) through the three doors:
     `hf-megatrain estimate`, MegaTrainTrainer and prepare() each get the same RunPlan from plan_run."""
-    import hf_megatrain.planner as planner
-    import hf_megatrain.trainer as trainer_module
     from hf_megatrain import prepare
     from hf_megatrain.cli import main
 
-    plans = []
-
-    def recorded(*a, **k):
-        plans.append(plan_run(*a, **k))
-        return plans[-1]
-
-    monkeypatch.setattr(planner, "plan_run", recorded)
-    monkeypatch.setattr(trainer_module, "plan_run", recorded)
+    plans = recorded_plans(monkeypatch)
     model = make_model(kind)
     model.config.save_pretrained(tmp_path / "m")
     assert main(["estimate", str(tmp_path / "m"), "--batch", "2", "--seq", "16", "--grad_accum", str(ga),
@@ -91,19 +98,10 @@ def test_a_lora_run_gets_the_same_plan_through_the_three_doors(tmp_path, monkeyp
     PEFT model plan the same adapters on the same frozen base."""
     from peft import LoraConfig, get_peft_model
 
-    import hf_megatrain.planner as planner
-    import hf_megatrain.trainer as trainer_module
     from hf_megatrain import prepare
     from hf_megatrain.cli import main
 
-    plans = []
-
-    def recorded(*a, **k):
-        plans.append(plan_run(*a, **k))
-        return plans[-1]
-
-    monkeypatch.setattr(planner, "plan_run", recorded)
-    monkeypatch.setattr(trainer_module, "plan_run", recorded)
+    plans = recorded_plans(monkeypatch)
     model = make_model(kind)
     model.config.save_pretrained(tmp_path / "m")
     assert main(["estimate", str(tmp_path / "m"), "--batch", "2", "--seq", "16", "--grad_accum", "2",
@@ -134,16 +132,9 @@ def test_a_data_parallel_run_gets_the_same_plan_from_estimate_and_the_trainer(tm
                                                                              kind, ga):
     """Four ranks, two on this host: `estimate --world_size 4 --local_ranks 2` and the trainer's request on its
     arguments plan alike: every layer streams, the modes are off, each rank holds a quarter of the fp32 state."""
-    import hf_megatrain.planner as planner
     from hf_megatrain.cli import main
 
-    plans = []
-
-    def recorded(*a, **k):
-        plans.append(plan_run(*a, **k))
-        return plans[-1]
-
-    monkeypatch.setattr(planner, "plan_run", recorded)
+    plans = recorded_plans(monkeypatch)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     model = make_model(kind)
     model.config.save_pretrained(tmp_path / "m")
