@@ -5,8 +5,9 @@ What is decided here and nowhere else:
 - the auto rules of the host memory modes: transient_grads and gpu_grad_layers on auto are weighed
   only where there is a machine to weigh them against (a GPU, its free memory and the host's), and
   transient_grads only where it is free of time (one process, no clipping);
-- data parallel x memory modes: residency is not combined with sharding (streamed, said in a note);
-  layer_major_accumulation, transient_grads and lean_streamed asked for with it are refused;
+- data parallel x memory modes: residency is not combined with sharding (streamed, said in a note), the
+  host memory modes are off; layer_major_accumulation, transient_grads, lean_streamed and
+  gpu_grad_layers asked for with it are refused;
 - transient_grads with micro-batches one at a time is refused;
 - admission (the refusal's words, with the longest row that fits and each mode's cost), the
   allocator's advice, the step-time prediction and what lean_streamed taken on auto costs.
@@ -126,7 +127,8 @@ def request_from_arguments(args, device, lora: bool = False, model=None) -> Requ
 def settle_autos(engine: EngineConfig, request: Request, machine: Machine) -> EngineConfig:
     """The auto rules of the host memory modes, once: with nothing to weigh them against (no GPU, no
     free memory given, data parallel), they are off; transient_grads on auto is offered only where
-    it costs no pass (no clipping)."""
+    it costs no pass (no clipping); with transient_grads no gradient persists to keep on the GPU.
+    Data parallel streams every layer (residency is not combined with sharding yet)."""
     cuda = engine.device.type == "cuda"
     weighed = cuda and request.world_size <= 1 and machine.gpu_free is not None and machine.host_free is not None
     fields = {}
