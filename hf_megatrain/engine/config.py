@@ -90,14 +90,14 @@ class EngineConfig:
         StreamingEngine.gradient_norm has measured the global norm in a pass of its own), a step's
         micro-batches run together, background host jobs; anything else is refused. Not with data
         parallel. None: auto (the planner takes it when the host RAM does not suffice without it;
-        only offered without clipping, where it costs no pass: see arguments.engine_config).
+        only offered without clipping, where it costs no pass: planner/run.py's settle_autos).
     gpu_grad_layers: the last N streamed decoder layers keep their fp32 gradient accumulator on the
         GPU instead of in host RAM (4 bytes per parameter moved from host to GPU): contributions are
         added and norms taken there, and each gradient crosses PCIe once, clipped on the GPU, through
         two pinned landing tiles during its host step. For exact clipping with a host that is
         short, where the GPU has room left beside its resident layers. None: auto (the planner fills
-        that room when the host needs it). Not with transient_grads (nothing persists to place) or
-        data parallel. Auto is 0 off a GPU.
+        that room when the host needs it; 0 off a GPU, with transient_grads or with data parallel).
+        Not with transient_grads (nothing persists to place) or data parallel.
     prefetch_depth: GPU weight slots of the ring that streams decoder layers (>= 2).
     grad_slots: GPU slots of fp32 layer gradients on their way to the host (>= 1).
     staging_slabs: pinned slabs for gradient contributions after a step's first (>= 1).
