@@ -251,8 +251,9 @@ class StreamingEngine(nn.Module):
             if unit.kind == "layer" and unit.template_key not in templates:
                 source = layers[unit.layer]
                 tmpl = Template(meta_copy(source, cfg), self._template_buffers({"": source}))
-                if spec.has_router_loss and _has_submodule(source, spec.router):  # dense layers of an MoE have none
-                    tmpl.capture(spec.router, spec.router_index)
+                routers = [p for p in spec.router_paths if _has_submodule(source, p)]  # dense layers of an MoE have none
+                if routers:  # several: one layer's logits come stacked (JetMoE's attention and MLP routers)
+                    tmpl.capture(routers[0] if len(routers) == 1 else routers, spec.router_index)
                 templates[unit.template_key] = tmpl
         # A decoder layer's persistent buffers (saved with the weights, so one layer's own values: GLM-4-MoE's
         # router e_score_correction_bias) reach its template call beside its weights, on the compute device.
@@ -729,7 +730,7 @@ class StreamingEngine(nn.Module):
         aux = fn(tuple(routers.values()), getattr(cfg, self.spec.experts), cfg.num_experts_per_tok, mask)
         if stats is not None:
             stats["aux_loss"] = aux.detach()
-        return cfg.router_aux_loss_coef * aux
+        return getattr(cfg, self.spec.aux_coef) * aux  # router_aux_loss_coef but for JetMoE's aux_loss_coef
 
     # -- evaluation -------------------------------------------------------------------------
     def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, return_logits=True, **kw):

@@ -144,10 +144,12 @@ def verify(spec, config) -> None:
         _RUNNING.discard(key)
     depth = f"{small.num_hidden_layers}-layer"
     if router_loss:
+        why = (f"which it cannot take as stock does ({spec.router_unmatched})" if spec.router_unmatched else
+               "which it takes from the routers the installed transformers records, and that differs")
         raise MegaTrainError(
             f"model type {key!r} is outside the registry; the engine equals stock on a {depth} random copy except "
-            "for the router's load-balancing loss (output_router_logits=True), which it adds only for the MoE "
-            "families it knows, so it is not trained; with config.output_router_logits = False it is.")
+            f"for the router's load-balancing loss (output_router_logits=True), {why}, so it is not trained; with "
+            "config.output_router_logits = False it is.")
     if differs:
         raise MegaTrainError(
             f"model type {key!r} is outside the registry; the engine tried it through the standard layout, but on "

@@ -66,15 +66,17 @@ class ArchSpec:
     lm_head: str = "lm_head"
     rotary: str = "model.rotary_emb"
     mlp: str = "mlp"  # inside a decoder layer: the per-token block that sequence tiling splits
-    # Module attribute of the router inside a layer whose output[0] is the router logits,
-    # the name of the aux-loss function in the modeling module, and the config attribute that
-    # holds the number of experts it is given (MoE families only).
-    router: str | None = None
+    # Module attribute of the router inside a layer whose output[0] is the router logits (a tuple: several
+    # routers in one layer, JetMoE's attention and MLP ones), the name of the aux-loss function in the modeling
+    # module, the config attribute that holds the number of experts it is given, and the one that holds the
+    # coefficient the causal LM adds it with (MoE families only).
+    router: str | tuple[str, ...] | None = None
     # Where in the router's outputs its logits are; None: the output its forward returns as `router_logits`,
     # read from the installed transformers (GraniteMoe's router returned them last, later first).
     router_index: int | None = 0
     aux_loss_fn: str | None = None
     experts: str = "num_local_experts"
+    aux_coef: str = "router_aux_loss_coef"
     # Whether the decoder layers pass extra keyword arguments on to attention (StableLM's do not):
     # document-by-document attention needs them.
     attention_kwargs: bool = True
@@ -87,10 +89,17 @@ class ArchSpec:
     logits: Callable | None = None
     # Made for a type outside the registry from its standard layout; verified before training.
     generic: bool = False
+    # A generic MoE family whose causal LM adds a router loss the engine could not take from the installed
+    # transformers: why, in a few words (the self-check's refusal says it).
+    router_unmatched: str | None = None
 
     @property
     def has_router_loss(self) -> bool:
         return self.router is not None
+
+    @property
+    def router_paths(self) -> tuple[str, ...]:
+        return () if self.router is None else (self.router,) if isinstance(self.router, str) else tuple(self.router)
 
     def kinds(self, config) -> list[str]:
         return [self.layer_kind(config, i) for i in range(config.num_hidden_layers)]
@@ -111,8 +120,17 @@ class ArchSpec:
         return masks
 
     def aux_loss(self, model_class):
-        """The family's own load-balancing loss function (so numerics are HF's)."""
-        return getattr(sys.modules[model_class.__module__], self.aux_loss_fn)
+        """The family's own load-balancing loss function (so numerics are HF's). With several routers in a layer,
+        a layer's logits come stacked ([routers, tokens, experts], templates.Template.capture) and the function
+        gets them one by one, layer after layer, in the order the model's own recorder keeps them."""
+        fn = getattr(sys.modules[model_class.__module__], self.aux_loss_fn)
+        if len(self.router_paths) < 2:
+            return fn
+
+        def per_router(layers, *args):
+            return fn(tuple(r for stacked in layers for r in stacked.unbind(0)), *args)
+
+        return per_router
 
 
 def _fused_experts_disk(inter: str, gate: str, up: str, down: str, renames: tuple = ()):
@@ -259,9 +277,112 @@ def _generic(config) -> ArchSpec | str:
     if mlp is None:
         return (f"its decoder layers ({type(layers[0]).__name__}) have no per-token block under a name the engine "
                 f"knows ({', '.join(_MLP_NAMES)}) in every layer")
-    spec = ArchSpec(model_type, kind, mlp=mlp, generic=True, **paths)
+    outside = _outside_the_layers(model, paths)
+    if isinstance(outside, str):
+        return outside
+    router = _router_loss(model, layers)
+    fields = router if isinstance(router, dict) else {"router_unmatched": router}
+    spec = ArchSpec(model_type, kind, mlp=mlp, generic=True, **paths, **outside, **fields)
     _GENERIC[model_type] = spec
     return spec
+
+
+# What a generic family's forwards may do outside the layers that the engine does as they do (spec.logits and
+# spec.embed_multiplier), recognised in their source: the causal LM's soft-capping (Gemma 2's, VaultGemma's,
+# NanoChat's), Cohere's logit scale, Granite's logits scaling; the base model's embedding multiplier.
+_LOGITS = (
+    (re.compile(r"logits\s*=\s*logits\s*/\s*self\.config\.final_logit_softcapping\s*\n\s*logits\s*=\s*torch\.tanh"
+                r"\(logits\)\s*\n\s*logits\s*=\s*logits\s*\*\s*self\.config\.final_logit_softcapping\b"), "_softcap_logits"),
+    (re.compile(r"logits\s*=\s*logits\s*\*\s*self\.logit_scale\b"), "_scaled_logits"),
+    (re.compile(r"logits\s*=\s*logits\s*/\s*self\.config\.logits_scaling\b"), "_divided_logits"),
+)
+_EMBED_MULTIPLIER = re.compile(r"inputs_embeds\s*=\s*inputs_embeds\s*\*\s*self\.embedding_multiplier\b")
+
+
+def _outside_the_layers(model, paths: dict) -> dict | str:
+    """What the causal LM and its base model do outside the layers that the engine repeats (the spec's logits and
+    embed_multiplier fields), read from their forwards' source; the reason, where they do what it does not."""
+    base = model.get_submodule(paths["embed"].rpartition(".")[0])
+    try:
+        forward, base_forward = inspect.getsource(type(model).forward), inspect.getsource(type(base).forward)
+        init, base_init = inspect.getsource(type(model).__init__), inspect.getsource(type(base).__init__)
+    except (OSError, TypeError):
+        return {}
+    out = {}
+    found = [fn for pattern, fn in _LOGITS if pattern.search(forward)]
+    if len(found) > 1:
+        return f"its causal LM transforms the logits in several ways ({', '.join(found)})"
+    if found == ["_scaled_logits"] and not re.search(r"self\.logit_scale\s*=\s*config\.logit_scale\s*$", init, re.M):
+        return "its causal LM scales the logits by something other than config.logit_scale"
+    if found:
+        out["logits"] = globals()[found[0]]
+    if _EMBED_MULTIPLIER.search(base_forward):
+        if not re.search(r"self\.embedding_multiplier\s*=\s*config\.embedding_multiplier\s*$", base_init, re.M):
+            return "its model multiplies the embeddings by something other than config.embedding_multiplier"
+        out["embed_multiplier"] = "embedding_multiplier"
+    norm = paths["norm"].rpartition(".")[2]
+    if len(re.findall(rf"self\.{re.escape(norm)}\(", base_forward)) > 1:
+        return (f"its model forward applies its final norm ({paths['norm']}) before the first decoder layer too, "
+                "where the engine's embedding unit applies none")
+    return out
+
+
+# What a generic causal LM's forward must do with its routers for the engine's router loss to be its own: read
+# the switch from the config, call the modeling file's load_balancing_loss_func on every recorded router's logits
+# with the model's expert count, top-k and the attention mask, and add it times a coefficient when there are labels.
+_LBL_CALL = re.compile(r"load_balancing_loss_func\(\s*outputs\.router_logits\s*,\s*self\.num_experts\s*,"
+                       r"\s*self\.num_experts_per_tok\s*,\s*attention_mask\s*,?\s*\)")
+_LBL_ADD = re.compile(r"loss\s*\+=\s*self\.(\w+)\s*\*\s*aux_loss\b")
+
+
+def _router_loss(model, layers) -> dict | str | None:
+    """The router fields of a generic spec (router path inside a layer, the output index of its logits, the
+    aux-loss function, the config attribute with the number of experts), read from the installed transformers:
+    the causal LM's forward and __init__ say how it adds its load-balancing loss, and its
+    `_can_record_outputs["router_logits"]` which module's output, at which index, is a layer's router logits.
+    None: the causal LM adds no router loss from its config (nothing to capture); a string: it adds one in a way
+    the engine does not match, in a few words."""
+    cls = type(model)
+    if not hasattr(model.config, "output_router_logits"):
+        return None
+    try:
+        forward, init = inspect.getsource(cls.forward), inspect.getsource(cls.__init__)
+    except (OSError, TypeError):
+        return f"the source of its causal LM ({cls.__name__}), which says how it adds its router loss, cannot be read"
+    if "load_balancing_loss_func(" not in forward or "self.config.output_router_logits" not in forward:
+        return None  # no router loss, or only when a call asks for it (JetMoE up to transformers 5.17)
+    if not _LBL_CALL.search(forward) or not hasattr(sys.modules[cls.__module__], "load_balancing_loss_func"):
+        return (f"its causal LM ({cls.__name__}) computes its load-balancing loss from other arguments than "
+                "(router logits, num_experts, num_experts_per_tok, attention_mask)")
+    assigned = dict(re.findall(r"self\.(\w+)\s*=\s*config\.(\w+)\s*$", init, re.M))
+    coef = _LBL_ADD.search(forward)
+    coef = assigned.get(coef.group(1)) if coef else None
+    if coef is None:
+        return (f"its causal LM ({cls.__name__}) weighs its load-balancing loss by something other than a config "
+                "attribute")
+    if assigned.get("num_experts_per_tok") != "num_experts_per_tok" or "num_experts" not in assigned:
+        return (f"its causal LM ({cls.__name__}) takes the number of experts or their top-k from other config "
+                "attributes than the engine reads")
+    recorded = getattr(cls, "_can_record_outputs", None) or {}
+    recorded = recorded.get("router_logits")
+    recorded = recorded if isinstance(recorded, (list, tuple)) else [recorded] if recorded is not None else []
+    targets = []  # (router class, the index of its logits among its outputs)
+    for r in recorded:
+        target = r if isinstance(r, type) else getattr(r, "target_class", None)
+        if not isinstance(target, type) or getattr(r, "layer_name", None) or getattr(r, "class_name", None):
+            return f"its model records router logits in a way the engine does not read ({r!r})"
+        targets.append((target, 0 if isinstance(r, type) else int(r.index or 0)))
+    found = {tuple((n, i) for n, m in layer.named_modules() for t, i in targets if isinstance(m, t)) for layer in layers}
+    found.discard(())  # the dense layers of an MoE
+    if len(found) != 1:
+        return ("its decoder layers have no router the engine finds from the model's recorded router logits"
+                if not found else "its routers sit under different paths in different layers")
+    (routers,) = found
+    if len({i for _, i in routers}) != 1:
+        return "the routers of one layer give their logits at different output indices"
+    paths = tuple(n for n, _ in routers)
+    return dict(router=paths[0] if len(paths) == 1 else paths, router_index=routers[0][1],
+                aux_loss_fn="load_balancing_loss_func", experts=assigned["num_experts"], aux_coef=coef)
 
 
 def _layout(model) -> dict | str:

@@ -84,18 +84,42 @@ class Template:
         self.module.train(mode)
 
     # -- router capture (MoE) -------------------------------------------------------------
-    def capture(self, submodule_path: str, index: int | None = 0) -> None:
+    def capture(self, submodule_path, index: int | None = 0) -> None:
         """Record output[index] of a submodule (the router logits) on every call; index None: the output
-        its forward returns as `router_logits` (router_logits_index)."""
-        sub = self.module.get_submodule(submodule_path)
-        if index is None:
-            index = router_logits_index(sub)
+        its forward returns as `router_logits` (router_logits_index). Several paths (JetMoE's attention and
+        MLP routers in one layer): each call of the layer records one tensor, [routers, tokens, experts],
+        the routers in the order the layer called them (what the model's own recorder keeps, one after
+        the other), a router called tile by tile (MLP tiling) with its tiles put back in sequence order."""
+        paths = [submodule_path] if isinstance(submodule_path, str) else list(submodule_path)
+        for slot, path in enumerate(paths):
+            sub = self.module.get_submodule(path)
+            at = router_logits_index(sub) if index is None else index
 
-        def hook(_mod, _inp, out):
-            if self._captures is not None:
-                self._captures.append(out[index] if isinstance(out, tuple) else out)
+            def hook(_mod, _inp, out, at=at, slot=slot):
+                if self._captures is not None:
+                    logits = out[at] if isinstance(out, tuple) else out
+                    self._captures.append(logits if len(paths) == 1 else (slot, logits))
 
-        sub.register_forward_hook(hook)
+            sub.register_forward_hook(hook)
+        if len(paths) > 1:
+            self.module.register_forward_hook(self._stack_routers, with_kwargs=True)
+
+    def _stack_routers(self, _mod, args, kwargs, _out) -> None:
+        if not self._captures:
+            return
+        x = args[0] if args else kwargs["hidden_states"]
+        order, parts = [], {}
+        for slot, logits in self._captures:
+            if slot not in parts:
+                order.append(slot)
+            parts.setdefault(slot, []).append(logits)
+        per_router = []
+        for slot in order:
+            tiles = parts[slot]
+            experts = tiles[0].shape[-1]
+            per_router.append(tiles[0].reshape(-1, experts) if len(tiles) == 1 else
+                              torch.cat([t.reshape(x.shape[0], -1, experts) for t in tiles], dim=1).reshape(-1, experts))
+        self._captures[:] = [torch.stack(per_router)]
 
     @contextmanager
     def capturing(self):

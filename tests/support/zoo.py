@@ -28,7 +28,7 @@ MAY_BE_NONE = dict(num_key_value_heads=2, sliding_window=8, attention_chunk_size
                    moe_intermediate_size=64, expert_intermediate_size=64, shared_expert_intermediate_size=64,
                    intermediate_size_mlp=128, n_inner=128)
 EXPERTS = dict(num_local_experts=4, num_experts=4, n_routed_experts=4, moe_num_experts=4)
-TOP_K = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token")
+TOP_K = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "moe_k")  # moe_k: ERNIE-4.5-MoE
 LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
 DEPTH = 3
 NOISE = ("router_jitter_noise", "input_jitter_noise")

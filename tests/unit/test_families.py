@@ -162,19 +162,70 @@ def test_a_standard_architecture_outside_the_registry_is_verified_then_trained(c
         torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_the_self_check_refuses_what_the_generic_spec_gets_wrong(monkeypatch):
-    """Granite without its spec: the standard layout fits, but its embedding multiplier and logits scaling
-    live outside the layers, so the 2-layer copy differs from stock and the engine refuses, naming the
-    first thing that differs."""
+def test_the_generic_spec_repeats_what_a_family_does_outside_its_layers(monkeypatch):
+    """Granite without its spec: the generic spec reads its embedding multiplier and its logits scaling from the
+    base model's and the causal LM's forwards (as it reads soft-capping and Cohere's logit scale), and trains it
+    exactly, the tiny Granite setting both (and residual and attention multipliers, inside the layers)."""
     from hf_megatrain.engine import selfcheck
     from hf_megatrain.patcher import specs
 
     monkeypatch.delitem(specs._REGISTRY, "granite")
     monkeypatch.setattr(specs, "_GENERIC", {})
     monkeypatch.setattr(selfcheck, "_VERIFIED", set())
+    model = make_model("granite")
+    spec = specs.spec_for(model.config)
+    assert spec.generic and spec.embed_multiplier == "embedding_multiplier" and spec.logits is specs._divided_logits
+    assert_engine_matches_stock(model)
+
+
+def test_the_self_check_refuses_what_the_generic_spec_gets_wrong(monkeypatch):
+    """Granite without its spec, and with the generic spec blind to what a causal LM does to its logits: the
+    standard layout fits, but its logits scaling lives outside the layers, so the 2-layer copy differs from stock
+    and the engine refuses, naming the first thing that differs."""
+    from hf_megatrain.engine import selfcheck
+    from hf_megatrain.patcher import specs
+
+    monkeypatch.delitem(specs._REGISTRY, "granite")
+    monkeypatch.setattr(specs, "_LOGITS", ())
+    monkeypatch.setattr(specs, "_GENERIC", {})
+    monkeypatch.setattr(selfcheck, "_VERIFIED", set())
     with pytest.raises(MegaTrainError, match="'granite' is outside the registry.*-layer random copy the loss "
                                              "differs from stock autograd"):
         StreamingEngine(make_model("granite"), compute_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("tile", [None, 15])
+@pytest.mark.parametrize("model_type", ["flex_olmo", "jetmoe"])
+def test_a_generic_moe_family_adds_its_router_loss_as_stock(model_type, tile):
+    """MoE families outside the registry with output_router_logits on: the generic spec takes the router
+    (module, output index), the load-balancing function, the expert count and the coefficient from the installed
+    transformers (the causal LM's own source and `_can_record_outputs`), and the loss, the aux loss and every
+    gradient equal stock's, also with MLP tiles (5 tokens a row). JetMoE has two routers a layer (attention and
+    MLP) where its causal LM adds the loss from its config (transformers 5.25); up to 5.17 it adds none from its
+    config, and neither does the engine."""
+    from hf_megatrain.patcher.specs import spec_for
+    from tests.support.zoo import tiny_config
+
+    cfg = tiny_config(model_type)
+    assert cfg.output_router_logits and model_type not in supported_model_types()
+    spec = spec_for(cfg)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).train()
+    batch = make_batch(batch=3, seq=12)  # one right-padded row: the aux loss leaves its padding out
+    nib = batch["labels"][..., 1:].ne(-100).sum()
+    ref = copy.deepcopy(model)
+    out = ref(**batch, num_items_in_batch=nib)
+    out.loss.backward()
+    assert (out.aux_loss is not None) == spec.has_router_loss
+    engine = StreamingEngine(model, compute_dtype=torch.float32, mlp_tile_tokens=tile).train()
+    engine.head_stats = []
+    loss = engine.forward_backward(batch, num_items_in_batch=nib)
+    assert abs(float(loss) - float(out.loss)) < 1e-5
+    if spec.has_router_loss:
+        assert abs(float(engine.head_stats[0]["aux_loss"]) - float(out.aux_loss)) < 1e-6
+    grads = dict(engine.named_grads())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
 # Families added after the shared tiny set (tests/support/tiny.py FAMILIES), with their tiny configs here:
