@@ -299,6 +299,27 @@ _LOGITS = (
 _EMBED_MULTIPLIER = re.compile(r"inputs_embeds\s*=\s*inputs_embeds\s*\*\s*self\.embedding_multiplier\b")
 
 
+# What the engine hands a decoder layer, or what a training forward leaves at its default (a cache; Falcon's alibi,
+# None without ALiBi: with it, the self-check finds the difference).
+_LAYER_KWARGS = {"hidden_states", "attention_mask", "position_ids", "position_embeddings", "past_key_values", "cache",
+                 "past_key_value", "layer_past", "use_cache", "cache_position", "output_attentions",
+                 "output_router_logits", "alibi"}
+
+
+def _layers_loop(base_forward: str, layers: str):
+    return re.search(rf"^\s*for\b[^\n]*\bself\.{re.escape(layers)}\b[^\n]*:\s*$", base_forward, re.M)
+
+
+def _layer_call_keywords(base_forward: str, layers: str) -> list[str]:
+    """The keyword arguments of the call inside the base model's loop over `self.<layers>` (Beam's
+    attention_scaling), read from its source; [] where no such loop is found."""
+    loop = _layers_loop(base_forward, layers)
+    if loop is None:
+        return []
+    call = re.search(r"\w+\((.*?)\n\s*\)", base_forward[loop.end():], re.S)
+    return re.findall(r"^\s*(\w+)\s*=", call.group(1), re.M) if call else []
+
+
 def _outside_the_layers(model, paths: dict) -> dict | str:
     """What the causal LM and its base model do outside the layers that the engine repeats (the spec's logits and
     embed_multiplier fields), read from their forwards' source; the reason, where they do what it does not."""
@@ -320,8 +341,13 @@ def _outside_the_layers(model, paths: dict) -> dict | str:
         if not re.search(r"self\.embedding_multiplier\s*=\s*config\.embedding_multiplier\s*$", base_init, re.M):
             return "its model multiplies the embeddings by something other than config.embedding_multiplier"
         out["embed_multiplier"] = "embedding_multiplier"
-    norm = paths["norm"].rpartition(".")[2]
-    if len(re.findall(rf"self\.{re.escape(norm)}\(", base_forward)) > 1:
+    extra = sorted(set(_layer_call_keywords(base_forward, paths["layers"].rpartition(".")[2])) - _LAYER_KWARGS)
+    if extra:
+        return (f"its model forward hands each decoder layer {', '.join(extra)}, computed outside the layers, which "
+                "the engine does not pass")
+    norm = re.search(rf"self\.{re.escape(paths['norm'].rpartition('.')[2])}\(", base_forward)
+    loop = _layers_loop(base_forward, paths["layers"].rpartition(".")[2])
+    if norm and loop and norm.start() < loop.start():  # NanoChat
         return (f"its model forward applies its final norm ({paths['norm']}) before the first decoder layer too, "
                 "where the engine's embedding unit applies none")
     return out

@@ -108,6 +108,7 @@ def assert_saved_files_load_back(src, tmp_path):
 @pytest.mark.parametrize("model_type, reason", [
     ("t5", "an encoder-decoder model"), ("jamba", "state-space or hybrid layers"),
     ("llava", "a wrapper around a text model"), ("gpt2", "no rotary module of its own"),
+    ("nanochat", "applies its final norm (model.norm) before the first decoder layer too"),
 ])
 def test_what_is_not_a_decoder_stack_is_refused_with_its_reason(model_type, reason, tmp_path, capsys):
     """The trainer and `hf-megatrain estimate` refuse it with the same line: the reason and the families."""
