@@ -356,7 +356,7 @@ class MegaTrainTrainer(Trainer):
         smoothing): Trainer's own compute_loss, called as stock's training_step calls it, with a model that
         gives the logits the engine built for that micro-batch (LogitsModel)."""
         def head_loss(k, logits, aux):
-            model = LogitsModel(self.model, group[k], logits=logits, aux=aux)
+            model = LogitsModel(self.model, group[k], logits=logits, aux=aux, aux_coef=self.engine.spec.aux_coef)
             return self.compute_loss(model, dict(group[k]), num_items_in_batch=num_items_in_batch)
 
         return head_loss
@@ -683,12 +683,13 @@ class LogitsModel:
     an MoE's load-balancing term), `logits`, and for an MoE `aux_loss`. In evaluation (`engine=`) a call
     runs the engine's forward. Every other attribute is the real model's (config, loss_function, ...)."""
 
-    def __init__(self, model, batch: dict, logits=None, aux=None, engine=None):
+    def __init__(self, model, batch: dict, logits=None, aux=None, engine=None, aux_coef="router_aux_loss_coef"):
         self._model, self._batch, self._logits, self._aux, self._engine = model, batch, logits, aux, engine
+        self._aux_coef = aux_coef  # the config field of the family's coefficient (JetMoE: aux_loss_coef)
         self._called = False
 
     def __getattr__(self, name):  # only for what __init__ did not set
-        if name in ("_model", "_batch", "_logits", "_aux", "_engine", "_called"):
+        if name in ("_model", "_batch", "_logits", "_aux", "_engine", "_called", "_aux_coef"):
             raise AttributeError(name)  # a copy made without __init__ must not recurse
         return getattr(self._model, name)
 
@@ -714,7 +715,7 @@ class LogitsModel:
             extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
             loss = inner.loss_function(logits=self._logits, labels=labels, vocab_size=inner.config.vocab_size, **extra)
         if self._aux is not None:
-            coef = inner.config.router_aux_loss_coef
+            coef = getattr(inner.config, self._aux_coef, None)
             aux_loss = self._aux / coef if coef else None  # the leaf is coef * aux, as the model adds it
             if loss is not None:
                 loss = loss + self._aux

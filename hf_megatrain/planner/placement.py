@@ -208,7 +208,8 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
     sizes: as resolve_placement's."""
     sizes = sizes or model_sizes(config)
     if splittable is None:
-        splittable = not (getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
+        coef = getattr(config, "router_aux_loss_coef", 0) or getattr(config, "aux_loss_coef", 0)  # JetMoE's name
+        splittable = not (getattr(config, "output_router_logits", False) and coef)
 
     def placed(rows, n=1, eng=engine):
         later = one_at_a_time(ga, per_pass=n)
