@@ -352,6 +352,48 @@ def test_host_memory_modes_are_bit_identical_on_gpu(modes, clip):
         assert torch.equal(got[name], ref[name]), name
 
 
+
+@pytest.mark.parametrize("clip,modes", [(0.0, {}), (1e-2, {}), (1e-2, dict(lean_streamed=True, transient_grads=True))])
+def test_train_step_is_the_plain_loop_on_gpu(clip, modes):
+    """hf_megatrain.train_step (engine/step.py's policy: the host AdamW during the backward without clipping,
+    after a norm pass with transient_grads and clipping, else after the backward) on the CUDA path gives the
+    losses and weights of the plain loop (forward_backward_many, clip_grad_norm_, step): bit for bit where
+    nothing but the time of the step moves, to the kernels' determinism where a norm pass runs first."""
+    from types import SimpleNamespace
+
+    from hf_megatrain import train_step
+
+    def run(policy):
+        engine = StreamingEngine(make_model("llama", num_hidden_layers=4, seed=8), device=DEV,
+                                 compute_dtype=torch.bfloat16, **(modes if policy else {})).train()
+        opt = HostAdamW(engine, lr=1e-3, weight_decay=0.1)
+        losses = []
+        for step in range(3):
+            batches = [make_batch(seed=10 * step + m) for m in range(2)]
+            if policy:
+                out = train_step(engine, opt, batches, max_grad_norm=clip, plan=SimpleNamespace(split=1, per_pass=2))
+                losses.append(float(out.loss))
+            else:
+                items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+                step_losses = engine.forward_backward_many(batches, items)
+                losses.append(float(torch.stack([x.float().cpu() for x in step_losses]).sum()))
+                if clip:
+                    opt.clip_grad_norm_(clip)
+                opt.step()
+            engine.zero_grad()
+        return losses, dict(engine.named_master_params())
+
+    ref_losses, ref = run(False)
+    losses, got = run(True)
+    exact = not modes
+    assert losses == (ref_losses if exact else pytest.approx(ref_losses, rel=1e-5))
+    for name in ref:
+        if exact:
+            assert torch.equal(got[name], ref[name]), name
+        else:
+            torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_transient_grads_clip_after_a_norm_pass_on_gpu():
     """transient_grads with clipping on the GPU: each step's norm pass (a forward and backward whose
     gradients only leave their norms, the ring's gradient slots freed without a copy) gives the norm
