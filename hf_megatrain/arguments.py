@@ -11,7 +11,7 @@ from transformers import TrainingArguments
 from .engine.config import DTYPES, EngineConfig, parse_count, parse_switch
 from .errors import MegaTrainError
 
-SUPPORTED_OPTIM = ("adamw_torch", "adamw_torch_fused")
+SUPPORTED_OPTIM = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop", "adafactor")
 SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -216,7 +216,7 @@ def check_arguments(args) -> None:
     optim = str(getattr(args.optim, "value", args.optim))  # a string before __post_init__, an enum after
     if optim not in SUPPORTED_OPTIM:
         raise MegaTrainError(
-            f"optim={optim!r} is not supported: hf_megatrain runs AdamW on the host. Use one of {SUPPORTED_OPTIM}."
+            f"optim={optim!r} is not supported: hf_megatrain runs these on the host: {', '.join(SUPPORTED_OPTIM)}."
         )
 
 

@@ -30,6 +30,7 @@ from .checkpoint.peft_export import model_writer, save_merged
 from .checkpoint.local_hub import LocalHub, default_hub_dir
 from .checkpoint.manifest import MANIFEST, commit_dir, partial_dir, verify_manifest, write_manifest
 from .checkpoint.optimizer_state import (
+    check_optimizer_kind,
     load_masters,
     load_optimizer_state,
     save_optimizer_state,
@@ -37,6 +38,7 @@ from .checkpoint.optimizer_state import (
 from .data import CausalCollator, count_real_tokens, tokenize_dataset
 from .engine.distributed import check_launch
 from .engine.loss import loss_denominator
+from .engine.host_optim import HostParamOptimizer, optimizer_name, unsupported_modes
 from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine
 from .engine.step import ENGINE_KEYS, backward, split_rows
@@ -99,6 +101,13 @@ class MegaTrainTrainer(Trainer):
                     if given is None and getattr(args, name)}
         check_disk(args, model)
         run = self._plan(args, model)
+        self.args = args
+        if self.optimizer_kind != "adamw":  # a mode only the host AdamW runs: refused before any weight is read
+            why = unsupported_modes(self.optimizer_kind, world_size=args.world_size,
+                                    transient_grads=bool(run.engine.transient_grads),
+                                    gpu_grad_layers=int(run.engine.gpu_grad_layers or 0))
+            if why is not None:
+                raise MegaTrainError(why)
         # Weights are read last: the data is tokenized first, then the LoRA base and the store are filled.
         train_dataset, eval_dataset, data_collator = self._datasets(
             raw_data, train_dataset, eval_dataset, data_collator, processing_class, args, base_model(model).config)
@@ -152,7 +161,9 @@ class MegaTrainTrainer(Trainer):
             args.peft_config = peft_config
         check_launch(args)  # several processes but no process group: refused before any weight is read
         check_outputs(args)
-        check_resume(args.resume_from_checkpoint, args.output_dir)
+        resume = check_resume(args.resume_from_checkpoint, args.output_dir)
+        if resume is not None:  # another optimizer's checkpoint: refused before any weight is read
+            check_optimizer_kind(resume, run_optimizer(args, self._adamw))
         return args
 
     def _plan(self, args, model):
@@ -247,6 +258,8 @@ class MegaTrainTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # A wrong or incomplete checkpoint fails now, before the dataloader and optimizer are built.
         resume_from_checkpoint = check_resume(resume_from_checkpoint, self.args.output_dir)
+        if resume_from_checkpoint is not None:
+            check_optimizer_kind(resume_from_checkpoint, self.optimizer_kind)
         try:
             result = super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException:
@@ -276,13 +289,25 @@ class MegaTrainTrainer(Trainer):
     def create_optimizer(self, model=None):
         if self.optimizer is None:
             a = self.args
-            hyper = self._adamw or dict(lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon)
-            # weight decay as Trainer's two groups set it (optimizer_cls_and_kwargs cannot change it there either)
-            self.optimizer = HostAdamW(self.engine, weight_decay=a.weight_decay, **hyper)
+            if self.optimizer_kind == "adamw":
+                hyper = self._adamw or dict(lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2),
+                                            eps=a.adam_epsilon)
+                # weight decay as Trainer's two groups set it (optimizer_cls_and_kwargs cannot change it there either)
+                self.optimizer = HostAdamW(self.engine, weight_decay=a.weight_decay, **hyper)
+            else:  # the class and kwargs stock builds for args.optim (lr, optim_args, its own defaults)
+                cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(a, self.model)
+                self.optimizer = HostParamOptimizer(self.engine, cls, kwargs, weight_decay=a.weight_decay,
+                                                    name=self.optimizer_kind)
         return self.optimizer
 
     @property
-    def host_optimizer(self) -> HostAdamW:
+    def optimizer_kind(self) -> str:
+        """The optimizer this run steps, as checkpoints record it: 'adamw' (every AdamW variant, and
+        optimizer_cls_and_kwargs' AdamW) or args.optim (sgd, adagrad, rmsprop, adafactor)."""
+        return run_optimizer(self.args, self._adamw)
+
+    @property
+    def host_optimizer(self) -> HostAdamW | HostParamOptimizer:
         opt = self.optimizer
         return getattr(opt, "optimizer", opt)
 
@@ -730,6 +755,12 @@ def check_overrides(cls) -> None:
         owner = _own(cls, name)
         if owner is not None:
             raise MegaTrainError(f"{owner.__name__}.{name} overrides Trainer.{name}, but {why}")
+
+
+def run_optimizer(args, adamw: dict | None) -> str:
+    """What steps a run, as checkpoints record it: 'adamw' (every AdamW variant, and optimizer_cls_and_kwargs'
+    AdamW: `adamw`, check_optimizers' answer) or args.optim (sgd, adagrad, rmsprop, adafactor)."""
+    return "adamw" if adamw else optimizer_name(str(getattr(args.optim, "value", args.optim)))
 
 
 def check_optimizers(optimizers, optimizer_cls_and_kwargs) -> dict | None:

@@ -6,6 +6,12 @@ parallel) as tensors named `<unit>.master`, `<unit>.exp_avg`, `<unit>.exp_avg_sq
 records the step, the hyper-parameters, the unit layout, and which file holds which range of
 which unit. A resume with any number of ranks reads, for each unit, the ranges it now owns from
 whichever files hold them.
+
+The per-parameter optimizers (engine/host_optim.py: sgd, adagrad, rmsprop, adafactor; one process) save
+only `<unit>.master` in those files, and each parameter's state, under the optimizer's own keys, as
+`<unit>.<slot>.<key>` in `megatrain_optimizer_state-<i>.safetensors` (plain values, such as Adafactor's
+step, in the JSON). The JSON names the optimizer ("adamw" where absent: written before there were
+others), and a resume with another one is refused.
 """
 
 from __future__ import annotations
@@ -23,7 +29,13 @@ STATE_JSON = "megatrain_optimizer.json"
 SHARD_BYTES = 4 * 1024**3
 
 
+def _kind(optimizer) -> str:
+    return getattr(optimizer, "name", "adamw")
+
+
 def _buffers(optimizer, index: int) -> dict[str, torch.Tensor]:
+    if _kind(optimizer) != "adamw":
+        return {"master": optimizer.store.master[index]}
     return {
         "master": optimizer.store.master[index],
         "exp_avg": optimizer.exp_avg[index],
@@ -60,6 +72,7 @@ def save_optimizer_state(optimizer, out_dir: str) -> None:
         ids = [i for i, f in plan.items() if f == fname]
         tensors = {f"{i}.{k}": t.cpu() for i in ids for k, t in _buffers(optimizer, i).items()}
         save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
+    state_files = _save_param_state(optimizer, out_dir) if _kind(optimizer) != "adamw" else None
     if rank != 0:
         return
     pieces = {str(u.index): [] for u in store.units}
@@ -76,9 +89,52 @@ def save_optimizer_state(optimizer, out_dir: str) -> None:
         "units": [[u.kind, u.numel] for u in store.units],
         "world": world,
         "pieces": pieces,
+        "optimizer": _kind(optimizer),
     }
+    if state_files is not None:
+        meta["state_files"], meta["state_values"] = state_files
     with open(os.path.join(out_dir, STATE_JSON), "w") as f:
         json.dump(meta, f, indent=1)
+
+
+def _save_param_state(optimizer, out_dir: str) -> tuple[dict[str, str], dict]:
+    """A per-parameter optimizer's state: files of about SHARD_BYTES; (tensor name -> file, plain values)."""
+    tensors, plain = optimizer.state_tensors()
+    where, part, size, batch = {}, 1, 0, {}
+
+    def flush():
+        if batch:
+            save_file(dict(batch), os.path.join(out_dir, f"megatrain_optimizer_state-{part:05d}.safetensors"),
+                      metadata={"format": "pt"})
+            batch.clear()
+
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if size and size + nbytes > SHARD_BYTES:
+            flush()
+            part, size = part + 1, 0
+        batch[name] = t
+        where[name] = f"megatrain_optimizer_state-{part:05d}.safetensors"
+        size += nbytes
+    flush()
+    return where, plain
+
+
+def saved_optimizer(path: str) -> str:
+    """The optimizer a checkpoint's state was written by ('adamw' for one written before there were others)."""
+    with open(os.path.join(path, STATE_JSON)) as f:
+        return json.load(f).get("optimizer", "adamw")
+
+
+def check_optimizer_kind(path: str, kind: str) -> None:
+    """Refuse, in one line, to resume `kind` from a checkpoint another optimizer wrote."""
+    if not has_optimizer_state(path):
+        return
+    saved = saved_optimizer(path)
+    if saved != kind:
+        want = "an AdamW variant" if saved == "adamw" else f"optim={saved!r}"
+        raise MegaTrainError(f"{path} holds the state of {saved}, but this run steps {kind}: resume with {want}, "
+                             "or start without resume_from_checkpoint.")
 
 
 def has_optimizer_state(path: str) -> bool:
@@ -139,11 +195,19 @@ def load_optimizer_state(optimizer, path: str) -> None:
     with open(os.path.join(path, STATE_JSON)) as f:
         meta = json.load(f)
     store = optimizer.store
+    check_optimizer_kind(path, _kind(optimizer))
     _check_layout(meta, store.units, path)
     _read(path, meta, store, [(u.index, k, b) for u in store.units for k, b in _buffers(optimizer, u.index).items()])
     for u in store.units:
         store.refresh_compute(u.index)
+    if _kind(optimizer) != "adamw":
+        tensors, handles = {}, {}
+        for name, fname in meta["state_files"].items():
+            if fname not in handles:
+                handles[fname] = safe_open(os.path.join(path, fname), framework="pt", device="cpu")
+            tensors[name] = handles[fname].get_tensor(name)
+        optimizer.load_state_tensors(tensors, meta["state_values"])
     optimizer.step_count = int(meta["step"])
     for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
         for k, v in saved.items():
-            group[k] = tuple(v) if k == "betas" else v
+            group[k] = tuple(v) if k == "betas" or isinstance(group.get(k), tuple) else v

@@ -24,7 +24,7 @@ def test_unsupported_architectures_name_the_supported_ones():
         (dict(fp16=True), "fp16"),
         (dict(deepspeed={"zero_optimization": {"stage": 3}}), "DeepSpeed"),
         (dict(torch_compile=True), "torch_compile"),
-        (dict(optim="sgd"), "optim"),
+        (dict(optim="adamw_bnb_8bit"), "optim"),
         (dict(prefetch_depth=1), "prefetch_depth"),
     ],
 )

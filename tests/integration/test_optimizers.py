@@ -1,0 +1,177 @@
+"""Trainer's other optimizers (sgd, adagrad, rmsprop, adafactor) on the host: MegaTrainTrainer against stock
+Trainer with the same `optim` and `optim_args` (fp32, CPU, clipping, GA 2), save and resume, the refusals, and
+one through the CLI."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
+
+from hf_megatrain import MegaTrainArguments, MegaTrainTrainer
+from hf_megatrain.checkpoint.manifest import write_manifest
+from hf_megatrain.errors import MegaTrainError
+from tests.support.tiny import make_model, make_rows as rows
+
+COMMON = dict(
+    per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=0.5, warmup_steps=1,
+    lr_scheduler_type="linear", weight_decay=0.1, learning_rate=1e-2, logging_steps=1, save_strategy="no",
+    report_to=[], seed=0, use_cpu=True, max_steps=4, dataloader_num_workers=0, disable_tqdm=True,
+)
+OPTIMS = {  # optim -> optim_args (Trainer's own parsing)
+    "sgd": "momentum=0.9,nesterov=True,dampening=0.0",
+    "adagrad": "lr_decay=0.01,eps=1e-8",
+    "rmsprop": "momentum=0.5,alpha=0.9,centered=True,eps=1e-4",
+    "adafactor": None,
+}
+KEYS = ("loss", "grad_norm", "learning_rate")
+
+
+def logs(trainer):
+    return [{k: h[k] for k in KEYS if k in h} for h in trainer.state.log_history if "loss" in h]
+
+
+def assert_same_run(stock, mega, ref):
+    a, b = logs(stock), logs(mega)
+    assert len(a) == len(b) == COMMON["max_steps"]
+    for x, y in zip(a, b):
+        for k in KEYS:
+            assert abs(x[k] - y[k]) <= 1e-6 * max(1.0, abs(x[k])), (k, x, y)
+    masters = dict(mega.engine.named_master_params())
+    for name, p in ref.named_parameters():
+        d = (masters[name] - p.detach()).abs().max().item()
+        assert d <= 1e-6, (name, d, p.detach().abs().max().item())
+
+
+@pytest.mark.parametrize("optim", list(OPTIMS))
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "mixtral"])
+def test_matches_stock(kind, optim, tmp_path):
+    train = rows(16, 0)
+    kw = dict(COMMON, optim=optim, optim_args=OPTIMS[optim])
+    model = make_model(kind)
+    ref = copy.deepcopy(model)
+    stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **kw),
+                    train_dataset=train, data_collator=default_data_collator)
+    stock.train()
+    mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "mega"), **kw),
+                            train_dataset=train, data_collator=default_data_collator)
+    mega.train()
+    assert mega.host_optimizer.stock_cls is type(stock.optimizer.optimizer)  # the very class stock built
+    assert_same_run(stock, mega, ref)
+
+
+def build(out, optim, model=None, **overrides):
+    kw = dict(COMMON, optim=optim, optim_args=OPTIMS.get(optim))
+    kw.update(overrides)
+    return MegaTrainTrainer(model if model is not None else make_model("llama_tied"),
+                            MegaTrainArguments(output_dir=str(out), **kw), train_dataset=rows(16, 0),
+                            data_collator=default_data_collator)
+
+
+@pytest.mark.parametrize("optim", list(OPTIMS))
+def test_resume_matches_uninterrupted(optim, tmp_path):
+    kw = dict(save_strategy="steps", save_steps=2)
+    full = build(tmp_path / "a", optim, **kw)
+    full.train()
+    meta = json.loads((tmp_path / "a" / "checkpoint-2" / "megatrain_optimizer.json").read_text())
+    assert meta["optimizer"] == optim and meta["state_files"]
+    resumed = build(tmp_path / "a", optim, model=make_model("llama_tied", seed=5), **kw)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert logs(resumed)[-2:] == logs(full)[-2:]  # losses, grad norms and lr after the resume: exactly
+    m1, m2 = dict(full.engine.named_master_params()), dict(resumed.engine.named_master_params())
+    for n in m1:
+        assert torch.equal(m1[n], m2[n]), n
+    s1, _ = full.host_optimizer.state_tensors()
+    s2, _ = resumed.host_optimizer.state_tensors()
+    assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
+
+
+def test_resume_with_another_optimizer_is_refused(tmp_path):
+    build(tmp_path / "a", "sgd", save_strategy="steps", save_steps=2, max_steps=2).train()
+    for optim, says in (("adafactor", "holds the state of sgd, but this run steps adafactor: resume with optim='sgd'"),
+                        ("adamw_torch", "holds the state of sgd, but this run steps adamw")):
+        trainer = build(tmp_path / "a", optim)
+        with pytest.raises(MegaTrainError) as e:
+            trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+        assert says in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(MegaTrainError, match="holds the state of sgd, but this run steps adagrad"):  # in the arguments:
+        build(tmp_path / "a", "adagrad", resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))  # when built
+    # a checkpoint the host AdamW wrote (its JSON has no "optimizer" before this change: it means adamw)
+    trainer = build(tmp_path / "b", "adamw_torch", save_strategy="steps", save_steps=2, max_steps=2)
+    trainer.train()
+    state = tmp_path / "b" / "checkpoint-2" / "megatrain_optimizer.json"
+    meta = json.loads(state.read_text())
+    assert meta.pop("optimizer") == "adamw"
+    state.write_text(json.dumps(meta))
+    write_manifest(str(tmp_path / "b" / "checkpoint-2"))
+    with pytest.raises(MegaTrainError, match="holds the state of adamw, but this run steps rmsprop: resume with an "
+                                             "AdamW variant"):
+        build(tmp_path / "b", "rmsprop").train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+
+
+def test_modes_only_adamw_runs_are_refused_before_weights(tmp_path, monkeypatch):
+    import hf_megatrain.trainer as trainer_module
+
+    def read(*a, **k):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(trainer_module.StreamingEngine, "__init__", read)
+    with pytest.raises(MegaTrainError, match="optim='adafactor' is not combined with transient_grads yet"):
+        build(tmp_path, "adafactor", transient_grads="true", background_host_jobs=True,
+              gradient_accumulation_steps=1)
+    with pytest.raises(MegaTrainError, match="optim='lion_32bit' is not supported: hf_megatrain runs these on the host"):
+        build(tmp_path, "lion_32bit")
+
+
+def test_cli_sgd_matches_stock(tmp_path):
+    """`hf-megatrain train --optim sgd --optim_args ...` in a process of its own: the model it saves and the
+    losses it logs are stock Trainer's with the same optim on the same rows; a resume with another optim is
+    one line, exit status 2."""
+    from hf_megatrain.demo import build_tokenizer
+    from tests.support import ROOT
+
+    make_model("llama").save_pretrained(tmp_path / "model")
+    build_tokenizer().save_pretrained(tmp_path / "model")
+    texts = [{"text": "abcdefghij"[i % 7:] + "xyz" * (i % 4)} for i in range(40)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in texts))
+    flags = dict(optim="sgd", optim_args="momentum=0.9,nesterov=True", max_steps=3, max_seq_length=16,
+                 per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=0.5,
+                 learning_rate=1e-2, weight_decay=0.1, logging_steps=1, save_strategy="steps", save_steps=3,
+                 report_to="none", seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+
+    def cli(*extra):
+        argv = ["--model", tmp_path / "model", "--data", tmp_path / "train.jsonl", "--use_cpu"]
+        argv += [x for k, v in flags.items() for x in (f"--{k}", v)]
+        return subprocess.run([sys.executable, "-m", "hf_megatrain.cli", "train", *map(str, argv + list(extra))],
+                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+
+    r = cli("--output_dir", tmp_path / "out")
+    assert r.returncode == 0, r.stderr[-3000:]
+    # stock Trainer on the rows the CLI trained on (its tokenizing and packing, its collator)
+    args = dict(flags, data_path=str(tmp_path / "train.jsonl"), save_strategy="no", use_cpu=True, report_to=[])
+    mega = MegaTrainTrainer(str(tmp_path / "model"), MegaTrainArguments(output_dir=str(tmp_path / "x"), **args))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    stock_args = {k: v for k, v in args.items() if k not in ("data_path", "max_seq_length")}
+    stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **stock_args),
+                    train_dataset=mega.train_dataset, data_collator=mega.data_collator)
+    stock.train()
+    state = json.loads((tmp_path / "out" / "checkpoint-3" / "trainer_state.json").read_text())
+    got = [{k: h[k] for k in KEYS if k in h} for h in state["log_history"] if "loss" in h]
+    want = logs(stock)
+    assert len(got) == len(want) == 3
+    for x, y in zip(want, got):
+        for k in KEYS:
+            assert abs(x[k] - y[k]) <= 1e-6 * max(1.0, abs(x[k])), (k, x, y)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    for (name, p), q in zip(ref.named_parameters(), saved.parameters()):
+        d = (p.detach() - q.detach()).abs().max().item()
+        assert d <= 1e-6, (name, d)
+    r = cli("--output_dir", tmp_path / "out", "--resume_from_checkpoint", tmp_path / "out" / "checkpoint-3",
+            "--optim", "rmsprop", "--optim_args", "momentum=0.9")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "holds the state of sgd, but this run steps rmsprop" in r.stderr.strip().splitlines()[-1]
