@@ -171,7 +171,7 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         # SFTTrainer settles the MoE load-balancing loss on the model's config after the engine took
         # its own copy of that config: carry the two settings over.
         text, own = self.model.config.get_text_config(), self.engine.config.get_text_config()
-        for name in ("output_router_logits", self.engine.spec.aux_coef):  # router_aux_loss_coef, or the family's
+        for name in ("output_router_logits", self.engine.aux_coef):  # router_aux_loss_coef, or the family's
             if hasattr(text, name):
                 setattr(own, name, getattr(text, name))
         # entropy, top-1 hits and the MoE aux loss for TRL's metrics, from the engine's loss

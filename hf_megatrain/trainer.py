@@ -381,7 +381,7 @@ class MegaTrainTrainer(Trainer):
         smoothing): Trainer's own compute_loss, called as stock's training_step calls it, with a model that
         gives the logits the engine built for that micro-batch (LogitsModel)."""
         def head_loss(k, logits, aux):
-            model = LogitsModel(self.model, group[k], logits=logits, aux=aux, aux_coef=self.engine.spec.aux_coef)
+            model = LogitsModel(self.model, group[k], logits=logits, aux=aux, aux_coef=self.engine.aux_coef)
             return self.compute_loss(model, dict(group[k]), num_items_in_batch=num_items_in_batch)
 
         return head_loss

@@ -231,6 +231,12 @@ class StreamingEngine(nn.Module):
         return self.engine_config.background_host_jobs
 
     @property
+    def aux_coef(self) -> str:
+        """The config field of the family's MoE load-balancing coefficient (router_aux_loss_coef; JetMoE's
+        aux_loss_coef), for what reads the coefficient outside the engine."""
+        return self.spec.aux_coef
+
+    @property
     def mlp_tile_tokens(self) -> int | None:
         return self.engine_config.mlp_tile_tokens
 
