@@ -665,9 +665,10 @@ class MegaTrainTrainer(Trainer):
 # without a word: refused when the trainer is built, saying what to do. Every other hook (log,
 # create_scheduler, get_train_dataloader, evaluate, prediction_step, callbacks...) runs as in stock.
 SKIPPED_HOOKS = {
-    "create_optimizer": "the engine steps its own AdamW on the host over flat per-layer buffers. Remove the "
-                        "override and set learning_rate, weight_decay, adam_beta1/adam_beta2 and adam_epsilon in "
-                        "the arguments (parameter groups follow get_decay_parameter_names, which may be overridden).",
+    "create_optimizer": "the engine steps its own optimizer on the host over flat per-layer buffers. Remove the "
+                        "override and set optim (adamw_torch, sgd, adagrad, rmsprop, adafactor), optim_args, "
+                        "learning_rate, weight_decay and the adam_* fields in the arguments (parameter groups follow "
+                        "get_decay_parameter_names, which may be overridden).",
     "_prepare_inputs": "the engine takes each batch on the CPU and moves it to the GPU itself. Remove the override "
                        "and shape the batch in a data_collator instead.",
 }
