@@ -30,7 +30,7 @@ from functools import partial
 
 import torch
 
-from .optimizer import clip_coefficient
+from .optimizer import HostOptimizer, clip_coefficient
 from .worker import Worker
 
 # Trainer's `optim` values this class runs (anything else that is not AdamW is refused in arguments.py)
@@ -57,7 +57,7 @@ def unsupported_modes(optim: str, *, world_size: int = 1, transient_grads: bool 
             f"transient_grads=False and gpu_grad_layers=0, or use optim='adamw_torch'.")
 
 
-class HostParamOptimizer(torch.optim.Optimizer):
+class HostParamOptimizer(HostOptimizer):
     def __init__(self, engine, optimizer_cls, kwargs: dict, weight_decay: float = 0.0, name: str = "sgd"):
         """optimizer_cls, kwargs: what Trainer.get_optimizer_cls_and_kwargs returns for `name`; weight_decay:
         the decay group's (args.weight_decay), the other group's being 0, as Trainer's create_optimizer sets them."""
@@ -167,30 +167,7 @@ class HostParamOptimizer(torch.optim.Optimizer):
     def backward_failed(self) -> None:
         pass
 
-    def set_openmp_threads(self, threads: int) -> None:
-        if self._stepper is None:
-            torch.set_num_threads(threads)
-        else:
-            self._stepper.submit(partial(torch.set_num_threads, threads), "setting OpenMP threads")
-
-    def synchronize(self) -> None:
-        if self._stepper is not None:
-            self._stepper.drain()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()
-
     # -- state ------------------------------------------------------------------------------------
-    def state_dict(self):
-        sd = super().state_dict()
-        sd["megatrain_step"] = self.step_count
-        return sd
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        self.step_count = int(state_dict.pop("megatrain_step", self.step_count))
-        super().load_state_dict(state_dict)
-
     def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
         """(tensors, plain values) of every parameter's state, named `<unit>.<slot>.<key>` (slot: its
         index among the unit's trainable slots); None values are left out."""

@@ -81,7 +81,39 @@ class _ArmedStep:
     stepped: set[int] = field(default_factory=set)
 
 
-class HostAdamW(torch.optim.Optimizer):
+class HostOptimizer(torch.optim.Optimizer):
+    """What every host optimizer of the engine shares: the worker that steps (`_stepper`, None when steps
+    run on the calling thread), zero_grad through the engine, and its step count in the state dict (the
+    optimizer's own state is saved by the checkpoint module)."""
+
+    def set_openmp_threads(self, threads: int) -> None:
+        """OpenMP threads of the host step (host_threads=0). The count is per thread in OpenMP, so it is
+        set on the thread that steps: the worker, in order with the steps queued before."""
+        if self._stepper is None:
+            torch.set_num_threads(threads)
+        else:
+            self._stepper.submit(partial(torch.set_num_threads, threads), "setting OpenMP threads")
+
+    def synchronize(self) -> None:
+        """Block until every pending step has been applied (re-raises a failed one)."""
+        if self._stepper is not None:
+            self._stepper.drain()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["megatrain_step"] = self.step_count
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        self.step_count = int(state_dict.pop("megatrain_step", self.step_count))
+        super().load_state_dict(state_dict)
+
+
+class HostAdamW(HostOptimizer):
     def __init__(self, engine, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  host_threads: int | None = None):
         """host_threads: default the engine config's. 0: the calling thread steps 8M-element
@@ -270,19 +302,6 @@ class HostAdamW(torch.optim.Optimizer):
         self._submit(rest, armed.hyper, armed.clip, list(self.store.grad_count), self.step_count)
         return loss
 
-    def set_openmp_threads(self, threads: int) -> None:
-        """OpenMP threads of the host step (host_threads=0). The count is per thread in OpenMP, so it is
-        set on the thread that steps: the worker, in order with the steps queued before."""
-        if self._stepper is None:
-            torch.set_num_threads(threads)
-        else:
-            self._stepper.submit(partial(torch.set_num_threads, threads), "setting OpenMP threads")
-
-    def synchronize(self) -> None:
-        """Block until every pending step has been applied (re-raises a failed one)."""
-        if self._stepper is not None:
-            self._stepper.drain()
-
     def step_unit(self, index: int, hyper: list[dict], clip, count: int, step: int) -> None:
         """AdamW on one unit (skipped, like torch does for grad=None, if it got no gradient)."""
         if count == 0:
@@ -363,16 +382,3 @@ class HostAdamW(torch.optim.Optimizer):
         adamw_tile(master[a:b], grad[a - offset : b - offset], self.exp_avg[index][a:b], self.exp_avg_sq[index][a:b],
                    compute, hyper[group], clip, step_t)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()
-
-    # -- small state (moments are saved by the checkpoint module) --------------------------------
-    def state_dict(self):
-        sd = super().state_dict()
-        sd["megatrain_step"] = self.step_count
-        return sd
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        self.step_count = int(state_dict.pop("megatrain_step", self.step_count))
-        super().load_state_dict(state_dict)
