@@ -30,7 +30,7 @@ from functools import partial
 
 import torch
 
-from .optimizer import HostOptimizer, clip_coefficient
+from .optimizer import HostOptimizer
 from .worker import Worker
 
 # Trainer's `optim` values this class runs (anything else that is not AdamW is refused in arguments.py)
@@ -104,23 +104,13 @@ class HostParamOptimizer(HostOptimizer):
         self._stepper = Worker("megatrain-optim") if engine.background_host_jobs else None
         self.host_threads = 0
 
-    # -- clipping (as HostAdamW) ----------------------------------------------------------------
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Pre-clip global norm; the next step scales gradients by min(1, max_norm/(norm+1e-6))."""
-        total = self.engine.grad_norm()
-        self._clip = clip_coefficient(total, max_norm)
-        return total
-
     # -- step -----------------------------------------------------------------------------------
     def hyperparameters(self) -> list[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         self.engine.wait_for_gradients()
         self.step_count += 1
         hyper, clip, self._clip = self.hyperparameters(), self._clip, None

@@ -86,6 +86,20 @@ class HostOptimizer(torch.optim.Optimizer):
     run on the calling thread), zero_grad through the engine, and its step count in the state dict (the
     optimizer's own state is saved by the checkpoint module)."""
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Pre-clip global norm; the next step scales gradients by min(1, max_norm/(norm+1e-6))."""
+        total = self.engine.grad_norm()
+        self._clip = clip_coefficient(total, max_norm)
+        return total
+
+    @staticmethod
+    def _closure_loss(closure):
+        """step(closure)'s loss, as torch's optimizers run it (with gradients on)."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
     def set_openmp_threads(self, threads: int) -> None:
         """OpenMP threads of the host step (host_threads=0). The count is per thread in OpenMP, so it is
         set on the thread that steps: the worker, in order with the steps queued before."""
@@ -189,13 +203,6 @@ class HostAdamW(HostOptimizer):
         self._landing = [torch.empty(LANDING_TILE, dtype=torch.float32, pin_memory=cuda)
                          for _ in range(GRAD_LANDING_BUFFERS if landing else 0)]
 
-    # -- clipping -------------------------------------------------------------------------------
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Pre-clip global norm; the next step scales gradients by min(1, max_norm/(norm+1e-6))."""
-        total = self.engine.grad_norm()
-        self._clip = clip_coefficient(total, max_norm)
-        return total
-
     # -- step -----------------------------------------------------------------------------------
     def hyperparameters(self) -> list[dict]:
         """What step() would read now, per group, in the fused kernel's words."""
@@ -206,10 +213,7 @@ class HostAdamW(HostOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         self._check_whole()
         if self._armed is not None:
             return self._finish_armed(loss)
