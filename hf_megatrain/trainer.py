@@ -38,7 +38,7 @@ from .checkpoint.optimizer_state import (
 from .data import CausalCollator, count_real_tokens, tokenize_dataset
 from .engine.distributed import check_launch
 from .engine.loss import loss_denominator
-from .engine.host_optim import HostParamOptimizer, optimizer_name, unsupported_modes
+from .engine.host_optim import HostParamOptimizer, optimizer_name
 from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine
 from .engine.step import ENGINE_KEYS, backward, split_rows
@@ -102,12 +102,6 @@ class MegaTrainTrainer(Trainer):
         check_disk(args, model)
         run = self._plan(args, model)
         self.args = args
-        if self.optimizer_kind != "adamw":  # a mode only the host AdamW runs: refused before any weight is read
-            why = unsupported_modes(self.optimizer_kind, world_size=args.world_size,
-                                    transient_grads=bool(run.engine.transient_grads),
-                                    gpu_grad_layers=int(run.engine.gpu_grad_layers or 0))
-            if why is not None:
-                raise MegaTrainError(why)
         # Weights are read last: the data is tokenized first, then the LoRA base and the store are filled.
         train_dataset, eval_dataset, data_collator = self._datasets(
             raw_data, train_dataset, eval_dataset, data_collator, processing_class, args, base_model(model).config)
@@ -175,7 +169,10 @@ class MegaTrainTrainer(Trainer):
             setattr(args, _RECOMPUTE_FLAG, False)
         lora = args.peft_config is not None or hasattr(model, "peft_config")
         machine = Machine.measured(device, max_gpu_memory=args.max_gpu_memory, max_host_memory=args.max_host_memory)
-        run = plan_run(base_model(model).config, request_from_arguments(args, device, lora=lora, model=model), machine)
+        # what steps the run decides which memory modes it can take (only the host AdamW steps during the backward)
+        request = request_from_arguments(args, device, lora=lora, model=model,
+                                         optimizer=run_optimizer(args, self._adamw))
+        run = plan_run(base_model(model).config, request, machine)
         main = args.process_index == 0
         for line in run.notes if main else []:
             logger.info(line)

@@ -41,6 +41,8 @@ class Request:
     inline JSON or a JSON file, as MegaTrainArguments.peft_config takes them; None: full fine-tuning):
     the plan's units then train only the adapters (model_sizes), the base is frozen (no
     step-time prediction yet).
+    optimizer: only the host AdamW steps during the backward or tile by tile, so the modes that need it
+    (transient_grads, gpu_grad_layers, data parallel) are off or refused for the others.
     admit: check the plan against the machine (memory_check). suggest_row: a refusal also names the
     longest row that fits (mlp_tile_tokens: the tile as asked, for that search)."""
     engine: EngineConfig
@@ -55,6 +57,7 @@ class Request:
     admit: bool = True
     suggest_row: bool = True
     mlp_tile_tokens: int | None = None
+    optimizer: str = "adamw"  # what steps the run: "adamw" or one of engine.host_optim.PARAM_OPTIMS
 
     def __post_init__(self):  # a PeftModel's own peft_config (adapter name -> config): its adapter's
         object.__setattr__(self, "peft_config", planned_adapters(self.peft_config))
@@ -107,7 +110,7 @@ def planned_adapters(peft_config=None, model=None):
     return peft_config or None
 
 
-def request_from_arguments(args, device, lora: bool = False, model=None) -> Request:
+def request_from_arguments(args, device, lora: bool = False, model=None, optimizer: str = "adamw") -> Request:
     """The Request that MegaTrainArguments make on `device` (arguments.engine_config: autos None).
     lora: the run trains adapters, args.peft_config's or those of the PEFT `model` (planned_adapters)."""
     from ..arguments import engine_config
@@ -121,7 +124,7 @@ def request_from_arguments(args, device, lora: bool = False, model=None) -> Requ
                    local_ranks=ranks_on_this_host(args.world_size),
                    peft_config=planned_adapters(args.peft_config, model) if lora else None, admit=bool(args.memory_check),
                    suggest_row=args.world_size == 1 and tokens >= LONG_CONTEXT_TOKENS,
-                   mlp_tile_tokens=args.mlp_tile_tokens)
+                   mlp_tile_tokens=args.mlp_tile_tokens, optimizer=optimizer)
 
 
 def settle_autos(engine: EngineConfig, request: Request, machine: Machine) -> EngineConfig:
@@ -137,6 +140,11 @@ def settle_autos(engine: EngineConfig, request: Request, machine: Machine) -> En
                       gpu_grad_layers=0)
     if engine.transient_grads and engine.gpu_grad_layers is None:
         fields["gpu_grad_layers"] = 0  # no gradient persists to be placed
+    if request.optimizer != "adamw":  # only the host AdamW steps during the backward, or tile by tile
+        if engine.transient_grads is None:
+            fields["transient_grads"] = False
+        if engine.gpu_grad_layers is None:
+            fields["gpu_grad_layers"] = 0
     if engine.transient_grads is None and not (weighed and not request.clip):
         fields["transient_grads"] = False
     if engine.gpu_grad_layers is None and not weighed:
@@ -174,6 +182,14 @@ def plan_run(model_config, request: Request, machine: Machine | None = None) -> 
     comes back with `refusal` set."""
     machine = machine or Machine()
     refuse_data_parallel(request)
+    if request.optimizer != "adamw":
+        from ..engine.host_optim import unsupported_modes
+
+        why = unsupported_modes(request.optimizer, world_size=request.world_size,
+                                transient_grads=bool(request.engine.transient_grads),
+                                gpu_grad_layers=request.engine.gpu_grad_layers or 0)
+        if why is not None:
+            raise MegaTrainError(why)
     notes: list = []
     if request.engine.transient_grads and request.clip:
         notes.append(f"transient_grads with clipping (max_grad_norm={request.max_grad_norm:g}): each step first "

@@ -214,3 +214,19 @@ def test_the_trainer_plans_for_the_memory_its_arguments_cap(tmp_path):
                               report_to=[], use_cpu=True, max_host_memory=1e-6)
     with pytest.raises(MegaTrainError, match="this run does not fit: host RAM: needs .* 0.0 GiB available"):
         MegaTrainTrainer(make_model("llama"), args)
+
+
+def test_optimizers_other_than_adamw_get_no_mode_that_steps_during_the_backward():
+    """Only the host AdamW steps during the backward or tile by tile: for another optimizer the planner leaves
+    transient_grads and gpu_grad_layers off on auto (where AdamW's plan takes them), and refuses them asked for,
+    or data parallel, before any weight is read."""
+    cfg = make_config("qwen2.5-14b")
+    auto = _auto()
+    machine = Machine(138.5 * GiB, 122.7 * GiB)  # the host is short without a memory mode (test_capacity)
+    adamw = plan_run(cfg, Request(auto, 8, 1024, max_grad_norm=0.0), machine).engine
+    assert adamw.transient_grads
+    other = plan_run(cfg, Request(auto, 8, 1024, max_grad_norm=0.0, optimizer="adafactor"), machine).engine
+    assert (other.transient_grads, other.gpu_grad_layers) == (False, 0)
+    for engine, world in ((_auto(transient_grads=True, gpu_grad_layers=0), 1), (auto, 2)):
+        with pytest.raises(MegaTrainError, match="optim='sgd' is not combined with"):
+            plan_run(cfg, Request(engine, 8, 1024, world_size=world, optimizer="sgd"), machine)
