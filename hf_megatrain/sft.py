@@ -43,7 +43,7 @@ from .errors import MegaTrainError
 from .logs import show_logs
 from .patcher.adapters import check_adapter_config
 from .preflight import check_outputs, check_resume
-from .trainer import MegaTrainTrainer
+from .trainer import MegaTrainTrainer, refuse_other_trl_config
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ def sft_arguments(args, model) -> MegaTrainSFTConfig:
     if args is None:
         name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
         return MegaTrainSFTConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-SFT")
+    refuse_other_trl_config(args, "MegaTrainSFTTrainer")  # GRPO, DPO...: one line, before any data is tokenized
     if isinstance(args, MegaTrainSFTConfig):
         own = copy.copy(args)
     elif isinstance(args, SFTConfig):

@@ -144,6 +144,8 @@ class MegaTrainTrainer(Trainer):
                 "follow. Build the model yourself and pass it as model=.")
         if model is None:
             raise MegaTrainError("MegaTrainTrainer needs a model: a hub id, a local folder or a loaded CPU model.")
+        refuse_other_trl_config(args, next(c.__name__ for c in type(self).__mro__  # the library's class
+                                           if c.__module__.startswith("hf_megatrain")))
         args = megatrain_arguments(args)
         self._adamw = check_optimizers(optimizers, optimizer_cls_and_kwargs)
         # the memory plan and the modes chosen: at INFO on the main process unless log_level says otherwise
@@ -359,7 +361,7 @@ class MegaTrainTrainer(Trainer):
                            max_grad_norm=self.args.max_grad_norm,
                            last=len(group) > 1 or self.accelerator.sync_gradients,
                            aux_scale=self._aux_loss_scale(items if scaled else None),
-                           head_loss=self._custom_loss(group, num_items_in_batch) if self._custom else None)
+                           head_loss=self._head_loss(group, num_items_in_batch))
             self._measured_norm, losses = out.norm, out.losses
             self._losses = [sum(x for x, o in zip(losses, self._owner) if o == i) for i in range(len(group))] \
                 if len(losses) > len(group) else losses
@@ -372,6 +374,11 @@ class MegaTrainTrainer(Trainer):
             # tokens) and its logging averages over ranks; the gradients are already exact.
             loss = loss * self.args.world_size
         return loss.to(self.args.device)
+
+    def _head_loss(self, group: list, num_items_in_batch):
+        """The engine's head_loss for this step's micro-batches: None for the causal-LM loss, the user's loss
+        (_custom_loss), or a trainer's own (the DPO trainer's loss of per-row sums, engine.loss.RowLoss)."""
+        return self._custom_loss(group, num_items_in_batch) if self._custom else None
 
     def _custom_loss(self, group: list, num_items_in_batch):
         """The engine's head_loss for a loss of the user's (a compute_loss override, compute_loss_func, label
@@ -676,21 +683,52 @@ def _own(cls, name: str) -> type | None:
     not Trainer's, not TRL's SFTTrainer, whose loss and metrics the engine reproduces)."""
     owner = next(c for c in cls.__mro__ if name in vars(c))
     if owner is Trainer or owner.__module__.startswith("hf_megatrain") or \
-            (owner.__module__.startswith("trl.") and owner.__name__ == "SFTTrainer"):
+            (owner.__module__.startswith("trl.") and owner.__name__ in ENGINE_TRL_TRAINERS):
         return None
     return owner
+
+
+# TRL trainers whose loss and metrics the engine reproduces (hf_megatrain.sft, hf_megatrain.dpo), and what
+# TRL's base class adds between them and Trainer
+ENGINE_TRL_TRAINERS = ("SFTTrainer", "DPOTrainer", "_BaseTrainer")
+# TRL's online trainers, by the name of their config: each generates completions during training
+ONLINE_TRL = {"GRPO": "GRPO", "RLOO": "RLOO", "PPO": "PPO", "OnlineDPO": "online DPO", "XPO": "XPO",
+              "NashMD": "Nash-MD", "GKD": "GKD", "GOLD": "GOLD"}
+
+
+def refuse_other_trl_config(args, trainer: str) -> None:
+    """One line for a TRL config (GRPOConfig, DPOConfig...) that `trainer` does not take, saying why and
+    which trainer does; nothing for any other arguments. Checked before any data is tokenized."""
+    cls = type(args)
+    if not (cls.__module__ or "").startswith("trl") or not cls.__name__.endswith("Config"):
+        return
+    kind, name = cls.__name__[: -len("Config")], cls.__name__
+    if f"MegaTrain{kind}Trainer" == trainer:
+        return
+    if kind in ONLINE_TRL:
+        raise MegaTrainError(f"args is TRL's {name}: {ONLINE_TRL[kind]} is an online method that generates "
+                             "completions during training, which hf_megatrain does not do (no generation); it trains "
+                             "offline: SFT (MegaTrainSFTTrainer) and preference pairs (MegaTrainDPOTrainer).")
+    if kind in ("SFT", "DPO"):
+        raise MegaTrainError(f"args is TRL's {name}, which {trainer} does not take: TRL's trainers run on the engine "
+                             "as hf_megatrain.sft.MegaTrainSFTTrainer (SFTConfig) and hf_megatrain.dpo."
+                             "MegaTrainDPOTrainer (DPOConfig).")
+    raise MegaTrainError(f"args is TRL's {name}: TRL's {kind} trainer is not supported by hf_megatrain (its loss "
+                         "needs forwards the engine does not run); SFT and DPO are (hf_megatrain.sft."
+                         "MegaTrainSFTTrainer, hf_megatrain.dpo.MegaTrainDPOTrainer).")
 
 
 def custom_loss(cls, compute_loss_func, args) -> str | None:
     """What makes the loss the user's rather than the causal LM's own, named; None when nothing does."""
     owner = _own(cls, "compute_loss")
-    if any(c.__name__ == "SFTTrainer" for c in cls.__mro__):  # TRL's loss runs a fused head the engine reproduces
+    trl = next((c.__name__ for c in cls.__mro__ if c.__name__ in ("SFTTrainer", "DPOTrainer")), None)
+    if trl is not None:  # TRL's loss runs a fused head the engine reproduces
         if owner is not None:
-            raise MegaTrainError(f"{owner.__name__}.compute_loss overrides SFTTrainer.compute_loss, whose fused "
+            raise MegaTrainError(f"{owner.__name__}.compute_loss overrides {trl}.compute_loss, whose fused "
                                  "head the engine reproduces but cannot call; remove the override.")
         if args.label_smoothing_factor:
-            raise MegaTrainError("label_smoothing_factor is not applied by TRL's SFT loss, which the engine "
-                                 "reproduces; set it to 0.")
+            raise MegaTrainError(f"label_smoothing_factor is not applied by TRL's {trl[:-len('Trainer')]} loss, "
+                                 "which the engine reproduces; set it to 0.")
         return None
     if owner is not None:
         return f"{owner.__name__}.compute_loss"

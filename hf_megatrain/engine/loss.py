@@ -140,3 +140,95 @@ def full_logits(run_head, weights, hidden: torch.Tensor, chunk: int) -> torch.Te
     with torch.no_grad():
         parts = [run_head(weights, h) for h in flat_h.split(chunk)]
     return torch.cat(parts).view(*hidden.shape[:-1], -1)
+
+
+# -- losses of per-row sums (TRL's preference losses) --------------------------------------------
+ROW_FIELDS = ("logps", "tokens", "entropy", "mean_logits", "top1")
+
+
+class RowLoss:
+    """A loss that is a function of per-row sums over each row's counted tokens (TRL's DPO family:
+    sums of token log-probabilities of the chosen and rejected rows), for `row_head_loss`.
+
+    fn(k, per_row) -> scalar loss of micro-batch k, differentiable in per_row['logps'] (a leaf);
+    per_row holds [rows] fp32 tensors: 'logps' (summed token log-probabilities), 'tokens' (counted
+    tokens), 'entropy' (summed entropies of the predicted distributions), 'mean_logits' (summed
+    per-token means of the logits over the vocabulary) and 'top1' (tokens whose target is the
+    first argmax). The other entries are constants: only the log-probabilities carry a gradient."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, k: int, per_row: dict) -> torch.Tensor:
+        return self.fn(k, per_row)
+
+
+def row_head_loss(
+    run_head,
+    weights: list[torch.Tensor],
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    row_loss,
+    seed: torch.Tensor | None,
+    chunk: int,
+    rows: torch.Tensor | None = None,
+    trainable: list[bool] | None = None,
+):
+    """A loss of per-row sums of token log-probabilities (`row_loss(per_row)`, RowLoss's fn for one
+    micro-batch), and (when `seed` is given) the gradients of seed * loss.
+
+    Two passes of the head over the counted tokens, `chunk` rows of logits at a time: the first,
+    without autograd, sums each row's token log-probabilities (and the statistics RowLoss names);
+    the loss is evaluated on those sums with autograd, which gives each row's coefficient
+    c_r = seed * d loss / d logps_r; the second recomputes each chunk's logits with autograd and
+    backpropagates sum_t c_row(t) * log p_t, which is exactly the loss's gradient (the loss
+    depends on the weights only through the sums). Returns (loss, grad_hidden or None, fp32
+    grads of `weights` or None)."""
+    trainable = trainable if trainable is not None else [True] * len(weights)
+    seq = hidden.shape[1]
+    n_rows = hidden.shape[0]
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_l = shift_labels(labels).reshape(-1)
+    if rows is None:
+        rows = counted_rows(labels)
+    rows = rows.to(hidden.device, non_blocking=True)
+    per_row = {k: torch.zeros(n_rows, dtype=torch.float32, device=hidden.device) for k in ROW_FIELDS}
+
+    with torch.no_grad():  # pass 1: the sums
+        for idx in rows.split(chunk):
+            target = flat_l.index_select(0, idx)
+            logits = run_head(weights, flat_h.index_select(0, idx)).float()
+            logp = logits.log_softmax(-1)
+            row = idx // seq
+            per_row["logps"].index_add_(0, row, logp.gather(-1, target.unsqueeze(-1)).squeeze(-1))
+            per_row["tokens"].index_add_(0, row, torch.ones_like(row, dtype=torch.float32))
+            per_row["entropy"].index_add_(0, row, -(logp.exp() * logp).sum(-1))
+            per_row["mean_logits"].index_add_(0, row, logits.mean(-1))
+            per_row["top1"].index_add_(0, row, (logits.argmax(-1) == target).float())
+
+    logps = per_row["logps"].requires_grad_(seed is not None)
+    with torch.enable_grad():
+        loss = row_loss(per_row)
+        if seed is None:
+            return loss.detach().float(), None, None
+        (coef,) = torch.autograd.grad(loss, [logps], grad_outputs=seed.to(loss.dtype), materialize_grads=True)
+    logps.requires_grad_(False)
+
+    grad_h = torch.zeros_like(flat_h)
+    grad_w = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) if t else None
+              for w, t in zip(weights, trainable)]
+    coef = coef.float()
+    for idx in rows.split(chunk):  # pass 2: d(sum_t c_row(t) * log p_t)
+        h = flat_h.index_select(0, idx).requires_grad_()
+        target = flat_l.index_select(0, idx)
+        bound = [w.detach().requires_grad_() if t else w for w, t in zip(weights, trainable)]
+        leaves = [b for b, t in zip(bound, trainable) if t]
+        with torch.enable_grad():
+            logits = run_head(bound, h).float()
+            token_logp = -F.cross_entropy(logits, target, reduction="none")
+            weighted = (token_logp * coef.index_select(0, idx // seq)).sum()
+            grads = torch.autograd.grad(weighted, [h] + leaves, materialize_grads=True, allow_unused=True)
+        grad_h.index_copy_(0, idx, grads[0])
+        for acc, g in zip([a for a in grad_w if a is not None], grads[1:]):
+            acc.add_(g)
+    return loss.detach().float(), grad_h.view_as(hidden), grad_w

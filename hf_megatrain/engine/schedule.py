@@ -34,7 +34,7 @@ from .activations import Activations
 from .config import EngineConfig
 from .inputs import BatchInputs, require_labels
 from .layout import loss_chunk, mark_resident, slab_numel
-from .loss import chunked_head_loss, full_logits, loss_denominator
+from .loss import RowLoss, chunked_head_loss, full_logits, loss_denominator, row_head_loss
 from .pipeline import HostPipeline, Pipeline
 from .selfcheck import verify
 from .store import HostStore, build_units
@@ -580,7 +580,11 @@ class StreamingEngine(nn.Module):
             denom = loss_denominator(labels, items)
             stats = self.head_stats[k] if self.head_stats is not None else None
             with pipe.span("compute"):
-                if head_loss is None:
+                if isinstance(head_loss, RowLoss):  # a loss of per-row sums (TRL's preference losses)
+                    loss, grad_x, grad_w = row_head_loss(
+                        self._run_head(names), weights, xs[k], labels, lambda r, k=k: head_loss(k, r), seed,
+                        self.loss_chunk_tokens, rows, trainable)
+                elif head_loss is None:
                     loss, grad_x, grad_w = chunked_head_loss(
                         self._run_head(names), weights, xs[k], labels, denom, seed, self.loss_chunk_tokens, rows,
                         trainable, stats=stats, loss_type=self.loss_type,
@@ -595,7 +599,7 @@ class StreamingEngine(nn.Module):
             tied_grads.append(grad_w[n_own].reshape(-1) if head.tied_local and grad_w[n_own] is not None else None)
             grad_xs.append(grad_x)
             r_seeds = {}
-            if head_loss is not None:
+            if head_loss is not None and not isinstance(head_loss, RowLoss):
                 r_seeds = custom_seeds  # the caller's loss holds the router loss as far as it took it
             elif routers[k]:
                 aux, r_seeds = self._router_loss(routers[k], mask, seed * aux_scale, stats)  # times 1.0 is exact
@@ -766,7 +770,11 @@ class StreamingEngine(nn.Module):
             weighted = self._aux_loss(routers, mask, router)
             if stats is not None:
                 stats["aux_loss"] = router["aux_loss"]
-        if labels is not None:
+        if labels is not None and kw.get("row_loss") is not None:  # a RowLoss's fn of one micro-batch
+            loss, _, _ = row_head_loss(run_head, weights, x, labels, kw["row_loss"], None, self.loss_chunk_tokens, rows)
+            if routers:
+                loss = loss + weighted
+        elif labels is not None:
             denom = loss_denominator(labels, kw.get("num_items_in_batch"))
             loss, _, _ = chunked_head_loss(run_head, weights, x, labels, denom, None, self.loss_chunk_tokens, rows,
                                            stats=stats, loss_type=self.loss_type)
