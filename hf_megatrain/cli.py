@@ -277,6 +277,12 @@ def _estimate_parser():
                         "'{\"r\": 8, \"target_modules\": [\"q_proj\", \"v_proj\"]}') or a JSON file, as "
                         "MegaTrainArguments.peft_config takes them; the fp32 master, gradient and Adam moments "
                         "then cover the adapters alone, the frozen weights only their compute copy")
+    p.add_argument("--optim", default="adamw_torch",
+                   help="what steps the run, as TrainingArguments.optim: adamw_torch (the default), adamw_torch_fused "
+                        "(both the engine's host AdamW), sgd, adagrad, rmsprop or adafactor; its state per parameter "
+                        "and its host step's rate")
+    p.add_argument("--optim_args", default=None, metavar="K=V,...",
+                   help="as TrainingArguments.optim_args, e.g. 'momentum=0.9,nesterov=True' for sgd")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     return p
 
@@ -284,7 +290,7 @@ def _estimate_parser():
 def _estimate_request(a):
     """(Request, Machine) of the parsed flags: what plan_run settles for the trainer, from the command line."""
     from .engine.config import EngineConfig, parse_count, parse_switch
-    from .planner.estimator import GiB, mlp_tile
+    from .planner.estimator import ADAMW_OPTIMS, GiB, mlp_tile
     from .planner import Machine, Request
 
     def parsed(name, parse, takes):
@@ -320,7 +326,12 @@ def _estimate_request(a):
     request = Request(engine, a.batch, a.seq, grad_accum=a.grad_accum, layer_major=switches["layer_major_accumulation"],
                       max_grad_norm=a.max_grad_norm, world_size=a.world_size, local_ranks=a.local_ranks,
                       peft_config=peft_config, admit=given,
-                      suggest_row=a.gpu_gib is not None and a.host_gib is not None, mlp_tile_tokens=a.mlp_tile_tokens)
+                      suggest_row=a.gpu_gib is not None and a.host_gib is not None, mlp_tile_tokens=a.mlp_tile_tokens,
+                      optimizer="adamw" if a.optim in ADAMW_OPTIMS else a.optim, optim_args=a.optim_args)
+    try:
+        request.optimizer_state  # an optim the engine does not run, or optim_args Trainer cannot read: now
+    except MegaTrainError as e:
+        raise SystemExit(f"hf-megatrain estimate: --optim / --optim_args: {e}")
     from .planner import probe
 
     rates = probe.rates_for_planning() if a.device == "cuda" and a.world_size == 1 else None

@@ -28,7 +28,8 @@ def allocator_advice(plan: MemoryPlan, gpu_free: float, conf: str | None = None)
 
 
 def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float | None = None,
-          margin: float = ADMIT_MARGIN, hint=None, residency_planned: bool = False, step_cost=None) -> None:
+          margin: float = ADMIT_MARGIN, hint=None, residency_planned: bool = False, step_cost=None,
+          optimizer=None, optimizers=None) -> None:
     """Raise MegaTrainError, with what would make it fit, if the plan exceeds the machine.
 
     hint: called with host_free= and gpu_free= only on a refusal, for one more line of advice (the
@@ -36,7 +37,11 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
     residency_planned: plan_placement chose the resident layers for this machine, as many as the
     GPU holds, so more of them is no advice to give.
     step_cost: called with a memory mode's EngineConfig fields only on a refusal that names the mode,
-    for its speed cost in words (steptime.mode_cost: the step-time model with and without it)."""
+    for its speed cost in words (steptime.mode_cost: the step-time model with and without it).
+    optimizer: what steps the run (estimator.optimizer_state; default AdamW), for the bytes per parameter
+    a larger host needs. optimizers: called only on a host-RAM refusal, [(optim, its memory plan, its
+    step time in words)] for optimizers that keep less state (run.leaner_optimizers): the first that
+    fits is named with what it needs, else the leanest with what it would still need."""
     from ..errors import MegaTrainError
 
     host_free = host_available() if host_free is None else host_free
@@ -76,7 +81,20 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
                             f"each gradient is stepped as it lands; with clipping each step first measures the "
                             f"global norm with a forward and backward of its own, exact, a pass that "
                             f"max_grad_norm=0 does without{cost(transient_grads=True, **lean)})")
-        fixes += ["a host with more RAM (18 bytes per parameter: fp32 master, gradient and Adam states)",
+        named = optimizers() if optimizers is not None else []
+        fitting = [o for o in named if not shortfalls(o[1], host_free, gpu_free, margin)]
+        for name, other, timing in fitting[:1]:
+            fixes.append(f"optim='{name}' (with optim={name} it needs {other.host_per_host / GiB:.1f} GiB of host "
+                         f"RAM and {other.gpu_total / GiB:.1f} GiB of GPU memory{'; ' + timing if timing else ''}; "
+                         f"its updates, not {'AdamW' if optimizer is None or optimizer.adamw else optimizer.name}'s)")
+        if named and not fitting:  # the first of them, short too: how far
+            name, other, _ = named[0]
+            hint = (f"{hint}\n" if hint else "") + (f"With optim={name} it would need {other.host_per_host / GiB:.1f} "
+                                                    f"GiB of host RAM, still short.")
+        state = ("18 bytes per parameter: fp32 master, gradient and Adam states" if optimizer is None or optimizer.adamw
+                 else f"{10 + optimizer.per_parameter():.0f} bytes per parameter: fp32 master, bf16 compute copy, "
+                      f"fp32 gradient and {optimizer.name}'s {optimizer.per_parameter():.0f}")
+        fixes += [f"a host with more RAM ({state})",
                   "LoRA (peft_config; `hf-megatrain estimate --peft_config JSON` plans it) instead of full "
                   "fine-tuning: about 2 bytes per frozen parameter"]
     raise MegaTrainError(

@@ -15,6 +15,7 @@ running L of the ranks needs L times their total; that per-host figure is what a
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 
 from collections import OrderedDict
@@ -166,6 +167,155 @@ def model_sizes(config, peft_config=None) -> ModelSizes:
                   tied=units[-1].tied_local is not None, units=units)
 
 
+# -- the optimizer's state ---------------------------------------------------------------------
+# What each optimizer `optim` builds keeps per parameter, read from the installed classes' step code
+# (torch 2.13 SGD / Adagrad / RMSprop, transformers 5.17 Adafactor; tests/unit/test_optimizer_plan.py
+# checks the count against the state tensors the engine's optimizers really allocate):
+# - AdamW (HostAdamW): exp_avg and exp_avg_sq, fp32, 8 B per parameter, in flat arenas per unit.
+# - SGD: a momentum_buffer (4 B) only with momentum != 0; nothing otherwise.
+# - Adagrad: `sum` (4 B), built at construction, and a 0-d fp32 `step` on the host per parameter.
+# - RMSprop: `square_avg` (4 B), + `momentum_buffer` with momentum > 0, + `grad_avg` when centered,
+#   and a 0-d fp32 `step` on the host per parameter.
+# - Adafactor: a parameter of 2 or more dimensions keeps its second moment factored, the means over
+#   its last dimension (shape[:-1]) and over its second-to-last (shape[:-2] + shape[-1:]); a 1-D one
+#   keeps it whole (4 B); `exp_avg` (4 B) only with beta1 set (Trainer's `adafactor` leaves it None);
+#   `RMS`, a 0-d fp32 tensor beside the parameter, and `step`, a Python int.
+# Their step allocates temporaries as large as the parameter it steps (one parameter at a time on the
+# host: torch takes its single-tensor path for CPU tensors): the weight-decay term `grad + wd * p` (counted
+# whether or not weight decay is set: the decay group may have it), SGD's nesterov `grad + m * buf`,
+# Adagrad's and RMSprop's `sqrt`, Adafactor's `grad**2 + eps` and then its `r x c` product or `-update`
+# beside the update. On the GPU (resident units) torch's optimizers take the foreach path, whose
+# temporaries span a whole parameter group (at most a unit); Adafactor's stay per parameter.
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """The state an optimizer keeps, by parameter shape (optimizer_state builds it from `optim`)."""
+    name: str = "adamw"
+    full: int = 2  # fp32 tensors as large as the parameter
+    factored: bool = False  # Adafactor's second moment: row + column means of a >= 2-D parameter, else whole
+    host_scalars: int = 0  # 0-d fp32 tensors per parameter kept on the host (torch's step counters)
+    scalars: int = 0  # 0-d fp32 tensors per parameter kept beside it (Adafactor's RMS)
+    scratch: int = 0  # temporaries as large as the parameter stepped (see above)
+    foreach: bool = False  # on the GPU the temporaries span a parameter group (torch's foreach path)
+    step_bytes: int = 28  # DRAM bytes per parameter its host step reads and writes (steptime: modelled)
+    settings: str = ""  # what of optim / optim_args changes the state, in words ("momentum 0.9")
+    keeps: str = "exp_avg, exp_avg_sq"  # its state tensors, in words
+
+    @property
+    def adamw(self) -> bool:
+        return self.name == "adamw"
+
+    def param_bytes(self, shape) -> int:
+        """Bytes of one parameter's state beside it (its device), host step counters left out."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        n = self.full * numel + self.scalars
+        if self.factored:
+            if len(shape) >= 2:
+                rows, cols = numel // shape[-1], numel // shape[-2]
+                n += rows + cols
+            else:
+                n += numel
+        return 4 * n
+
+    def unit_bytes(self, unit) -> int:
+        """Bytes of a unit's state beside its master (its trainable parameters' state)."""
+        if not self.factored and not self.scalars:
+            return 4 * self.full * unit.n_train
+        return sum(self.param_bytes(s.shape) for s in unit.train_slots)
+
+    def host_scalar_bytes(self, units) -> int:
+        """Bytes of the 0-d step counters that stay on the host, resident or not."""
+        return 4 * self.host_scalars * sum(len(u.train_slots) for u in units) if self.host_scalars else 0
+
+    def scratch_bytes(self, units, gpu: bool = False) -> int:
+        """Temporaries of the largest step among `units`: the largest parameter's, or on the GPU with
+        foreach the largest unit's (0 for AdamW: torch's fused kernel keeps none)."""
+        if not self.scratch or not units:
+            return 0
+        if gpu and self.foreach:
+            return 4 * self.scratch * max(u.n_train for u in units)
+        return 4 * self.scratch * max((s.shape.numel() for u in units for s in u.train_slots), default=0)
+
+    def per_parameter(self, shape=(4096, 4096)) -> float:
+        """Bytes per parameter of the state of a parameter of `shape` (default a square matrix)."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        return (self.param_bytes(shape) + 4 * self.host_scalars) / numel
+
+    def describe(self) -> str:
+        """The state in words, for the memory table's label."""
+        return "Adam moments (fp32 x2)" if self.adamw else f"{self.name} state ({self.keeps})"
+
+
+ADAMW = OptimizerState()
+# The AdamW names of arguments.SUPPORTED_OPTIM (without importing TrainingArguments, seconds of an estimate)
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+
+
+def optimizer_class(optim: str, optim_args: str | None = None):
+    """(class, kwargs) that Trainer builds for `optim` and `optim_args` (what the trainer hands
+    HostParamOptimizer), without a TrainingArguments: transformers' own handler for the name."""
+    from types import SimpleNamespace
+
+    from transformers import Trainer
+    from transformers.training_args import OptimizerNames
+
+    from ..errors import MegaTrainError
+
+    args = SimpleNamespace(optim=OptimizerNames(optim), optim_args=optim_args, learning_rate=1e-3, adam_beta1=0.9,
+                           adam_beta2=0.999, adam_epsilon=1e-8)
+    try:
+        return Trainer.get_optimizer_cls_and_kwargs(args)
+    except ValueError as e:
+        raise MegaTrainError(f"optim_args={optim_args!r} for optim={optim!r}: {e}; it takes key=value pairs "
+                             "separated by commas, as TrainingArguments.optim_args") from None
+
+
+@functools.lru_cache(maxsize=32)
+def optimizer_state(optim: str = "adamw", optim_args: str | None = None) -> OptimizerState:
+    """What `optim` (a TrainingArguments name; every AdamW variant the engine runs is HostAdamW) keeps
+    per parameter with `optim_args`: the class Trainer builds, its defaults filled in as it fills them."""
+    optim = str(getattr(optim, "value", optim))
+    if optim == "adamw" or optim in ADAMW_OPTIMS:  # ("adamw": what checkpoints and Request call them all)
+        return ADAMW
+    from ..engine.host_optim import PARAM_OPTIMS
+    from ..errors import MegaTrainError
+
+    if optim not in PARAM_OPTIMS:
+        raise MegaTrainError(f"optim={optim!r} is not one the engine runs: {', '.join(ADAMW_OPTIMS + PARAM_OPTIMS)}.")
+    return state_of(optim, *optimizer_class(optim, optim_args))
+
+
+def state_of(optim: str, cls, kwargs: dict) -> OptimizerState:
+    """What `cls(params, **kwargs)` keeps per parameter, for `optim` (one of engine.host_optim.PARAM_OPTIMS:
+    the class Trainer builds for it), from the defaults the class fills in."""
+    import torch
+
+    d = cls([torch.zeros(1)], **kwargs).defaults
+    if optim == "sgd":
+        momentum, nesterov = bool(d["momentum"]), bool(d["nesterov"])
+        return OptimizerState("sgd", full=int(momentum), scratch=1 + nesterov, foreach=True,
+                              keeps="momentum_buffer" if momentum else "none",
+                              step_bytes=12 + 20 * momentum + 12 * nesterov,
+                              settings=f"momentum {d['momentum']:g}" * momentum + ", nesterov" * nesterov)
+    if optim == "adagrad":
+        return OptimizerState("adagrad", full=1, host_scalars=1, scratch=2, foreach=True, step_bytes=44, keeps="sum")
+    if optim == "rmsprop":
+        momentum, centered = d["momentum"] > 0, bool(d["centered"])
+        return OptimizerState("rmsprop", full=1 + momentum + centered, host_scalars=1, scratch=2, foreach=True,
+                              keeps=" + ".join(["square_avg"] + ["momentum_buffer"] * momentum + ["grad_avg"] * centered),
+                              step_bytes=52 + 20 * momentum + 24 * centered,
+                              settings=", ".join([f"momentum {d['momentum']:g}"] * momentum + ["centered"] * centered))
+    beta1 = d["beta1"] is not None
+    return OptimizerState("adafactor", full=int(beta1), factored=True, scalars=1, scratch=2,
+                          keeps="factored second moment" + " + exp_avg" * beta1,
+                          step_bytes=84 + 20 * beta1, settings=f"beta1 {d['beta1']:g}" if beta1 else "")
+
+
 @dataclass
 class MemoryPlan:
     host: dict = field(default_factory=dict)
@@ -231,7 +381,8 @@ def planning_config(engine: EngineConfig | None = None, **fields) -> EngineConfi
 
 def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *, world_size: int = 1,
              local_ranks: int | None = None, sizes: ModelSizes | None = None, micro_batches: int = 1,
-             later_contributions: bool = True, **engine_fields) -> MemoryPlan:
+             later_contributions: bool = True, optimizer: OptimizerState | None = None,
+             **engine_fields) -> MemoryPlan:
     """What training `config` at `batch` x `seq` tokens per micro-batch needs, by component.
 
     micro_batches: how many micro-batches of a step run through each layer together
@@ -246,8 +397,11 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     placements must be numbers ("auto" is resolve_placement's to settle; an unsettled
     lean_resident plans without it).
     world_size: data-parallel ranks; local_ranks: how many of them run on this host (default all).
-    The entries are one rank's; `host_per_host` is what this host needs for its ranks."""
+    The entries are one rank's; `host_per_host` is what this host needs for its ranks.
+    optimizer: what steps the run (optimizer_state; default AdamW): its state by parameter shape, on
+    the host for streamed units and on the GPU for resident ones, and its step's temporaries."""
     eng = planning_config(engine, **engine_fields)
+    opt = optimizer or ADAMW
     s = sizes or model_sizes(config)
     cbytes = eng.compute_dtype.itemsize
     cuda = eng.device.type == "cuda"
@@ -292,7 +446,14 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
         if cuda and world == 1 and owned:  # the accumulator and the staging slabs, for the buffers
             plan.transient_saving = 4 * (owned - on_gpu_grads) - buffers \
                 + (eng.staging_slabs * 4 * slab_numel(units) if later_contributions else 0)
-    plan.host["Adam moments (fp32 x2)"] = 8 * owned
+    if opt.adamw:
+        plan.host["Adam moments (fp32 x2)"] = 8 * owned
+    else:  # one process (plan_run refuses data parallel for the others); step counters stay on the host
+        streamed_units = [u for u in units if not u.resident]
+        plan.host[f"optimizer state ({opt.name}: {opt.keeps})"] = sum(opt.unit_bytes(u) for u in streamed_units) \
+            + opt.host_scalar_bytes(units)
+        if opt.scratch_bytes(streamed_units):
+            plan.host["optimizer step temporaries (largest parameter)"] = opt.scratch_bytes(streamed_units)
     if world > 1:
         # Transient, one unit at a time: the all-gather of updated weights (own slice + the whole
         # unit, compute dtype) and, on a CPU, the gradient reduce-scatter on the host (an fp32 copy,
@@ -322,26 +483,38 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     if any(u.grad_on_gpu for u in units):
         plan.gpu["fp32 gradients of streamed layers (gpu_grad_layers)"] = \
             4 * sum(u.n_train for u in units if u.grad_on_gpu)
-    lean = sum(u.numel for u in units if u.no_compute_copy and u.resident)
+    lean_units = [u for u in units if u.no_compute_copy and u.resident]
+    lean = sum(u.numel for u in lean_units)
+
     def state(group, per_trained):  # compute copy of every weight, fp32 state of the trained ones
-        return sum(cbytes * u.numel + per_trained * u.n_train for u in group)
+        # (per_trained counts AdamW's 8 B of moments; another optimizer's state replaces them)
+        return sum(cbytes * u.numel + (per_trained - 8) * u.n_train + opt.unit_bytes(u) for u in group)
+
+    def lean_state(per_trained):  # a lean resident layer: no compute copy
+        return sum((per_trained - 8) * u.n_train + opt.unit_bytes(u) for u in lean_units) \
+            if not opt.adamw else per_trained * lean
+
+    adam = "Adam" if opt.adamw else f"{opt.name} state"
 
     if eng.transient_grads and resident_layers:  # the resident layers share one gradient buffer
         full = [u for u in units if u.resident and u.kind == "layer" and not u.no_compute_copy]
-        plan.gpu["resident units (weights, master, grad, Adam)"] = \
+        plan.gpu[f"resident units (weights, master, grad, {adam})"] = \
             state([u for u in units if u.resident and u.kind != "layer"], 16)
         if full:
-            plan.gpu["resident layers (weights, master, Adam)"] = state(full, 12)
+            plan.gpu[f"resident layers (weights, master, {adam})"] = state(full, 12)
         if lean:
-            plan.gpu["lean resident layers (master, Adam)"] = 12 * lean
+            plan.gpu[f"lean resident layers (master, {adam})"] = lean_state(12)
         plan.gpu["fp32 gradient of a resident layer (transient, shared)"] = \
             4 * max(u.n_train for u in units if u.resident and u.kind == "layer")
     elif lean:
-        plan.gpu["resident units (weights, master, grad, Adam)"] = \
+        plan.gpu[f"resident units (weights, master, grad, {adam})"] = \
             state([u for u in units if u.resident and not u.no_compute_copy], 16)
-        plan.gpu["lean resident layers (master, grad, Adam)"] = 16 * lean
+        plan.gpu[f"lean resident layers (master, grad, {adam})"] = lean_state(16)
     else:
-        plan.gpu["resident units (weights, master, grad, Adam)"] = state([u for u in units if u.resident], 16)
+        plan.gpu[f"resident units (weights, master, grad, {adam})"] = state([u for u in units if u.resident], 16)
+    scratch = opt.scratch_bytes([u for u in units if u.resident and u.n_train], gpu=True)
+    if scratch:  # the resident units step after the backward, before the next forward: a phase of its own
+        plan.gpu["[optimizer step] temporaries of a resident unit's step"] = scratch
     plan.gpu["saved layer inputs"] = group * (s.layers - offload) * layer_input
     if offload:  # brought back ahead of need (engine.activations: the lookahead, plus the one in use)
         plan.gpu["offloaded inputs in flight"] = group * min(offload, eng.activation_lookahead + 1) * layer_input
@@ -374,20 +547,27 @@ MODES = (("default", {}), ("lean_streamed", dict(lean_streamed=True)),
 
 def state_bytes_per_parameter(plan: MemoryPlan, params: int) -> float:
     """Host bytes of the training state (master, compute copy, gradients, moments) per parameter."""
-    keys = ("fp32 master", "compute copy", "fp32 gradient", "Adam moments")
+    keys = ("fp32 master", "compute copy", "fp32 gradient", "Adam moments", "optimizer state")
     return sum(v for k, v in plan.host.items() if k.startswith(keys)) / params  # a resident unit's is on the GPU
 
 
 def mode_plans(config, batch: int, seq: int, engine: EngineConfig, *, sizes: ModelSizes | None = None,
-               micro_batches: int = 1, later_contributions: bool = True) -> list[tuple[str, EngineConfig, MemoryPlan]]:
+               micro_batches: int = 1, later_contributions: bool = True,
+               optimizer: OptimizerState | None = None) -> list[tuple[str, EngineConfig, MemoryPlan]]:
     """The plan of each memory mode (MODES) at `engine`'s placement: what `estimate` shows side by side
-    (gradients kept on the GPU stay where they are, except with transient_grads, which keeps none)."""
+    (gradients kept on the GPU stay where they are, except with transient_grads, which keeps none).
+    optimizer: what steps the run (default AdamW); another than AdamW steps after the backward only, so
+    neither transient_grads nor gradients kept on the GPU are its modes."""
     sizes = sizes or model_sizes(config)
+    opt = optimizer or ADAMW
     out = []
     for name, fields in MODES:
-        eng = mode_engine(engine, {"lean_streamed": False, "transient_grads": False, **fields})
+        if not opt.adamw and fields.get("transient_grads"):
+            continue
+        eng = mode_engine(engine, {"lean_streamed": False, "transient_grads": False, **fields,
+                                   **({} if opt.adamw else {"gpu_grad_layers": 0})})
         out.append((name, eng, estimate(config, batch, seq, eng, sizes=sizes, micro_batches=micro_batches,
-                                        later_contributions=later_contributions)))
+                                        later_contributions=later_contributions, optimizer=opt)))
     return out
 
 

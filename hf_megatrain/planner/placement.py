@@ -86,7 +86,8 @@ class Placement(NamedTuple):
 def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, world_size: int = 1,
                       local_ranks: int | None = None, gpu_free: float | None = None,
                       host_free: float | None = None, micro_batches: int = 1,
-                      later_contributions: bool = True, sizes: ModelSizes | None = None) -> Placement:
+                      later_contributions: bool = True, sizes: ModelSizes | None = None,
+                      optimizer=None) -> Placement:
     """The engine config with 'auto' (None) placements replaced by the plan's numbers: the one
     place where the automatic placement is decided, for the trainer and `hf-megatrain estimate`.
 
@@ -95,7 +96,8 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
     for moving layers onto the GPU when the host side would not fit, and for an 'auto' lean_streamed,
     taken only when the host side fits with it and not without (None: not considered; lean_streamed
     auto is then off); micro_batches: how many run through each layer together (estimate); sizes:
-    model_sizes(config[, peft_config]), the units planned (a LoRA run's: its adapters train)."""
+    model_sizes(config[, peft_config]), the units planned (a LoRA run's: its adapters train); optimizer:
+    what steps the run (estimator.optimizer_state; default AdamW), whose state is what a layer costs."""
     resident, offload, lean = engine.resident_layers, engine.offload_activations, engine.lean_resident
     streamed = engine.lean_streamed
     planned = resident is None and engine.device.type == "cuda"
@@ -104,7 +106,7 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
     elif None in (resident, offload, lean, streamed, engine.transient_grads, engine.gpu_grad_layers):
         gpu_free = gpu_available(engine.device) if gpu_free is None else gpu_free
         ranks = dict(world_size=world_size, local_ranks=local_ranks, micro_batches=micro_batches,
-                     later_contributions=later_contributions, sizes=sizes or model_sizes(config))
+                     later_contributions=later_contributions, sizes=sizes or model_sizes(config), optimizer=optimizer)
 
         def place(modes: dict):
             return place_layers(config, batch, seq, gpu_free, engine=replace(engine, **modes),
@@ -191,7 +193,7 @@ class StepSplit(NamedTuple):
 
 def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, asked: bool | None = None,
                splittable: bool | None = None, host_free: float | None = None,
-               gpu_free: float | None = None, sizes: ModelSizes | None = None) -> StepSplit:
+               gpu_free: float | None = None, sizes: ModelSizes | None = None, optimizer=None) -> StepSplit:
     """How a step of `ga` micro-batches of `batch` rows runs: the one place this is decided (the
     trainer, `hf-megatrain estimate`). The user's batch is `batch` x `ga`; the engine may cut each
     micro-batch into chunks of rows and run a step's chunks through each layer together
@@ -205,7 +207,7 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
     splittable: rows may be cut; by default unless `config` is an MoE whose load-balancing loss
     spans the micro-batch (output_router_logits with a coefficient). The host memory modes on auto
     (lean_streamed, transient_grads, gpu_grad_layers) are tried only once no split fits without them.
-    sizes: as resolve_placement's."""
+    sizes, optimizer: as resolve_placement's."""
     sizes = sizes or model_sizes(config)
     if splittable is None:
         coef = getattr(config, "router_aux_loss_coef", 0) or getattr(config, "aux_loss_coef", 0)  # JetMoE's name
@@ -216,7 +218,7 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
         if later and eng.transient_grads is None:  # one micro-batch at a time: never exact
             eng = replace(eng, transient_grads=False)
         return resolve_placement(config, rows, seq, eng, host_free=host_free, gpu_free=gpu_free, micro_batches=n,
-                                 later_contributions=later, sizes=sizes)
+                                 later_contributions=later, sizes=sizes, optimizer=optimizer)
 
     cuda = engine.device.type == "cuda"
     if asked is False or (asked is None and not cuda) or (asked and ga < 2):
@@ -229,7 +231,7 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
 
     def fits(placement, rows, n):
         plan = estimate(config, rows, seq, placement.engine, micro_batches=n, sizes=sizes,
-                        later_contributions=one_at_a_time(ga, per_pass=n))
+                        later_contributions=one_at_a_time(ga, per_pass=n), optimizer=optimizer)
         return not shortfalls(plan, host_free, gpu_free)
 
     streams = base.engine.resident_layers < config.num_hidden_layers

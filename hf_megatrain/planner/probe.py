@@ -9,7 +9,8 @@ the GPU's memory bandwidth, the host's DRAM bandwidth (a large fp32 copy and an 
 cores: a copy's writes also read their lines first, an in-place update's do not) and the
 engine's own host AdamW step (optimizer.adamw_tile on a 128M-parameter store, with clipping and
 without, refreshing a bf16 compute copy and without one as a lean unit does), which is what the
-DRAM bandwidth buys in the step.
+DRAM bandwidth buys in the step, and the other host optimizers' steps (sgd, adagrad, rmsprop,
+adafactor with Trainer's defaults, over one 128M-parameter matrix, as the engine steps a unit).
 
 The cache is a JSON file (HF_MEGATRAIN_CACHE or ~/.cache/hf_megatrain, `rates.json`) holding the
 latest probe of each GPU model; `load()` returns the one for this machine's GPU.
@@ -21,7 +22,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 GB = 1e9
 
@@ -45,6 +46,26 @@ class Rates:
     # without; 0: not measured (a probe from before they were, the reference rates), see adamw().
     adamw_lean_gparams: float = 0.0
     adamw_lean_noclip_gparams: float = 0.0
+    # The other host optimizers (engine/host_optim.py) with Trainer's defaults, as the engine steps a unit
+    # (clipping, the optimizer's own step over a 2-D parameter, the bf16 copy refreshed):
+    # {optim: [G params/s, the step's modelled bytes per parameter at those defaults]}; empty: not measured.
+    optim_gparams: dict = field(default_factory=dict)
+
+    def host_step(self, optimizer, clip: bool, lean: bool = False) -> float:
+        """G params/s of the host step of one unit by `optimizer` (estimator.optimizer_state; AdamW: adamw()).
+        Another optimizer's rate is modelled, not measured, where the probe did not measure it: AdamW's
+        rate scaled by the bytes a unit's step moves per parameter, AdamW's tile (ADAMW_TILE_BYTES) against
+        the optimizer's (OptimizerState.step_bytes, + 8 to clip the gradient, + 6 to refresh the bf16
+        copy), as if both were bound by DRAM bandwidth alone. Measured (optim_gparams, at Trainer's
+        defaults), it is scaled the same way to the settings and to clipping and lean asked."""
+        if optimizer is None or optimizer.adamw:
+            return self.adamw(clip, lean)
+        moved = optimizer.step_bytes + 8 * clip + 6 * (not lean)
+        measured = self.optim_gparams.get(optimizer.name)
+        if measured:
+            rate, at = measured
+            return rate * (at + 8 + 6) / moved
+        return self.adamw(clip, lean) * ADAMW_TILE_BYTES[clip][lean] / moved
 
     def adamw(self, clip: bool, lean: bool = False) -> float:
         """G params/s of the host AdamW of one unit: with exact clipping or not, refreshing a bf16
@@ -74,6 +95,7 @@ class Rates:
                  f"{self.adamw(True, True):.2f} / {self.adamw(False, True):.2f} G params/s"
                  + ("" if self.adamw_lean_gparams and self.adamw_lean_noclip_gparams else
                     " (not measured: scaled by the bytes moved)"))]
+        rows += [(f"host {name}, clipped", f"{rate:.2f} G params/s") for name, (rate, _) in self.optim_gparams.items()]
         head = f"{self.gpu or 'no GPU'}; host {self.host or '?'}; {self.measured}"
         w = max(len(k) for k, _ in rows)
         return head + "\n" + "\n".join(f"  {k:{w}} {v}" for k, v in rows)
@@ -88,7 +110,8 @@ ADAMW_BYTES = 30
 ADAMW_TILE_BYTES = {True: (42, 36), False: (34, 28)}
 
 # An H200 box's rates, for planning on a machine that has not been probed (or has no GPU): the
-# device machine's probe of 2026-12-04 17:29 UTC (BENCHMARKS.md, run 14, call d).
+# device machine's probe of 2026-12-04 17:29 UTC (BENCHMARKS.md, run 14, call d). It measured no
+# optimizer but AdamW: the others' host rates are modelled from it (Rates.host_step).
 REFERENCE = Rates(gpu="NVIDIA H200", matmul_tflops=669.0, h2d_gbs=55.5, d2h_gbs=55.4, h2d_duplex_gbs=52.0,
                   d2h_duplex_gbs=50.8, gpu_mem_gbs=4240.0, host_copy_gbs=77.7, host_update_gbs=129.4,
                   adamw_gparams=2.55, adamw_noclip_gparams=2.74, host="16 cores",
@@ -242,6 +265,46 @@ def _adamw_rate(numel: int, clip: bool, lean: bool = False) -> float:
     return numel / _best(run, 3) / GB
 
 
+def host_optim_gparams(optim: str, shape: tuple = (16384, 8192)) -> float:
+    """The engine's host step of `optim` (one of engine.host_optim.PARAM_OPTIMS, Trainer's defaults) on
+    one fp32 parameter of `shape`, as HostParamOptimizer.step_unit runs it (the gradient clipped in place,
+    the class's own step, the bf16 compute copy refreshed), from a worker thread with the caller's
+    OpenMP thread count; G parameters per second, the first step (its state allocated) left out."""
+    import threading
+
+    import torch
+
+    from .estimator import optimizer_class
+
+    cls, kwargs = optimizer_class(optim)
+    master = torch.randn(shape)
+    master.grad = torch.randn(shape)
+    compute = torch.empty(shape, dtype=torch.bfloat16)
+    inner = cls([master], **kwargs)
+    coef = torch.tensor(0.5)
+    threads = torch.get_num_threads()
+    result: list = []
+
+    def run():
+        master.grad.mul_(coef)
+        inner.step()
+        compute.copy_(master)
+
+    def work():
+        try:
+            torch.set_num_threads(threads)
+            result.append(master.numel() / _best(run, 3) / GB)
+        except BaseException as e:  # re-raised on the caller's thread
+            result.append(e)
+
+    worker = threading.Thread(target=work, name="megatrain-probe-optim")
+    worker.start()
+    worker.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
 def matmul_rates(seconds: float) -> tuple[float, float]:
     """bf16 8192^3 matmuls, TFLOP/s: (burst, the first ~0.1 s; sustained, after `seconds` of load).
     An H200 caps its power under load and drops from ~790 to ~660."""
@@ -323,6 +386,11 @@ def measure(seconds: float = 5.0, progress=print) -> Rates:
     progress("host AdamW (the engine's step) ...")
     adamw, adamw_noclip = host_adamw_gparams(clip=True), host_adamw_gparams(clip=False)
     lean, lean_noclip = host_adamw_gparams(clip=True, lean=True), host_adamw_gparams(clip=False, lean=True)
+    progress("host sgd, adagrad, rmsprop, adafactor (the engine's steps) ...")
+    from ..engine.host_optim import PARAM_OPTIMS
+    from .estimator import optimizer_state
+
+    others = {name: [round(host_optim_gparams(name), 3), optimizer_state(name).step_bytes] for name in PARAM_OPTIMS}
     gpu, matmul, pcie, device_mem = "", 0.0, (0.0, 0.0, 0.0, 0.0), 0.0
     if torch.cuda.is_available():
         gpu = torch.cuda.get_device_name()
@@ -337,4 +405,5 @@ def measure(seconds: float = 5.0, progress=print) -> Rates:
                  h2d_duplex_gbs=round(pcie[2], 2), d2h_duplex_gbs=round(pcie[3], 2), gpu_mem_gbs=round(device_mem, 1),
                  host_copy_gbs=round(copy, 2), host_update_gbs=round(update, 2), adamw_gparams=round(adamw, 3), adamw_noclip_gparams=round(adamw_noclip, 3),
                  host=host_name(), measured=time.strftime("probed %Y-%m-%d %H:%M UTC", time.gmtime()),
-                 adamw_lean_gparams=round(lean, 3), adamw_lean_noclip_gparams=round(lean_noclip, 3))
+                 adamw_lean_gparams=round(lean, 3), adamw_lean_noclip_gparams=round(lean_noclip, 3),
+                 optim_gparams=others)

@@ -4,7 +4,7 @@ that plan_run made, with the memory modes at its placement priced beside it."""
 from __future__ import annotations
 
 from .admission import shortfalls
-from .estimator import GiB, mode_plans, model_sizes, state_bytes_per_parameter
+from .estimator import GiB, mode_plans, model_sizes, optimizer_state, state_bytes_per_parameter
 from .placement import one_at_a_time
 from .run import Machine, Request, RunPlan
 
@@ -17,15 +17,32 @@ def verdict(request: Request, run: RunPlan) -> str | None:
     if run.refusal is None:
         return "fits"
     lines = run.refusal.splitlines()
-    return lines[0] + "".join(f"\n{ln}" for ln in lines[1:] if ln.startswith(("max_seq_length=", "Would fit with:")))
+    return lines[0] + "".join(f"\n{ln}" for ln in lines[1:] if ln.startswith(("max_seq_length=", "Would fit with:", "With optim=")))
+
+
+# Optimizers priced beside the one asked for, in the modes table: Adafactor (the leanest that keeps a
+# second moment), and AdamW where another was asked. Only their modes without transient_grads (theirs
+# alone is AdamW's), labelled "optim=NAME[ + mode]".
+ALTERNATIVE_OPTIMIZERS = ("adafactor", "adamw")
 
 
 def mode_rows(model_config, request: Request, run: RunPlan, machine: Machine) -> list[dict]:
-    """Each memory mode at the plan's placement: bytes per parameter, host and GPU GiB, the step-time
+    """Each memory mode at the plan's placement, for the optimizer asked for and for the alternatives
+    (ALTERNATIVE_OPTIMIZERS, Trainer's defaults): bytes per parameter, host and GPU GiB, the step-time
     model's seconds, and whether it fits the machine's host (None: no host given). Only where a step
     time is predicted (a GPU run of one process)."""
     if run.step_time is None:
         return []
+    rows = _optimizer_rows(model_config, request, run, machine, request.optimizer_state, "")
+    for name in ALTERNATIVE_OPTIMIZERS:
+        if name != request.optimizer:
+            rows += _optimizer_rows(model_config, request, run, machine, optimizer_state(name), f"optim={name}")
+    return rows
+
+
+def _optimizer_rows(model_config, request: Request, run: RunPlan, machine: Machine, opt, label: str) -> list[dict]:
+    """mode_rows' rows of one optimizer: each mode it combines with (label: "" for the one asked for, whose
+    rows are named by their mode alone; "optim=NAME" for an alternative, shown without transient_grads)."""
     from .steptime import norm_pass, predict, routed_per_layer
 
     sizes, ga, clip = model_sizes(model_config, request.peft_config), request.grad_accum, request.clip
@@ -34,12 +51,16 @@ def mode_rows(model_config, request: Request, run: RunPlan, machine: Machine) ->
     later = one_at_a_time(ga, run.split, run.per_pass)
     rows = []
     for name, eng, plan in mode_plans(model_config, run.rows, request.seq, run.engine, sizes=sizes,
-                                             micro_batches=run.per_pass, later_contributions=later):
+                                      micro_batches=run.per_pass, later_contributions=later, optimizer=opt):
+        if label and eng.transient_grads:
+            continue
+        if label:
+            name = label if name == "default" else f"{label} + {name}"
         step = predict(model_config, run.rows, request.seq, eng, machine.planning_rates(), micro_batches=n,
-                       together=run.per_pass > 1 or n == 1, clip=clip, sizes=sizes, routed=routed)
+                       together=run.per_pass > 1 or n == 1, clip=clip, sizes=sizes, routed=routed, optimizer=opt)
         fits = None if machine.host_free is None else \
             not shortfalls(plan, machine.host_free, machine.gpu_free or float("inf"))
-        rows.append(dict(mode=name, state_bytes_per_parameter=round(state_bytes_per_parameter(plan,
+        rows.append(dict(mode=name, optimizer=opt.name, state_bytes_per_parameter=round(state_bytes_per_parameter(plan,
                                                                                                    sizes.params), 2),
                          host_gib=round(plan.host_per_host / GiB, 1), gpu_gib=round(plan.gpu_total / GiB, 1),
                          step_s=round(step.step_s, 2), clipping=clip, norm_pass=norm_pass(eng, clip), fits=fits))
@@ -69,7 +90,10 @@ def as_text(name: str, model_config, request: Request, run: RunPlan, machine: Ma
            f"{run.step.describe(request.batch, request.grad_accum)}, "
            f"{dtype} compute, {counted(plan.resident_layers, 'layer')} resident on the GPU"
            f"{' (lean)' if engine.lean_resident and plan.resident_layers else ''}, "
-           f"{counted(plan.offload_activations, 'layer input')} offloaded\n", plan.table()]
+           f"{counted(plan.offload_activations, 'layer input')} offloaded"
+           + ("" if request.optimizer_state.adamw else f", optim={request.optimizer}"
+              + (f" ({request.optimizer_state.settings})" if request.optimizer_state.settings else "")) + "\n",
+           plan.table()]
     if run.step_time is not None:
         clipping = f"clipping at {request.max_grad_norm:g}" if request.clip else "no clipping"
         if norm_pass(engine, request.clip):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 from .admission import admit, allocator_advice
-from .estimator import MemoryPlan, estimate, model_sizes
+from .estimator import GiB, MemoryPlan, estimate, model_sizes, optimizer_state
 from .machine import Machine, ranks_on_this_host
 from .placement import StepSplit, longest_fitting_row, one_at_a_time, resolve_placement, split_step
 from ..engine.config import EngineConfig
@@ -42,7 +42,8 @@ class Request:
     the plan's units then train only the adapters (model_sizes), the base is frozen (no
     step-time prediction yet).
     optimizer: only the host AdamW steps during the backward or tile by tile, so the modes that need it
-    (transient_grads, gpu_grad_layers, data parallel) are off or refused for the others.
+    (transient_grads, gpu_grad_layers, data parallel) are off or refused for the others; optimizer and
+    optim_args (TrainingArguments' spellings) say what state it keeps per parameter (optimizer_state).
     admit: check the plan against the machine (memory_check). suggest_row: a refusal also names the
     longest row that fits (mlp_tile_tokens: the tile as asked, for that search)."""
     engine: EngineConfig
@@ -58,9 +59,16 @@ class Request:
     suggest_row: bool = True
     mlp_tile_tokens: int | None = None
     optimizer: str = "adamw"  # what steps the run: "adamw" or one of engine.host_optim.PARAM_OPTIMS
+    optim_args: str | None = None  # TrainingArguments.optim_args for it ("momentum=0.9,nesterov=True")
 
     def __post_init__(self):  # a PeftModel's own peft_config (adapter name -> config): its adapter's
         object.__setattr__(self, "peft_config", planned_adapters(self.peft_config))
+
+    @property
+    def optimizer_state(self):
+        """What the optimizer keeps per parameter (estimator.optimizer_state: AdamW's moments, or the
+        state of the class Trainer builds for `optimizer` and `optim_args`)."""
+        return optimizer_state(self.optimizer, None if self.optimizer == "adamw" else self.optim_args)
 
     @property
     def lora(self) -> bool:
@@ -124,7 +132,8 @@ def request_from_arguments(args, device, lora: bool = False, model=None, optimiz
                    local_ranks=ranks_on_this_host(args.world_size),
                    peft_config=planned_adapters(args.peft_config, model) if lora else None, admit=bool(args.memory_check),
                    suggest_row=args.world_size == 1 and tokens >= LONG_CONTEXT_TOKENS,
-                   mlp_tile_tokens=args.mlp_tile_tokens, optimizer=optimizer)
+                   mlp_tile_tokens=args.mlp_tile_tokens, optimizer=optimizer,
+                   optim_args=None if optimizer == "adamw" else args.optim_args)
 
 
 def settle_autos(engine: EngineConfig, request: Request, machine: Machine) -> EngineConfig:
@@ -203,16 +212,17 @@ def plan_run(model_config, request: Request, machine: Machine | None = None) -> 
     ranks = dict(world_size=world, local_ranks=local)
     cuda = engine.device.type == "cuda"
     sizes = model_sizes(model_config, request.peft_config)
+    opt = request.optimizer_state
     if world > 1:  # data parallel runs its micro-batches one at a time, as asked
         step = StepSplit(1, 1, resolve_placement(
             model_config, request.batch, request.seq, engine, gpu_free=machine.gpu_free, host_free=machine.host_free,
-            later_contributions=one_at_a_time(ga), sizes=sizes, **ranks))
+            later_contributions=one_at_a_time(ga), sizes=sizes, optimizer=opt, **ranks))
     else:
         asked = request.layer_major
         if asked is None and cuda and (machine.gpu_free is None or machine.host_free is None):
             asked = False  # auto weighs the machine: with none given, as asked
         step = split_step(model_config, request.batch, request.seq, engine, ga, asked=asked,
-                                 gpu_free=machine.gpu_free, host_free=machine.host_free, sizes=sizes)
+                                 gpu_free=machine.gpu_free, host_free=machine.host_free, sizes=sizes, optimizer=opt)
         if step.per_pass > 1 or step.split > 1:
             notes.append(f"step: {step.describe(request.batch, ga)}")
         if step.placement.engine.transient_grads and one_at_a_time(ga, step.split, step.per_pass):
@@ -222,16 +232,11 @@ def plan_run(model_config, request: Request, machine: Machine | None = None) -> 
     placement, rows = step.placement, request.batch // step.split
     later = one_at_a_time(ga, step.split, step.per_pass)
     plan = estimate(model_config, rows, request.seq, placement.engine, sizes=sizes,
-                           micro_batches=step.per_pass, later_contributions=later, **ranks)
+                           micro_batches=step.per_pass, later_contributions=later, optimizer=opt, **ranks)
     n = ga * step.split
-    timed = dict(micro_batches=n, together=step.per_pass > 1 or n == 1, clip=request.clip, sizes=sizes)
+    timed = dict(micro_batches=n, together=step.per_pass > 1 or n == 1, clip=request.clip, sizes=sizes,
+                 optimizer=opt)
     run = RunPlan(placement.engine, step.split, step.per_pass, rows, plan, placement.planned, step, notes=notes)
-    if request.admit:
-        run.refusal = _admission(model_config, request, machine, run, timed, ranks)
-    if cuda and machine.gpu_free is not None:
-        advice = allocator_advice(plan, machine.gpu_free)
-        if advice:
-            run.warnings.append(advice)
     if cuda and world == 1 and not request.lora:
         try:  # a diagnostic: a config it cannot read costs the prediction, never the run
             from .steptime import lean_verdict, predict, routed_per_layer
@@ -245,7 +250,35 @@ def plan_run(model_config, request: Request, machine: Machine | None = None) -> 
                 notes.append(f"lean_streamed: {lean_verdict(run.step_time, without)}")
         except Exception as e:  # noqa: BLE001
             run.warnings.append(f"step-time model unavailable for this model ({type(e).__name__}: {e})")
+    if request.admit:  # (after the step time: a refusal naming another optimizer compares the two)
+        run.refusal = _admission(model_config, request, machine, run, timed, ranks)
+    if cuda and machine.gpu_free is not None:
+        advice = allocator_advice(plan, machine.gpu_free)
+        if advice:
+            run.warnings.append(advice)
     return run
+
+
+# What a host-RAM refusal offers in place of the optimizer asked for, in this order, where it keeps
+# less: Adafactor (Trainer's: factored second moment, no first moment), then plain SGD (no state).
+LEANER_OPTIMIZERS = ("adafactor", "sgd")
+
+
+def leaner_optimizers(model_config, request: Request, machine: Machine, run: RunPlan) -> list:
+    """For a host-RAM refusal: [(optim, its RunPlan)] for each of LEANER_OPTIMIZERS that keeps less state
+    per parameter than the optimizer asked for, the run planned again with it (Trainer's defaults for it,
+    everything else as asked; a mode it does not combine with, asked for, leaves it out)."""
+    mine = request.optimizer_state.per_parameter()
+    out = []
+    for name in LEANER_OPTIMIZERS:
+        if name == request.optimizer or optimizer_state(name).per_parameter() >= mine:
+            continue
+        try:
+            out.append((name, plan_run(model_config, replace(request, optimizer=name, optim_args=None, admit=False,
+                                                             suggest_row=False), machine)))
+        except MegaTrainError:
+            continue
+    return out
 
 
 def _admission(model_config, request: Request, machine: Machine, run: RunPlan, timed: dict, ranks: dict):
@@ -260,12 +293,20 @@ def _admission(model_config, request: Request, machine: Machine, run: RunPlan, t
         from .steptime import mode_cost
 
         cost = mode_cost(model_config, run.rows, request.seq, run.engine, machine.planning_rates(), **timed)
+
+    def optimizers():  # [(optim, memory plan, the step time's words or "")], asked only on a host refusal
+        from .steptime import compared
+
+        return [(name, other.memory, compared(other.step_time, run.step_time, f"with optim={request.optimizer}")
+                 if other.step_time is not None and run.step_time is not None else "")
+                for name, other in leaner_optimizers(model_config, request, machine, run)]
+
     unknown = float("inf")  # what is not known of the machine is not checked
     try:
         admit(run.memory, host_free=unknown if machine.host_free is None else machine.host_free,
                      gpu_free=unknown if machine.gpu_free is None else machine.gpu_free, hint=hint,
                      residency_planned=run.placement_planned or not cuda,  # no GPU: no layers to keep there
-                     step_cost=cost)
+                     step_cost=cost, optimizer=timed["optimizer"], optimizers=optimizers)
     except MegaTrainError as e:
         return str(e)
     return None

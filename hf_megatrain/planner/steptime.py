@@ -10,7 +10,9 @@ dependencies:
   they are in and the previous unit's backward is done, its gradient goes out after them;
 - host AdamW of the streamed units: with exact clipping, only once the whole backward is done (the
   global norm scales every gradient) and then unit by unit in forward order; without clipping, each
-  unit as soon as its gradient has landed;
+  unit as soon as its gradient has landed; another optimizer (sgd, adagrad, rmsprop, adafactor: engine/
+  host_optim.py) always after the backward, at its own host rate (Rates.host_step: the probe's
+  measurement, else modelled from the bytes its step moves against AdamW's);
 - next forward, first unit first: a streamed unit's weights come in after its AdamW has refreshed
   them, and its forward runs after they are in.
 
@@ -100,7 +102,8 @@ def norm_pass(engine, clip: bool) -> bool:
 
 
 def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 1, together: bool = True,
-            clip: bool = True, sizes=None, routed=None, layer_costs: LayerCosts | None = None) -> StepTime:
+            clip: bool = True, sizes=None, routed=None, layer_costs: LayerCosts | None = None,
+            optimizer=None) -> StepTime:
     """The step time of `micro_batches` micro-batches of `rows` x `seq` tokens per optimizer step.
 
     engine: the EngineConfig the run is built with, placements settled (placement.resolve_placement).
@@ -110,8 +113,12 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
     with transient_grads a norm pass (forward and backward, no gradient sent) runs first instead and
     each unit is stepped, clipped, as its gradient lands.
     layer_costs: measured per-layer seconds to use for the decoder layers' compute and host AdamW
-    instead of the rates (a projection of a model this box cannot hold from one it trained)."""
-    from .estimator import copy_units, model_sizes
+    instead of the rates (a projection of a model this box cannot hold from one it trained); its AdamW
+    seconds scale to another optimizer by the rates' ratio.
+    optimizer: what steps the run (estimator.optimizer_state; default AdamW)."""
+    from .estimator import ADAMW, copy_units, model_sizes
+
+    opt = optimizer or ADAMW
 
     s = sizes or model_sizes(config)
     units = copy_units(s.units)  # marked here: the units handed in stay as they were
@@ -156,14 +163,16 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
         h2d.append(u.numel * (4 if u.no_compute_copy else cbytes) if streamed else 0)  # a lean streamed unit: its fp32 master
         d2h.append(u.n_train * 4 if streamed else 0)
         # a lean unit has no compute copy to refresh, nor does an fp32 one (the master streams itself)
-        rate = rates.adamw(clip, u.no_compute_copy or (cbytes == 4 and u.n_train == u.numel))
+        rate = rates.host_step(opt, clip, u.no_compute_copy or (cbytes == 4 and u.n_train == u.numel))
         if u.kind == "layer" and layer_costs is not None:  # the measured rate, as much faster as the probe's
             rate = layer_costs.params / layer_costs.adamw_s / 1e9 * rate / rates.adamw(True)
         adam.append(u.n_train / rate / 1e9 if streamed else 0)
     layer_units = [i for i, u in enumerate(units) if u.kind == "layer"]
     acts = {i: layer_input for i in layer_units[s.layers - offload:]} if offload else {}
-    # resident units step on the GPU: read master, m, v, grad and write them and the compute copy
-    gpu_adam = sum(u.n_train for u in units if u.resident) * 30 / (rates.gpu_mem_gbs * 1e9)
+    # resident units step on the GPU: read master, m, v, grad and write them and the compute copy (another
+    # optimizer: its step's bytes, modelled, and the compute copy)
+    gpu_bytes = 30 if opt.adamw else opt.step_bytes + 6
+    gpu_adam = sum(u.n_train for u in units if u.resident) * gpu_bytes / (rates.gpu_mem_gbs * 1e9)
     accumulate = 0.0
     if passes > 1:  # one at a time: each later micro-batch's gradient is added on the host (read 2, write 1)
         accumulate = (passes - 1) * sum(d2h) * 3 / (rates.host_update_gbs * 1e9)
@@ -205,7 +214,7 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
 
         end, landed = backward()
         done, host = {}, end  # host AdamW of the streamed units
-        if clip and not measure:  # after the whole backward, in forward order
+        if (clip or not opt.adamw) and not measure:  # after the whole backward, in forward order
             for i in range(len(units)):
                 if adam[i]:
                     host += adam[i] * adam_scale
@@ -229,15 +238,16 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
     lanes = {"compute": sweeps * (sum(fwd) + sum(bwd)) + gpu_adam,
              "h2d": (sum(h2d) * 2 * (passes + sweeps - 1) + sweeps * sum(acts.values())) / (rates.h2d_gbs * 1e9),
              "d2h": (sum(d2h) * passes + sweeps * sum(acts.values())) / (rates.d2h_gbs * 1e9),
-             "host_adamw": sum(adam)}
+             "host_adamw" if opt.adamw else f"host_{opt.name}": sum(adam)}
     if accumulate:
         lanes["accumulate"] = accumulate
+    host = "host AdamW" if opt.adamw else f"host {opt.name}"
     gains = {"compute": step - simulate(compute_scale=1e-9),
              "PCIe": step - simulate(pcie_scale=1e-9),
-             "host AdamW": step - simulate(adam_scale=1e-9)}
+             host: step - simulate(adam_scale=1e-9)}
     bound = max(gains, key=gains.get)
-    if bound == "host AdamW" and clip and not measure:
-        bound = "host AdamW after the backward (exact clipping)"
+    if bound == host and (clip or not opt.adamw) and not measure:
+        bound = f"{host} after the backward" + (" (exact clipping)" if clip else "")
     return StepTime(step, tokens, bound, lanes, gains, rates.measured)
 
 
@@ -259,7 +269,7 @@ def compared(with_it: StepTime, other: StepTime, other_is: str) -> str:
 
 
 def mode_cost(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 1, together: bool = True,
-              clip: bool = True, sizes=None, routed=None):
+              clip: bool = True, sizes=None, routed=None, optimizer=None):
     """For a refusal that names a memory mode (admission.admit's step_cost): a function of the mode's
     EngineConfig fields that says, in words, the modelled step time with it against the plan as asked.
     With clipping, transient_grads is priced with the norm pass it then runs first. Nothing is computed
@@ -267,7 +277,7 @@ def mode_cost(config, rows: int, seq: int, engine, rates, *, micro_batches: int 
     from .estimator import mode_engine
 
     def cost(fields: dict) -> str:
-        kw = dict(micro_batches=micro_batches, together=together, sizes=sizes,
+        kw = dict(micro_batches=micro_batches, together=together, sizes=sizes, optimizer=optimizer,
                   routed=routed_per_layer(config) if routed is None else routed)
         asked = predict(config, rows, seq, engine, rates, clip=clip, **kw)
         with_it = predict(config, rows, seq, mode_engine(engine, fields), rates, clip=clip, **kw)

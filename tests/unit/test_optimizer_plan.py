@@ -1,0 +1,250 @@
+"""The planner counts each optimizer's state as the engine's optimizers allocate it (HostAdamW's moments;
+HostParamOptimizer's torch / transformers state, by parameter shape, on the host for streamed units and
+beside the master for resident ones), and admission, `hf-megatrain estimate` and the step-time model
+use it."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from transformers import Trainer
+from transformers.optimization import Adafactor
+
+from hf_megatrain import MegaTrainArguments, StreamingEngine
+from hf_megatrain.engine.config import EngineConfig
+from hf_megatrain.engine.layout import mark_resident
+from hf_megatrain.engine.host_optim import PARAM_OPTIMS, HostParamOptimizer
+from hf_megatrain.engine.optimizer import HostAdamW
+from hf_megatrain.errors import MegaTrainError
+from hf_megatrain.planner import Machine, Request, plan_run, request_from_arguments
+from hf_megatrain.planner.estimator import (ADAMW, ADAMW_OPTIMS, GiB, copy_units, estimate, model_sizes, optimizer_class,
+                                            optimizer_state, state_of)
+from hf_megatrain.planner.probe import REFERENCE, host_optim_gparams
+from hf_megatrain.planner.steptime import predict
+from hf_megatrain.shapes import make_config
+from tests.support.tiny import make_batch, make_model
+
+# (optim, optim_args): Trainer's defaults and the settings that change the state
+CASES = [("adamw_torch", None), ("sgd", None), ("sgd", "momentum=0.9,nesterov=True"), ("adagrad", None),
+         ("rmsprop", None), ("rmsprop", "momentum=0.5,centered=True"), ("adafactor", None)]
+
+
+def nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def stepped(kind, optim, optim_args, resident, cls_kwargs=None):
+    """The engine and its optimizer for `optim` after one real step (torch allocates most state lazily)."""
+    model = make_model(kind, seed=2)
+    decay = Trainer.get_decay_parameter_names(None, model)
+    engine = StreamingEngine(model, compute_dtype=torch.float32, decay_names=decay, resident_layers=resident,
+                             background_host_jobs=False).train()
+    if optim in ADAMW_OPTIMS:
+        opt = HostAdamW(engine, lr=1e-3, weight_decay=0.1)
+    else:
+        cls, kwargs = cls_kwargs or optimizer_class(optim, optim_args)
+        opt = HostParamOptimizer(engine, cls, kwargs, weight_decay=0.1, name=optim)
+    engine.forward_backward(make_batch(seed=3))
+    opt.clip_grad_norm_(1.0)
+    opt.step()
+    opt.synchronize()
+    return model, engine, opt
+
+
+def allocated(engine, opt):
+    """Bytes of the optimizer's state tensors: (streamed units', resident units' beside their master,
+    torch's 0-d step counters, which torch keeps on the host whatever the parameter's device)."""
+    streamed = beside = counters = 0
+    for unit in engine.store.units:
+        if isinstance(opt, HostAdamW):
+            n = nbytes(opt.exp_avg[unit.index]) + nbytes(opt.exp_avg_sq[unit.index])
+            tensors = {}
+        else:
+            entry = opt.units[unit.index]
+            tensors = {} if entry is None else entry[0].state
+            n = 0
+        for state in tensors.values():
+            for key, val in state.items():
+                if not isinstance(val, torch.Tensor):
+                    continue
+                if key == "step":
+                    counters += nbytes(val)
+                else:
+                    n += nbytes(val)
+        if unit.resident:
+            beside += n
+        else:
+            streamed += n
+    return streamed, beside, counters
+
+
+@pytest.mark.parametrize("optim,optim_args", CASES)
+@pytest.mark.parametrize("kind,resident", [("llama", 0), ("llama_tied", 1), ("mixtral", 1)])
+def test_the_estimate_counts_the_state_the_optimizer_allocates(kind, resident, optim, optim_args):
+    model, engine, opt = stepped(kind, optim, optim_args, resident)
+    streamed, beside, counters = allocated(engine, opt)
+    state = optimizer_state(optim, optim_args)
+    assert state.adamw == (optim in ADAMW_OPTIMS)
+    # planned for a GPU with the engine's residency: streamed state on the host, resident state on the GPU
+    plan = estimate(model.config, 1, 16, EngineConfig(device="cuda", compute_dtype=torch.float32,
+                                                      resident_layers=resident), optimizer=state)
+    planned = copy_units(model_sizes(model.config).units)
+    mark_resident(planned, resident, False, False, 0)
+    assert [u.resident for u in engine.store.units] == [u.resident for u in planned]  # the same units
+    host = {k: v for k, v in plan.host.items() if k.startswith(("Adam moments", "optimizer state"))}
+    assert list(host.values()) == [streamed + counters], (host, streamed, counters)
+    units = engine.store.units
+    on_gpu = [u for u in units if u.resident]
+    gpu = sum(v for k, v in plan.gpu.items() if k.startswith(("resident units", "resident layers")))
+    # what a resident unit holds besides its state: fp32 weights (compute = master in fp32 mode counts twice
+    # in the plan: the compute copy and the master), the gradient
+    assert gpu - sum(4 * u.numel + 8 * u.n_train for u in on_gpu) == beside
+    assert bool(beside) == bool(on_gpu and state.per_parameter() > 0)
+
+
+def test_bytes_per_parameter_by_shape():
+    """AdamW 8; sgd 0, or 4 with momentum; adagrad and rmsprop 4 (+ a 4-byte step per parameter), rmsprop +4
+    momentum +4 centered; Adafactor's second moment factored for a matrix, whole for a vector."""
+    per = {(o, a): optimizer_state(o, a).per_parameter() for o, a in CASES}
+    assert per[("adamw_torch", None)] == 8 and per[("sgd", None)] == 0
+    assert per[("sgd", "momentum=0.9,nesterov=True")] == 4
+    matrix = 4096 * 4096
+    for o, a, full in (("adagrad", None, 4), ("rmsprop", None, 4), ("rmsprop", "momentum=0.5,centered=True", 12)):
+        assert per[(o, a)] == pytest.approx(full + 4 / matrix)
+    adafactor = optimizer_state("adafactor")
+    assert adafactor.full == 0  # Trainer's adafactor: beta1 None, no first moment
+    assert adafactor.param_bytes((4096, 1024)) == 4 * (4096 + 1024 + 1)
+    assert adafactor.param_bytes((8, 4096, 1024)) == 4 * (8 * 4096 + 8 * 1024 + 1)  # fused experts
+    assert adafactor.param_bytes((1024,)) == 4 * (1024 + 1)
+    with_beta1 = state_of("adafactor", Adafactor, dict(lr=1e-3, beta1=0.9, scale_parameter=False, relative_step=False))
+    assert with_beta1.param_bytes((4096, 1024)) == 4 * (4096 * 1024 + 4096 + 1024 + 1)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_adafactor_with_beta1_allocates_what_is_counted(kind):
+    cls_kwargs = (Adafactor, dict(lr=1e-3, beta1=0.9, scale_parameter=False, relative_step=False))
+    model, engine, opt = stepped(kind, "adafactor", None, 0, cls_kwargs)
+    streamed, _, counters = allocated(engine, opt)
+    state = state_of("adafactor", *cls_kwargs)
+    assert sum(state.unit_bytes(u) for u in engine.store.units) + state.host_scalar_bytes(engine.store.units) \
+        == streamed + counters
+
+
+def test_the_step_temporaries_are_the_largest_parameters():
+    config = make_config("llama-3.1-8b")
+    sizes = model_sizes(config)
+    largest = max(s.shape.numel() for u in sizes.units for s in u.train_slots)
+    for optim, args, temps in (("adafactor", None, 2), ("sgd", None, 1), ("sgd", "momentum=0.9,nesterov=True", 2)):
+        plan = estimate(config, 1, 1024, EngineConfig(device="cuda"), sizes=sizes, optimizer=optimizer_state(optim, args))
+        assert plan.host["optimizer step temporaries (largest parameter)"] == 4 * temps * largest
+    adamw = estimate(config, 1, 1024, EngineConfig(device="cuda"), sizes=sizes)
+    assert not [k for k in adamw.host if "temporaries" in k]  # torch's fused AdamW keeps none
+    assert adamw.host == estimate(config, 1, 1024, EngineConfig(device="cuda"), sizes=sizes, optimizer=ADAMW).host
+
+
+def test_the_optimizer_names_agree_with_the_arguments():
+    from hf_megatrain.arguments import SUPPORTED_OPTIM
+
+    assert set(ADAMW_OPTIMS) | set(PARAM_OPTIMS) == set(SUPPORTED_OPTIM)
+    with pytest.raises(MegaTrainError, match="not one the engine runs"):
+        optimizer_state("lion_32bit")
+    with pytest.raises(MegaTrainError, match="optim_args"):
+        optimizer_state("sgd", "momentum")
+
+
+def test_the_trainers_request_carries_optim_args(tmp_path):
+    args = MegaTrainArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], optim="rmsprop",
+                              optim_args="momentum=0.5,centered=True", max_seq_length=16)
+    request = request_from_arguments(args, torch.device("cpu"), optimizer="rmsprop")
+    assert request.optim_args == "momentum=0.5,centered=True"
+    assert request.optimizer_state == optimizer_state("rmsprop", "momentum=0.5,centered=True")
+    assert request.optimizer_state.full == 3
+
+
+def _needs(config, optim, engine, host):
+    return plan_run(config, Request(engine, 16, 1024, optimizer=optim, admit=False),
+                    Machine(gpu_free=24 * GiB, host_free=host)).memory
+
+
+def test_a_host_refusal_names_the_optimizer_that_fits():
+    config = make_config("llama-2-13b")
+    auto = EngineConfig(device="cuda", resident_layers=None, offload_activations=None, lean_resident=None)
+    adamw, adafactor = _needs(config, "adamw", auto, 1e15), _needs(config, "adafactor", auto, 1e15)
+    assert adafactor.host_per_host < 0.6 * adamw.host_per_host
+    host = (adafactor.host_per_host + adamw.host_per_host) / 2 / 0.95
+    run = plan_run(config, Request(auto, 16, 1024), Machine(gpu_free=24 * GiB, host_free=host))
+    assert run.refusal is not None and run.refusal.startswith("this run does not fit: host RAM")
+    there = _needs(config, "adafactor", auto, host)  # the run planned again for Adafactor on this machine
+    assert f"optim='adafactor' (with optim=adafactor it needs {there.host_per_host / GiB:.1f} GiB" in run.refusal
+    fits = plan_run(config, Request(auto, 16, 1024, optimizer="adafactor"), Machine(gpu_free=24 * GiB, host_free=host))
+    assert fits.refusal is None and fits.memory.host == there.host
+    # where even Adafactor is short, the refusal says by how much
+    small = 0.5 * adafactor.host_per_host
+    short = plan_run(config, Request(auto, 16, 1024), Machine(gpu_free=24 * GiB, host_free=small))
+    need = _needs(config, "adafactor", auto, small).host_per_host
+    assert need > small and f"With optim=adafactor it would need {need / GiB:.1f} GiB of host RAM, still short." \
+        in short.refusal
+    assert "optim='adafactor'" not in short.refusal
+
+
+def test_the_step_time_model_steps_other_optimizers_after_the_backward_at_their_rate():
+    config = make_config("llama-2-13b")
+    sizes = model_sizes(config)
+    engine = EngineConfig(device="cuda", resident_layers=0, offload_activations=0)
+    adafactor = optimizer_state("adafactor")
+    for clip in (True, False):
+        a = predict(config, 16, 1024, engine, REFERENCE, clip=clip, sizes=sizes, routed={})
+        b = predict(config, 16, 1024, engine, REFERENCE, clip=clip, sizes=sizes, routed={}, optimizer=adafactor)
+        ratio = REFERENCE.adamw(clip) / REFERENCE.host_step(adafactor, clip)
+        assert b.lanes["host_adafactor"] == pytest.approx(a.lanes["host_adamw"] * ratio)
+        assert b.bound.startswith("host adafactor after the backward")  # whatever the clipping
+        assert b.step_s >= b.lanes["host_adafactor"] + b.lanes["compute"] * 0.75 * 0.99  # never under the backward
+    measured = REFERENCE.__class__(**{**REFERENCE.__dict__, "optim_gparams": {"adafactor": [0.5, 84]}})
+    assert measured.host_step(adafactor, True) == pytest.approx(0.5)
+    assert measured.host_step(adafactor, False) == pytest.approx(0.5 * 98 / 90)
+
+
+def test_the_probe_steps_each_optimizer():
+    for name in PARAM_OPTIMS:
+        assert host_optim_gparams(name, shape=(64, 32)) > 0
+
+
+def _estimate(capsys, *flags):
+    from hf_megatrain.cli import main
+
+    code = main(["estimate", "llama-3.2-1b", "--batch", "4", "--seq", "1024", *flags])
+    return code, capsys.readouterr().out
+
+
+def test_estimate_prints_the_optimizer_and_its_alternatives(capsys):
+    machine = ["--gpu_gib", "20", "--host_gib", "60", "--gpu_resident_layers", "4"]
+    _, text = _estimate(capsys, *machine)
+    assert "optim=" not in text.splitlines()[0]
+    rows = [ln.split() for ln in text.splitlines() if ln.startswith("  optim=adafactor")]
+    assert [r[0] for r in rows] == ["optim=adafactor", "optim=adafactor"]  # default and + lean_streamed
+    _, out = _estimate(capsys, *machine, "--json")
+    modes = json.loads(out)["modes"]
+    asked = [m for m in modes if m["optimizer"] == "adamw"]
+    assert [m["mode"] for m in asked] == ["default", "lean_streamed", "lean_streamed + transient_grads"]
+    other = [m for m in modes if m["optimizer"] == "adafactor"]
+    config = make_config("llama-3.2-1b")
+    run = plan_run(config, Request(EngineConfig(device="cuda", resident_layers=4, offload_activations=None), 4, 1024,
+                                   admit=False), Machine(20 * GiB, 60 * GiB))
+    plan = estimate(config, 4, 1024, dataclasses.replace(run.engine, gpu_grad_layers=0, transient_grads=False,
+                                                          lean_streamed=False),
+                    later_contributions=False, optimizer=optimizer_state("adafactor"))
+    assert other[0]["host_gib"] == round(plan.host_per_host / GiB, 1)
+
+    code, out = _estimate(capsys, *machine, "--optim", "sgd", "--optim_args", "momentum=0.9", "--json")
+    data = json.loads(out)
+    state = [v for k, v in data["host"].items() if k.startswith("optimizer state (sgd")]
+    sgd = plan_run(config, Request(EngineConfig(device="cuda", resident_layers=4, offload_activations=None), 4, 1024,
+                                   admit=False, optimizer="sgd", optim_args="momentum=0.9"), Machine(20 * GiB, 60 * GiB))
+    units = copy_units(model_sizes(config).units)
+    mark_resident(units, 4, sgd.engine.lean_resident, sgd.engine.lean_streamed, 0)
+    assert state == [4 * sum(u.n_train for u in units if not u.resident)]  # a momentum buffer per streamed weight
+    assert {m["optimizer"] for m in data["modes"]} == {"sgd", "adafactor", "adamw"}
+    assert not [m for m in data["modes"] if m["optimizer"] == "sgd" and "transient" in m["mode"]]
+    with pytest.raises(SystemExit, match="--optim / --optim_args"):
+        _estimate(capsys, "--optim", "lion")
