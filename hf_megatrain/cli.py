@@ -347,7 +347,7 @@ def _estimate(argv: list[str]) -> int:
 
     a = _estimate_parser().parse_args(argv)
     request, machine = _estimate_request(a)
-    config = _config_of(a.model)
+    config = _config_of(a.model, record=not a.peft_config)  # adapters lay out from the real config
     run = plan_run(config, request, machine)
     modes = report.mode_rows(config, request, run, machine)
     if a.json:
@@ -359,13 +359,15 @@ def _estimate(argv: list[str]) -> int:
     return 0 if report.verdict(request, run) in (None, "fits") else 1
 
 
-def _config_of(model: str):
-    from .shapes import SHAPES, make_config
+def _config_of(model: str, record: bool = True):
+    """The model's config. record: a ConfigRecord where an earlier estimate laid the same config out
+    (planner.layout_cache.cached_config: no transformers import, the bulk of a warm estimate's time)."""
+    from .planner.layout_cache import cached_config
+    from .shapes import SHAPES, make_config, shape_fields
 
     if model in SHAPES:
-        return make_config(model)
-    from transformers import AutoConfig
-
+        key = ("shape", shape_fields(model))
+        return cached_config(key, lambda: make_config(model)) if record else make_config(model)
     from .checkpoint.stream_load import resolve_folder
 
     try:
@@ -374,7 +376,18 @@ def _config_of(model: str):
         if "/" in model:
             raise
         raise MegaTrainError(f"{e} Or name a known shape: {', '.join(SHAPES)}.") from None
-    return AutoConfig.from_pretrained(folder)
+
+    def build():
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(folder)
+
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            key = ("config.json", f.read())
+    except OSError:
+        return build()  # AutoConfig says what is wrong with the folder
+    return cached_config(key, build) if record else build()
 
 
 def _push(argv: list[str]) -> int:

@@ -25,6 +25,9 @@ SHAPES = {
     "llama-3.1-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                           num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
                           rope_theta=500000.0),
+    "qwen2.5-32b": dict(model_type="qwen2", hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False,
+                        rope_theta=1000000.0),
     # the largest dense shape the H200 box (128 GiB host) trains without clipping (issue 21): Llama-style, 18.3 B
     "dense-18b": dict(model_type="llama", hidden_size=6144, intermediate_size=16384, num_hidden_layers=46,
                       num_attention_heads=48, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False,
@@ -53,15 +56,20 @@ SHAPES = {
 }
 
 
-def make_config(shape: str, layers: int | None = None, max_positions: int = 131072):
+def shape_fields(shape: str, layers: int | None = None, max_positions: int = 131072) -> dict:
+    """Every field make_config gives the shape's config (model_type first), as plain data."""
     if shape not in SHAPES:
         from .errors import MegaTrainError
 
         raise MegaTrainError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-    spec = dict(SHAPES[shape])
-    model_type = spec.pop("model_type")
+    spec = dict(SHAPES[shape], max_position_embeddings=max_positions, attention_dropout=0.0)
     if layers:
         spec["num_hidden_layers"] = layers
+    return spec
+
+
+def make_config(shape: str, layers: int | None = None, max_positions: int = 131072):
+    spec = shape_fields(shape, layers, max_positions)
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(model_type, **spec, max_position_embeddings=max_positions, attention_dropout=0.0)
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)

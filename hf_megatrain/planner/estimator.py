@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 from ..engine.config import EngineConfig
-from .layout_cache import cached_units
+from .layout_cache import cached_units, config_key
 from ..engine.layout import (GRAD_LANDING_BUFFERS, LOSS_CHUNK_COPIES, TRANSIENT_GRAD_BUFFERS, config_units,
                              LANDING_TILE, fixed_buffer_numel, grad_slot_numel, loss_chunk, mark_resident,
                              ring_numel, slab_numel)
@@ -62,12 +62,7 @@ _UNITS: OrderedDict = OrderedDict()  # config's contents -> its units (a meta bu
 _UNITS_KEPT = 8
 
 
-def _config_key(config):
-    """What a config's units depend on, as a key (None: not serialisable, so not memoized)."""
-    try:
-        return type(config).__qualname__, config.to_json_string(use_diff=False)
-    except Exception:  # noqa: BLE001 - an odd attribute costs the memo, never the plan
-        return None
+_config_key = config_key  # what a config's units depend on (None: not memoized)
 
 
 def config_units_memo(config) -> list:
@@ -443,7 +438,8 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
         if on_gpu_grads:
             plan.host[f"pinned landing tiles ({GRAD_LANDING_BUFFERS}, gradients kept on the GPU)"] = \
                 4 * GRAD_LANDING_BUFFERS * LANDING_TILE
-        if cuda and world == 1 and owned:  # the accumulator and the staging slabs, for the buffers
+        if cuda and world == 1 and owned and opt.adamw:  # the accumulator and the staging slabs, for the buffers
+            # (transient gradients are stepped as they land: the host AdamW's alone)
             plan.transient_saving = 4 * (owned - on_gpu_grads) - buffers \
                 + (eng.staging_slabs * 4 * slab_numel(units) if later_contributions else 0)
     if opt.adamw:
