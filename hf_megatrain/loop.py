@@ -21,7 +21,7 @@ from transformers import Trainer
 from .checkpoint.loading import load_model_and_tokenizer
 from .checkpoint.peft_export import model_writer
 from .checkpoint.stream_load import engine_from_checkpoint
-from .engine.config import EngineConfig
+from .engine.config import EngineConfig, parse_count
 from .engine.optimizer import HostAdamW
 from .engine.schedule import StreamingEngine
 
@@ -33,12 +33,16 @@ AUTO = dict(resident_layers=None, offload_activations=None, lean_resident=None, 
 def prepare(model, *, device=None, compute_dtype=None, lr: float = 1e-5, betas=(0.9, 0.999), eps: float = 1e-8,
             weight_decay: float = 0.0, batch: int = 1, seq: int = 1024, grad_accum: int = 1,
             max_grad_norm: float = 1.0, layer_major_accumulation: bool | None = False, memory_check: bool = True,
-            max_gpu_memory: float | None = None, max_host_memory: float | None = None, **engine_options):
+            max_gpu_memory: float | None = None, max_host_memory: float | None = None,
+            gpu_resident_layers: int | str | None = None, **engine_options):
     """(StreamingEngine, HostAdamW) for a hub id, a folder or a loaded CPU model.
 
     device defaults to the first GPU when there is one; compute_dtype to bf16 on a GPU and
     fp32 on the CPU. Weight decay follows Trainer's grouping (no decay on norms and biases).
-    engine_options: the other EngineConfig fields (resident_layers=, mlp_tile_tokens=, ...); what they
+    gpu_resident_layers: the decoder layers kept and stepped on the GPU, a number or "auto" (default),
+    as MegaTrainArguments.gpu_resident_layers and `--gpu_resident_layers` spell it (EngineConfig's own
+    field, `resident_layers=`, is taken too).
+    engine_options: the other EngineConfig fields (offload_activations=, mlp_tile_tokens=, ...); what they
     leave out of the placement and the host memory modes is planned as the trainer plans it
     (planner.plan_run, for this machine; off on the CPU).
 
@@ -54,6 +58,11 @@ def prepare(model, *, device=None, compute_dtype=None, lr: float = 1e-5, betas=(
     from .patcher.adapters import base_model
     from .planner import LONG_CONTEXT_TOKENS, Machine, Request, plan_run
 
+    if gpu_resident_layers is not None:
+        if "resident_layers" in engine_options:
+            raise MegaTrainError("prepare() got gpu_resident_layers= and resident_layers=, two names of one "
+                                 "setting: give gpu_resident_layers= alone.")
+        engine_options["resident_layers"] = parse_count(gpu_resident_layers, "gpu_resident_layers")
     model, _, weights_from = load_model_and_tokenizer(model)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if compute_dtype is None:

@@ -65,6 +65,24 @@ def test_prepare_builds_what_the_trainer_builds(tmp_path, kind, ga):
 
 
 
+def test_prepare_takes_the_residency_under_the_trainers_name(tmp_path):
+    """gpu_resident_layers is the one name users type (MegaTrainArguments, the CLI, prepare()); prepare()
+    also takes EngineConfig's own resident_layers, and refuses the two together, in one line."""
+    from hf_megatrain import prepare
+
+    args = MegaTrainArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_seq_length=16,
+                              gpu_resident_layers="1", report_to=[], use_cpu=True)
+    trainer = MegaTrainTrainer(make_model("llama"), args)
+    engine, _ = prepare(make_model("llama"), device="cpu", batch=2, seq=16, gpu_resident_layers=1)
+    assert engine.engine_config == trainer.engine.engine_config and engine.engine_config.resident_layers == 1
+    engine, _ = prepare(make_model("llama"), device="cpu", batch=2, seq=16, resident_layers=1)
+    assert engine.engine_config == trainer.engine.engine_config
+    with pytest.raises(MegaTrainError, match="two names of one setting"):
+        prepare(make_model("llama"), device="cpu", gpu_resident_layers=1, resident_layers=1)
+    with pytest.raises(MegaTrainError, match="gpu_resident_layers='some'"):
+        prepare(make_model("llama"), device="cpu", gpu_resident_layers="some")
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("ga", [1, 2])
 def test_estimate_the_trainer_and_prepare_make_the_same_plan(tmp_path, monkeypatch, capsys, kind, ga):
