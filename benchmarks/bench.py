@@ -263,8 +263,9 @@ def trainer_args(opts, model, common: dict):
     kw = dict(common, use_cpu=opts.dry_run)
     if opts.dry_run and opts.system in DISTRIBUTED:
         kw["ddp_backend"] = "gloo"
-    if opts.system in ("stock", "stock_bf16"):
-        return TrainingArguments(**kw, gradient_checkpointing=True, optim="adamw_torch_fused")
+    if opts.system in ("stock", "stock_bf16"):  # --optim: the optimizer asked for, as hf_megatrain runs it
+        return TrainingArguments(**kw, gradient_checkpointing=True, optim=opts.optim or "adamw_torch_fused",
+                                 optim_args=opts.optim_args)
     if opts.system == "fsdp2":
         # cpu_offload=True becomes torch's CPUOffloadPolicy (pinned host shards, gradients moved to the
         # host), so the optimizer steps on the CPU: the fused AdamW kernel has a CPU implementation.
@@ -348,9 +349,10 @@ def worker(opts) -> None:
 
     if opts.dry_run and opts.system == "megatrain":
         raise RuntimeError("--dry_run covers the Trainer systems (stock, fsdp2, deepspeed) only")
+    stock_optim = (opts.optim or "adamw_torch_fused") + (f" ({opts.optim_args})" if opts.optim_args else "")
     setup = {
-        "stock": "all on GPU, gradient checkpointing, adamw_torch_fused",
-        "stock_bf16": "all on GPU in bf16 parameters (speed anchor), gradient checkpointing, adamw_torch_fused",
+        "stock": f"all on GPU, gradient checkpointing, {stock_optim}",
+        "stock_bf16": f"all on GPU in bf16 parameters (speed anchor), gradient checkpointing, {stock_optim}",
         "fsdp2": "FSDP2 CPUOffloadPolicy, activation checkpointing per layer, adamw_torch_fused on CPU",
         "deepspeed": "ZeRO-3, offload param+optimizer to pinned CPU, DeepSpeedCPUAdam, gradient checkpointing",
     }.get(opts.system)
@@ -391,12 +393,14 @@ def worker(opts) -> None:
                 logging_steps=opts.steps, save_strategy="no", report_to=[], disable_tqdm=True,
                 dataloader_num_workers=2, seed=0,
             )
+            # --optim (TrainingArguments' names) for hf_megatrain and stock; fsdp2 / deepspeed keep their AdamW
+            optim = dict(optim=opts.optim, optim_args=opts.optim_args) if opts.optim else {}
             timeline, engine = None, None
             if opts.system == "megatrain":
                 from hf_megatrain import MegaTrainArguments, MegaTrainTrainer
                 from hf_megatrain.engine.timeline import Timeline
 
-                trainer = MegaTrainTrainer(model, MegaTrainArguments(**common, log_pipeline=False,
+                trainer = MegaTrainTrainer(model, MegaTrainArguments(**common, **optim, log_pipeline=False,
                                                                      gpu_resident_layers=opts.resident,
                                                                      layer_major_accumulation=opts.layer_major),
                                            train_dataset=data,
@@ -427,7 +431,8 @@ def worker(opts) -> None:
             tps = steps * tokens / dt
             row = dict(
                 system=opts.system, shape=opts.shape, layers=config.num_hidden_layers, params=params,
-                tokens_per_step=tokens, clip=clip, step_s=round(dt / steps, 4), tokens_per_s=round(tps, 1),
+                tokens_per_step=tokens, clip=clip, optim=getattr(trainer.args.optim, "value", trainer.args.optim),
+                optim_args=trainer.args.optim_args, step_s=round(dt / steps, 4), tokens_per_s=round(tps, 1),
                 active_params=active, model_tflops=round(6 * active * tps / 1e12, 1),
                 gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                 host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
@@ -512,12 +517,15 @@ def run_system(system: str, opts) -> list:
     tag = f"@{os.path.basename(os.path.normpath(source))}" if source else ""
     code = code_version(source or os.path.dirname(HERE))  # which checkout's code this system's rows ran
     stem = tag.replace("@", "-").replace("-.", "-")  # file names in letters, digits, '-', '_', '.'
+    stem += f"_{opts.optim}" if opts.optim else ""
 
     base = [sys.executable, script, "--system", system, "--shape", opts.shape, "--seq", str(opts.seq),
             "--steps", str(opts.steps), "--warmup", str(opts.warmup), "--stock_micro", str(opts.stock_micro),
             "--resident", resident, "--mega_micro", str(opts.mega_micro or 0), "--layer_major", opts.layer_major]
     if opts.layers:
         base += ["--layers", str(opts.layers)]
+    if opts.optim:
+        base += ["--optim", opts.optim] + (["--optim_args", opts.optim_args] if opts.optim_args else [])
     if opts.dry_run:
         base += ["--dry_run"]
     if system == "megatrain" and opts.from_disk:
@@ -585,6 +593,11 @@ def main() -> None:
                    help="hf_megatrain layer_major_accumulation: auto | true | false")
     p.add_argument("--resident", default="0", help="hf_megatrain gpu_resident_layers: 0 (stream all), N or auto; "
                    "per run as a system name: --systems megatrain:0,megatrain:auto,stock")
+    p.add_argument("--optim", default=None,
+                   help="the optimizer of hf_megatrain and stock (TrainingArguments.optim: adamw_torch, sgd, adagrad, "
+                        "rmsprop, adafactor, ...; default: hf_megatrain's default and stock's adamw_torch_fused); "
+                        "fsdp2 and deepspeed keep their AdamW")
+    p.add_argument("--optim_args", default=None, help="TrainingArguments.optim_args for --optim")
     p.add_argument("--baseline_clip", type=float, nargs="+", default=None,
                    help="--clip values for fsdp2 / deepspeed (default: the same as --clip)")
     p.add_argument("--ds_site", default=os.environ.get("DS_SITE", "/tmp/dssite"),
@@ -619,7 +632,7 @@ def main() -> None:
     print("PEAK " + json.dumps(peak), flush=True)
     rows = []
     record = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "versions": stack, "peak": peak,
-              "rows": rows}
+              "optim": opts.optim, "optim_args": opts.optim_args, "rows": rows}
     if stack["gpu"]:
         record["card"] = stack["gpu"]
     sustained = peak["sustained_tflops"]
@@ -628,7 +641,8 @@ def main() -> None:
         for r in rows:
             if sustained and "model_tflops" in r:
                 r["mfu"] = round(r["model_tflops"] / sustained, 3)
-        with open(os.path.join(opts.out, f"bench_{opts.shape}.json"), "w") as f:  # after each system: a
+        named = f"bench_{opts.shape}" + (f"_{opts.optim}" if opts.optim else "")  # (two optimizers in one $OUT)
+        with open(os.path.join(opts.out, f"{named}.json"), "w") as f:  # after each system: a
             json.dump(record, f, indent=1)  # run cut short by a time limit keeps what it measured
     print_table(record)
 

@@ -1,6 +1,8 @@
-"""Projection: host RAM, step time and tokens/s of models this box cannot hold, per memory mode.
+"""Projection: host RAM, step time and tokens/s of models this box cannot hold, per optimizer and memory mode.
 
     python benchmarks/project.py benchmarks/results/2026-12-03_h200_largest_llama-3.1-70b_11.json
+    python benchmarks/project.py benchmarks/results/2026-12-03_h200_largest_llama-3.1-70b_11.json \
+        --on llama-3.1-70b=491 mixtral-8x22b=982 --optim adamw_torch adafactor --tokens 16384    (issue 34)
 
 Input: the record of `largest.py` for a model of the target width truncated to what this box holds:
 the median seconds per decoder layer of forward, backward (with its recompute) and host AdamW, at
@@ -18,7 +20,12 @@ would do on one GPU and that host:
 
 Modes: default (clipping 1.0), lean_streamed (clipping 1.0), lean_streamed + transient_grads without
 clipping and with clipping 1.0 (then each step runs a norm pass first: one more forward and backward,
-which the step-time model counts). Model FLOPs are 6 * P * tokens; MFU is against the record's sustained bf16 peak. It
+which the step-time model counts); transient_grads is AdamW's alone (engine/host_optim.py), so another
+optimizer (--optim, TrainingArguments' names) runs the first two. Its state is the planner's count for
+the class Trainer builds (estimator.optimizer_state) and its host step is the record's host AdamW seconds
+scaled by the rates' ratio (Rates.host_step: modelled from the bytes each step moves, the reference
+rates having measured AdamW only). An MoE's layers are scaled by their active parameters (top-k of
+the experts), its host step by all of them. Model FLOPs are 6 * P * tokens (P: active parameters); MFU is against the record's sustained bf16 peak. It
 measures nothing itself: the output ($RECORD_projection.json) carries the measuring record's date,
 card, command and versions beside the versions of this run.
 """
@@ -34,16 +41,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 
-def project(record: dict, shape: str, gpu_gib: float, host_gib: float, tokens: int, mode: str, clip: bool) -> dict:
+def project(record: dict, shape: str, gpu_gib: float, host_gib: float, tokens: int, mode: str, clip: bool,
+            optim: str = "adamw_torch") -> dict:
     from hf_megatrain.engine.config import EngineConfig
     from hf_megatrain.planner.admission import shortfalls
-    from hf_megatrain.planner.estimator import estimate, GiB, model_sizes, MODES
+    from hf_megatrain.planner.estimator import estimate, GiB, model_sizes, MODES, optimizer_state
     from hf_megatrain.planner.placement import resolve_placement
     from hf_megatrain.planner.probe import REFERENCE
     from hf_megatrain.shapes import make_config
-    from hf_megatrain.planner.steptime import LayerCosts, norm_pass, predict
+    from hf_megatrain.planner.steptime import LayerCosts, norm_pass, predict, routed_per_layer
 
     fields = dict(MODES)[mode]  # the modes `hf-megatrain estimate` shows
+    opt = optimizer_state(optim)
     measured = model_sizes(make_config(record["shape"], record["layers"]))
     costs = LayerCosts(record["layer_forward_s"], record["layer_backward_s"], record["host_adamw_unit_s"],
                        measured.units[1].numel, record["tokens_per_step"])
@@ -52,16 +61,19 @@ def project(record: dict, shape: str, gpu_gib: float, host_gib: float, tokens: i
     seq = 1024
     rows = max(1, tokens // seq)
     auto = EngineConfig(device="cuda", resident_layers=None, offload_activations=None, lean_resident=None,
-                        gpu_grad_layers=None, **fields)
+                        gpu_grad_layers=None if opt.adamw else 0, **fields)  # (AdamW's alone: plan_run's rule)
     engine = resolve_placement(config, rows, seq, auto, gpu_free=gpu_gib * GiB, host_free=host_gib * GiB,
-                               later_contributions=False).engine
-    plan = estimate(config, rows, seq, engine, sizes=sizes, later_contributions=False)
-    step = predict(config, rows, seq, engine, REFERENCE, clip=clip, sizes=sizes, routed={}, layer_costs=costs)
+                               later_contributions=False, sizes=sizes, optimizer=opt).engine
+    plan = estimate(config, rows, seq, engine, sizes=sizes, later_contributions=False, optimizer=opt)
+    step = predict(config, rows, seq, engine, REFERENCE, clip=clip, sizes=sizes, routed=routed_per_layer(config),
+                   layer_costs=costs, optimizer=opt)
     peak = record["peak"]["sustained_tflops"]
-    tflops = 6 * sizes.params * tokens / step.step_s / 1e12
+    routed = routed_per_layer(config)  # an MoE's model FLOPs count the experts a token runs through
+    active = sizes.params - sum(n * (1 - frac) for n, frac in routed.values())
+    tflops = 6 * active * tokens / step.step_s / 1e12
     return {
         "shape": shape, "params_b": round(sizes.params / 1e9, 1), "gpu_gib": gpu_gib, "host_gib": host_gib,
-        "tokens_per_step": tokens, "mode": mode, "clipping": clip,
+        "tokens_per_step": tokens, "optim": opt.name, "mode": mode, "clipping": clip,
         "norm_pass": norm_pass(engine, clip), "resident_layers": engine.resident_layers,
         "gpu_grad_layers": engine.gpu_grad_layers, "offloaded_inputs": engine.offload_activations,
         "host_needed_gib": round(plan.host_total / GiB, 1), "gpu_needed_gib": round(plan.gpu_total / GiB, 1),
@@ -80,6 +92,11 @@ def main() -> None:
                    help="hosts' available RAM (MemAvailable): a '1 TB' server has 1024 GiB installed, a '1.5 TB' one "
                         "1536; this box has 95.9%% of its 128 GiB available, and so would they: 982 and 1473")
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
+    p.add_argument("--on", nargs="+", default=None, metavar="SHAPE=HOST_GIB",
+                   help="pairs of a shape and its host's available RAM in place of --shapes x --host_gib (a '512 GB' "
+                        "host: 491, a '1 TB' one: 982)")
+    p.add_argument("--optim", nargs="+", default=["adamw_torch"],
+                   help="optimizers to project, as TrainingArguments.optim (Trainer's defaults for each)")
     a = p.parse_args()
     sys.path.insert(0, HERE)
     from versions import versions, versions_line
@@ -93,22 +110,26 @@ def main() -> None:
     # transient_grads both ways: without clipping, and with it through a norm pass; the others clip
     runs = [(mode, clip) for mode, fields in MODES for clip in ([False, True] if fields.get("transient_grads")
                                                                else [True])]
-    rows = [project(record, shape, a.gpu_gib, h, t, mode, clip)
-            for shape in a.shapes for h in a.host_gib for t in a.tokens for mode, clip in runs]
+    pairs = [(s.split("=")[0], float(s.split("=")[1])) for s in a.on] if a.on else \
+        [(shape, h) for shape in a.shapes for h in a.host_gib]
+    rows = [project(record, shape, a.gpu_gib, h, t, mode, clip, optim)
+            for shape, h in pairs for t in a.tokens for optim in a.optim for mode, clip in runs
+            if optim.startswith("adamw") or not dict(MODES)[mode].get("transient_grads")]
     print(f"from {record['shape']} x {record['layers']} layers on {record.get('card', '?')}: per layer "
           f"fwd {record['layer_forward_s']} s, bwd {record['layer_backward_s']} s, host AdamW "
           f"{record['host_adamw_unit_s']} s at {record['tokens_per_step']} tokens/step")
     print("measured on: " + (versions_line(source["versions"]) if source["versions"] else "versions not recorded"))
     print("projected with: " + versions_line(here))
-    print(f"{'shape':14} {'host':>5} {'tok/step':>8} {'mode':32} {'clip':9} {'res':>3} {'gg':>3} {'host GiB':>8} "
-          f"{'GPU GiB':>7} {'step s':>6} {'tok/s':>6} {'MFU':>5}  bound")
+    print(f"{'shape':14} {'host':>5} {'tok/step':>8} {'optim':9} {'mode':32} {'clip':9} {'res':>3} {'gg':>3} "
+          f"{'host GiB':>8} {'GPU GiB':>7} {'step s':>6} {'tok/s':>6} {'MFU':>5}  bound")
     for r in rows:
         mark = "" if r["fits"] else "  (does not fit)"
         clip = "norm pass" if r["norm_pass"] else "yes" if r["clipping"] else "no"
-        print(f"{r['shape']:14} {r['host_gib']:>5.0f} {r['tokens_per_step']:>8} {r['mode']:32} {clip:9} "
+        print(f"{r['shape']:14} {r['host_gib']:>5.0f} {r['tokens_per_step']:>8} {r['optim']:9} {r['mode']:32} {clip:9} "
               f"{r['resident_layers']:>3} {r['gpu_grad_layers']:>3} {r['host_needed_gib']:>8} {r['gpu_needed_gib']:>7} "
               f"{r['step_s']:>6} {r['tokens_per_s']:>6} {r['mfu']:>5}  {r['bound']}{mark}")
-    out = os.path.splitext(a.record)[0] + "_projection.json"
+    out = os.path.splitext(a.record)[0] + ("_projection.json" if not a.on else
+                                           "_projection_" + "_".join(s.replace("=", "-") for s in a.on) + ".json")
     with open(out, "w") as f:
         json.dump({"source": source, "projected_with": here, "rows": rows}, f, indent=1)
 

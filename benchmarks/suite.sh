@@ -39,6 +39,14 @@
 # Y: issue 33's second check (needs the H200: the 13B shape does not fit an H100 box): the 13B shape at 64K
 #    tokens/step asked as 16 x 4 (default placement, clipping 1.0), this code beside the code before the change
 #    (.old, as in G), one checkpoint written once for both.
+# Z: issue 34 (needs the H200: 139 GiB GPU, ~123 GiB host), the machine's rates first (the probe now times the
+#    host sgd / adagrad / rmsprop / adafactor steps too). `Z a`: the largest dense model Adafactor trains at 16K
+#    tokens/step with clipping 1.0: the Qwen2.5-32B shape (32.8 B) at the most layers the trainer's planner admits
+#    on this machine and whose checkpoint the disk holds (largest.py --layers fit; the CPU estimate for 139 + 123
+#    GiB: 56 of 64 layers, 28.9 B, host 116.7 GiB, GPU 130.3 GiB), host and GPU peaks against the estimate,
+#    tokens/s against the step-time model. `Z b`: the 13B shape at 16K tokens/step, Adafactor beside AdamW, one
+#    checkpoint for both. `Z` runs both (more than one call's 10 minutes: give each half its own call; a fresh
+#    machine may spend most of `Z a` writing the ~54 GiB checkpoint: a second `Z a` on the warm machine reuses it).
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
 # Every call first writes $OUT/versions.json and prints one VERSIONS line (benchmarks/versions.py:
 # Python, torch, CUDA, transformers, accelerate, peft, GPU and driver, hf_megatrain commit); each
@@ -239,6 +247,22 @@ X)  # transient_grads with exact clipping (a norm pass first): dense-18b (18.3 B
   part 560 18b_clip_norm_pass python3 benchmarks/largest.py --shape dense-18b --tokens 16384 --clip 1.0 --lr 1e-4 \
     --learnable --steps 12 --warmup 2 --lean_streamed true --transient_grads true --skip_all_host --skip_disk_check \
     --tag _norm_pass --out "$OUT" ;;
-*) echo "unknown group $1 (A to Y)"; exit 2 ;;
+Z)  # issue 34: Adafactor on the host (see the header). The plans fill most of the card: expandable segments
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True LARGEST_KEEP=1
+  part 60 probe python3 -m hf_megatrain.cli probe
+  if [ "${2:-all}" != b ]; then
+    keep_only "qwen2.5-32b-*"  # (a checkpoint of the depth --layers fit picks is reused, any other one written)
+    part 530 32b_adafactor python3 benchmarks/largest.py --shape qwen2.5-32b --layers fit --optim adafactor \
+      --tokens 16384 --clip 1.0 --lr 1e-4 --learnable --steps 6 --warmup 2 --skip_all_host --skip_disk_check \
+      --tag _adafactor --out "$OUT"
+  fi
+  if [ "${2:-all}" != a ]; then
+    keep_only llama-2-13b-full
+    for optim in adafactor adamw_torch; do
+      part 260 13b_16k_$optim python3 benchmarks/largest.py --shape llama-2-13b --tokens 16384 --clip 1.0 \
+        --optim $optim --steps 7 --warmup 2 --skip_all_host --tag _$optim --out "$OUT"
+    done
+  fi ;;
+*) echo "unknown group $1 (A to Z)"; exit 2 ;;
 esac
 for f in "${names[@]}"; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done

@@ -92,8 +92,8 @@ def admit(plan: MemoryPlan, *, host_free: float | None = None, gpu_free: float |
             hint = (f"{hint}\n" if hint else "") + (f"With optim={name} it would need {other.host_per_host / GiB:.1f} "
                                                     f"GiB of host RAM, still short.")
         state = ("18 bytes per parameter: fp32 master, gradient and Adam states" if optimizer is None or optimizer.adamw
-                 else f"{10 + optimizer.per_parameter():.0f} bytes per parameter: fp32 master, bf16 compute copy, "
-                      f"fp32 gradient and {optimizer.name}'s {optimizer.per_parameter():.0f}")
+                 else f"{10 + optimizer.per_parameter():.2g} bytes per parameter: fp32 master, bf16 compute copy, "
+                      f"fp32 gradient and {optimizer.name}'s {optimizer.per_parameter():.2g}")
         fixes += [f"a host with more RAM ({state})",
                   "LoRA (peft_config; `hf-megatrain estimate --peft_config JSON` plans it) instead of full "
                   "fine-tuning: about 2 bytes per frozen parameter"]
