@@ -388,3 +388,17 @@ def test_the_planner_takes_lean_residency_exactly_when_it_keeps_more_layers():
     assert fp32.lean_resident is False and not resolve_placement(cfg, 1, 64, fp32, gpu_free=gpu).engine.lean_resident
     with pytest.raises(MegaTrainError, match="lean_resident='sometimes'; use auto, true or false"):
         EngineConfig(lean_resident="sometimes")
+
+
+# -- the front hall stays small ------------------------------------------------------------------------
+@pytest.mark.parametrize("path, owner, name", [("trainer.py", "MegaTrainTrainer", "__init__"),
+                                                ("cli.py", None, "_estimate"), ("loop.py", None, "prepare")])
+def test_the_doors_hand_their_work_to_the_planner(path, owner, name):
+    """The three doors (the trainer's construction, `estimate`, prepare()) stay short: the planning
+    sequence is planner.plan_run's alone (issue 33), so none of them grows it again."""
+    tree = ast.parse(open(os.path.join(PACKAGE, path)).read())
+    scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == owner) if owner else tree
+    fn = next(n for n in scope.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    assert fn.end_lineno - fn.lineno + 1 < 80
+    assert any(isinstance(n, ast.Name) and n.id in ("plan_run", "_plan") or
+               isinstance(n, ast.Attribute) and n.attr in ("plan_run", "_plan") for n in ast.walk(fn))
