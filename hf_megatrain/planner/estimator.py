@@ -282,7 +282,16 @@ def optimizer_state(optim: str = "adamw", optim_args: str | None = None) -> Opti
 
     if optim not in PARAM_OPTIMS:
         raise MegaTrainError(f"optim={optim!r} is not one the engine runs: {', '.join(ADAMW_OPTIMS + PARAM_OPTIMS)}.")
+    if not optim_args and optim in TRAINER_DEFAULTS:  # importing transformers' optimizers costs an estimate ~4 s
+        return state_from_defaults(optim, TRAINER_DEFAULTS[optim])
     return state_of(optim, *optimizer_class(optim, optim_args))
+
+
+# What the classes Trainer builds for each `optim` without optim_args fill in, as far as the state depends on
+# it (torch's SGD and RMSprop: no momentum, not nesterov or centered; Adafactor: beta1 None); a test checks
+# these against the installed classes (tests/unit/test_optimizer_plan.py).
+TRAINER_DEFAULTS = {"sgd": dict(momentum=0.0, nesterov=False), "adagrad": {},
+                    "rmsprop": dict(momentum=0.0, centered=False), "adafactor": dict(beta1=None)}
 
 
 def state_of(optim: str, cls, kwargs: dict) -> OptimizerState:
@@ -290,7 +299,11 @@ def state_of(optim: str, cls, kwargs: dict) -> OptimizerState:
     the class Trainer builds for it), from the defaults the class fills in."""
     import torch
 
-    d = cls([torch.zeros(1)], **kwargs).defaults
+    return state_from_defaults(optim, cls([torch.zeros(1)], **kwargs).defaults)
+
+
+def state_from_defaults(optim: str, d: dict) -> OptimizerState:
+    """state_of's rules, from the class's filled-in defaults `d`."""
     if optim == "sgd":
         momentum, nesterov = bool(d["momentum"]), bool(d["nesterov"])
         return OptimizerState("sgd", full=int(momentum), scratch=1 + nesterov, foreach=True,

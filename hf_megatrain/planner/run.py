@@ -259,9 +259,10 @@ def plan_run(model_config, request: Request, machine: Machine | None = None) -> 
     return run
 
 
-# What a host-RAM refusal offers in place of the optimizer asked for, in this order, where it keeps
-# less: Adafactor (Trainer's: factored second moment, no first moment), then plain SGD (no state).
-LEANER_OPTIMIZERS = ("adafactor", "sgd")
+# What a host-RAM refusal offers in place of the optimizer asked for, where it keeps less: Adafactor
+# (Trainer's: factored second moment, no first moment). Plain SGD keeps nothing at all, but hardly less
+# than Adafactor, and planning each costs a refusal a whole plan: SGD is not offered.
+LEANER_OPTIMIZERS = ("adafactor",)
 
 
 def leaner_optimizers(model_config, request: Request, machine: Machine, run: RunPlan) -> list:

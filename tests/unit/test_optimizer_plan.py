@@ -143,6 +143,14 @@ def test_the_step_temporaries_are_the_largest_parameters():
     assert adamw.host == estimate(config, 1, 1024, EngineConfig(device="cuda"), sizes=sizes, optimizer=ADAMW).host
 
 
+@pytest.mark.parametrize("optim", PARAM_OPTIMS)
+def test_trainers_defaults_are_the_installed_classes(optim):
+    """optimizer_state reads Trainer's defaults from a table (importing the classes costs an estimate seconds):
+    the table says what the installed classes fill in."""
+    assert optimizer_state(optim) == state_of(optim, *optimizer_class(optim))
+    assert optimizer_state(optim, "") == optimizer_state(optim)
+
+
 def test_the_optimizer_names_agree_with_the_arguments():
     from hf_megatrain.arguments import SUPPORTED_OPTIM
 
