@@ -1,0 +1,225 @@
+"""TRL's DPOTrainer through the engine (issue 36): MegaTrainDPOTrainer against stock DPOTrainer on the CPU in
+fp32, with gradient accumulation 2 and clipping: the losses, every metric TRL logs (rewards/*, logps/*,
+logits/*, entropy, mean_token_accuracy, num_tokens, a MoE's aux_loss), the evaluation metrics and the final
+weights, for the loss types of DPOConfig, with and without precompute_ref_log_probs on the stock side (the
+engine always computes the reference before the first step), LoRA (the reference is the adapter-disabled
+model) and a MoE. What the engine cannot do is refused by name, before any data is tokenized."""
+
+import os
+
+import datasets
+import pytest
+import torch
+from safetensors.torch import load_file
+
+trl = pytest.importorskip("trl")
+from peft import LoraConfig  # noqa: E402
+from trl import DPOConfig, DPOTrainer  # noqa: E402
+
+from hf_megatrain import MegaTrainError, MegaTrainTrainer  # noqa: E402
+from hf_megatrain.demo import build_tokenizer, make_words  # noqa: E402
+from hf_megatrain.dpo import MegaTrainDPOConfig, MegaTrainDPOTrainer  # noqa: E402
+from hf_megatrain.sft import MegaTrainSFTTrainer  # noqa: E402
+from tests.support.tiny import make_model  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_datasets(tmp_path, monkeypatch):
+    """No dataset cache shared between the stock run and ours: TRL caches the reference log-probs under a
+    fingerprint of the data and the weights, which the two runs share; without caching each run computes its own."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_datasets_cache"))
+    datasets.disable_caching()
+    yield
+    datasets.enable_caching()
+
+
+def model_folder(tmp_path, kind):
+    folder = tmp_path / f"model-{kind}"
+    model, tok = make_model(kind, num_hidden_layers=2), build_tokenizer()  # hidden 64
+    model.config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+WORDS = make_words(40, seed=0)
+
+
+def pairs(words=WORDS):
+    """Prompt 'word>', chosen the word reversed, rejected the word itself or rotated (lengths differ by row)."""
+    return datasets.Dataset.from_dict({"prompt": [w + ">" for w in words], "chosen": [w[::-1] for w in words],
+                                       "rejected": [w[1:] + w[0] if i % 2 else w for i, w in enumerate(words)]})
+
+
+# lr 5e-4: Adam divides by the root of tiny second moments, so the last-bit differences between TRL's fused head
+# and the engine's two head passes grow with the rate in the weights (to 1.1e-5 at 1e-3 on the f-divergence group)
+KW = dict(bf16=False, use_cpu=True, max_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+          per_device_eval_batch_size=4, learning_rate=5e-4, max_grad_norm=0.3, logging_steps=1, save_strategy="no",
+          report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0)
+TIMINGS = ("runtime", "samples_per_second", "steps_per_second")
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM",
+            init_lora_weights=False)  # random B: the adapter-enabled model is not the reference
+
+
+def run(cls, folder, out, lora=None, evaluate_after=None, config_cls=DPOConfig, **extra):
+    trainer = cls(model=folder, args=config_cls(output_dir=str(out), **{**KW, **extra}), train_dataset=pairs(),
+                  eval_dataset=pairs(WORDS[:8]), peft_config=LoraConfig(**lora) if lora else None)
+    trainer.train()
+    trainer.evaluate()
+    if evaluate_after is not None:  # a dataset first seen after training: its reference computed then
+        trainer.evaluate(evaluate_after, metric_key_prefix="after")
+    trainer.save_model(str(out))
+    logs = [{k: v for k, v in h.items() if not k.endswith(TIMINGS)} for h in trainer.state.log_history]
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    return trainer, logs, load_file(os.path.join(out, name))
+
+
+def assert_same_run(logs, stock_logs, weights, stock_weights, starts_at_reference=True):
+    """starts_at_reference: the first step's policy is the reference (full fine-tuning, LoRA with B = 0). Its
+    rewards are then 0 up to the last bit, so whether a chosen reward beats its rejected one is decided by
+    round-off (stock's own two reference paths differ there): rewards/accuracies is not compared at step 1,
+    the rewards themselves are (zero within 1e-6 on both sides)."""
+    assert len(logs) == len(stock_logs)
+    assert sum("loss" in h for h in logs) == KW["max_steps"]
+    assert any("eval_rewards/margins" in h for h in logs)
+    for ours, theirs in zip(logs, stock_logs):
+        assert ours.keys() == theirs.keys(), (ours, theirs)
+        tie = starts_at_reference and theirs.get("step") == 1 and "loss" in theirs
+        if tie:
+            assert max(abs(h[k]) for h in (ours, theirs) for k in ("rewards/chosen", "rewards/rejected")) < 1e-6
+        for k in ours:
+            if not (tie and k == "rewards/accuracies"):
+                assert ours[k] == pytest.approx(theirs[k], rel=1e-5, abs=1e-6), (k, ours, theirs)
+    assert weights.keys() == stock_weights.keys()
+    for k in weights:
+        torch.testing.assert_close(weights[k], stock_weights[k], atol=1e-5, rtol=1e-5, msg=k)
+
+
+CASES = {
+    # stock computes the reference batch by batch from a second model; the engine before the first step
+    "sigmoid": ("llama", None, dict(loss_type=["sigmoid"])),
+    "sigmoid_precompute": ("llama", None, dict(loss_type=["sigmoid"], precompute_ref_log_probs=True)),
+    "ipo": ("llama", None, dict(loss_type=["ipo"])),
+    "hinge_precompute": ("llama", None, dict(loss_type=["hinge"], precompute_ref_log_probs=True)),
+    "lora": ("llama", LORA, dict(loss_type=["sigmoid"])),
+    "lora_precompute_ipo": ("llama", LORA, dict(loss_type=["ipo"], precompute_ref_log_probs=True)),
+    # the router's load-balancing loss added to the DPO loss, logged as aux_loss
+    "moe": ("mixtral", None, dict(loss_type=["sigmoid"])),
+    "qwen3_moe_hinge": ("qwen3_moe", None, dict(loss_type=["hinge"])),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dpo_equals_stock_dpotrainer(case, tmp_path):
+    kind, lora, extra = CASES[case]
+    folder = model_folder(tmp_path, kind)
+    after = pairs(WORDS[30:38]) if lora else None  # LoRA: the reference of a late dataset is the base model's
+    _, stock_logs, stock_weights = run(DPOTrainer, folder, tmp_path / "stock", lora, after, **extra)
+    trainer, logs, weights = run(MegaTrainDPOTrainer, folder, tmp_path / "mega", lora, after, **extra)
+    assert isinstance(trainer.args, MegaTrainDPOConfig) and trainer.ref_model is None
+    assert ("aux_loss" in logs[0]) == (kind in ("mixtral", "qwen3_moe"))
+    if lora:
+        assert all("lora_" in k for k in weights) and any("after_loss" in h for h in logs)
+    assert_same_run(logs, stock_logs, weights, stock_weights, starts_at_reference=not lora)
+
+
+# The other loss types, as DPOConfig combines several (loss_weights); each group is one run, each term distinct
+GROUPS = {
+    "pairs": dict(loss_type=["robust", "bco_pair", "sppo_hard", "nca_pair"], loss_weights=[1.0, 0.7, 0.05, 0.3],
+                  label_smoothing=0.1),
+    "apo_aot": dict(loss_type=["apo_zero", "apo_down", "aot", "aot_unpaired"], loss_weights=[1.0, 0.5, 0.3, 0.2]),
+    "exo_discopop_sft_norm": dict(loss_type=["exo_pair", "discopop", "sft", "sigmoid_norm"],
+                                  loss_weights=[1.0, 0.5, 0.1, 0.8], label_smoothing=1e-3),
+    "f_divergences": dict(loss_type=["sigmoid", "ipo"], f_divergence_type="js_divergence"),
+    "alpha_divergence": dict(loss_type=["hinge", "robust"], f_divergence_type="alpha_divergence",
+                             f_alpha_divergence_coef=0.3),
+}
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_other_loss_types_equal_stock(group, tmp_path):
+    folder = model_folder(tmp_path, "llama")
+    extra = dict(GROUPS[group], precompute_ref_log_probs=True)
+    _, stock_logs, stock_weights = run(DPOTrainer, folder, tmp_path / "stock", **extra)
+    _, logs, weights = run(MegaTrainDPOTrainer, folder, tmp_path / "mega", **extra)
+    assert_same_run(logs, stock_logs, weights, stock_weights)
+
+
+ONLINE = ["GRPOConfig", "RLOOConfig"]
+
+
+@pytest.mark.parametrize("config", ONLINE)
+def test_online_methods_are_refused_by_name_before_tokenizing(config, tmp_path, monkeypatch):
+    folder = model_folder(tmp_path, "llama")
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("the data was prepared before the refusal")
+
+    monkeypatch.setattr(DPOTrainer, "_prepare_dataset", no_tokenizing)
+    args = getattr(trl, config)(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[], bf16=False)
+    name = {"GRPOConfig": "GRPO", "RLOOConfig": "RLOO"}[config]
+    for cls in (MegaTrainDPOTrainer, MegaTrainSFTTrainer):
+        with pytest.raises(MegaTrainError, match=f"{config}: {name} is an online method .*no generation") as e:
+            cls(folder, args=args, train_dataset=pairs())
+        assert "\n" not in str(e.value)
+    with pytest.raises(MegaTrainError, match=f"{config}: {name} is an online method"):
+        MegaTrainTrainer(folder, args)
+
+
+def test_dpo_config_elsewhere_names_the_dpo_trainer(tmp_path):
+    folder = model_folder(tmp_path, "llama")
+    args = DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[])
+    with pytest.raises(MegaTrainError, match="MegaTrainDPOTrainer"):
+        MegaTrainTrainer(folder, args)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (dict(ld_alpha=0.5), "ld_alpha"),
+    (dict(use_weighting=True), "use_weighting"),
+    (dict(sync_ref_model=True), "sync_ref_model"),
+    (dict(activation_offloading=True), "activation_offloading"),
+    (dict(loss_type=["kto"]), r"loss_type \['kto'\]"),
+    (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
+    (dict(ref_model=True), "ref_model"),
+])
+def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tmp_path, monkeypatch):
+    folder = model_folder(tmp_path, "llama")
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("the data was prepared before the refusal")
+
+    monkeypatch.setattr(DPOTrainer, "_prepare_dataset", no_tokenizing)
+    ref = make_model("llama", num_hidden_layers=2) if extra.pop("ref_model", None) else None
+    with pytest.raises(MegaTrainError, match=match) as e:
+        MegaTrainDPOTrainer(folder, ref_model=ref, args=DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True,
+                                                                  report_to=[], bf16=False, **extra),
+                            train_dataset=pairs())
+    assert "\n" not in str(e.value)
+
+
+def test_a_new_dataset_after_full_fine_tuning_is_refused_in_one_line(tmp_path):
+    """Full fine-tuning keeps no reference model: a dataset first seen after a step has no reference."""
+    trainer = MegaTrainDPOTrainer(model_folder(tmp_path, "llama"), args=DPOConfig(output_dir=str(tmp_path / "o"),
+                                  **dict(KW, max_steps=1)), train_dataset=pairs())
+    trainer.train()
+    with pytest.raises(MegaTrainError, match="eval_dataset when building the trainer"):
+        trainer.evaluate(pairs(WORDS[:4]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_dpo_on_the_cuda_path_equals_stock_in_fp32(kind, tmp_path):
+    """The CUDA pipeline (streamed layers, the head's two passes on the device) in fp32 compute against stock
+    DPOTrainer on the GPU, TF32 off."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        folder = model_folder(tmp_path, kind)
+        gpu = dict(use_cpu=False)
+        _, stock_logs, stock_weights = run(DPOTrainer, folder, tmp_path / "stock", **gpu)
+        _, logs, weights = run(MegaTrainDPOTrainer, folder, tmp_path / "mega", config_cls=MegaTrainDPOConfig,
+                               compute_dtype="float32", **gpu)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    assert_same_run(logs, stock_logs, weights, stock_weights)
