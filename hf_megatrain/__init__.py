@@ -9,6 +9,7 @@ _EXPORTS = {
     "HostAdamW": ".engine.optimizer",
     "HostJobError": ".errors",
     "MegaTrainArguments": ".arguments",
+    "MegaTrainDPOTrainer": ".dpo",  # needs the trl extra
     "MegaTrainError": ".errors",
     "MegaTrainTrainer": ".trainer",
     "StreamingEngine": ".engine.schedule",

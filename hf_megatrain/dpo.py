@@ -477,4 +477,4 @@ def _f_scores(args, log_ratio):
     if abs(alpha - 1.0) < 1e-6:
         return log_ratio
     t = torch.clamp(((alpha - 1.0) * log_ratio).float(), max=80.0)
-    return (torch.exp(t) - 1.0).to(log_ratio.dtype) / (alpha - 1.0)
+    return (torch.exp(t) - 1.0).to(log_ratio.dtype) * (1.0 / (alpha - 1.0))

@@ -123,6 +123,27 @@ def test_dpo_equals_stock_dpotrainer(case, tmp_path):
     assert_same_run(logs, stock_logs, weights, stock_weights, starts_at_reference=not lora)
 
 
+# The engine's step placements (engine/step.py) under the DPO loss: the step's micro-batches through each layer
+# together; the host AdamW stepping each unit during the backward (no clipping); transient gradients, clipped by a
+# norm pass that runs the loss once more
+MODES = {
+    "layer_major": (dict(layer_major_accumulation="true"), {}),
+    "step_during_backward": (dict(background_host_jobs=True), dict(max_grad_norm=0.0)),
+    "transient_grads": (dict(transient_grads="true", background_host_jobs=True, layer_major_accumulation="true"), {}),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_engine_modes_equal_stock(mode, tmp_path):
+    ours, both = MODES[mode]
+    folder = model_folder(tmp_path, "llama")
+    _, stock_logs, stock_weights = run(DPOTrainer, folder, tmp_path / "stock", **both)
+    trainer, logs, weights = run(MegaTrainDPOTrainer, folder, tmp_path / "mega", config_cls=MegaTrainDPOConfig,
+                                 **ours, **both)
+    assert trainer._per_pass == (2 if "layer_major_accumulation" in ours else 1)
+    assert_same_run(logs, stock_logs, weights, stock_weights)
+
+
 # The other loss types, as DPOConfig combines several (loss_weights); each group is one run, each term distinct
 GROUPS = {
     "pairs": dict(loss_type=["robust", "bco_pair", "sppo_hard", "nca_pair"], loss_weights=[1.0, 0.7, 0.05, 0.3],
