@@ -50,7 +50,7 @@ from .engine.loss import RowLoss
 from .engine.step import ENGINE_KEYS
 from .errors import MegaTrainError
 from .logs import show_logs
-from .patcher.adapters import check_adapter_config
+from .patcher.adapters import check_adapter_config, is_peft_model
 from .preflight import check_outputs, check_resume
 from .sft import _say_unapplied
 from .trainer import MegaTrainTrainer, refuse_other_trl_config
@@ -114,8 +114,12 @@ def dpo_arguments(args, model) -> MegaTrainDPOConfig:
     return own
 
 
-def check_dpo(args, ref_model, train_dataset, peft_config, quantization_config) -> None:
+def check_dpo(args, model, ref_model, train_dataset, peft_config, quantization_config) -> None:
     """What DPOTrainer offers that the engine cannot honour, refused before any data is tokenized."""
+    if is_peft_model(model):
+        raise MegaTrainError("a PeftModel as model is not supported: DPOTrainer would keep a copy of its adapter as "
+                             "the reference. Pass the base model with peft_config for new adapters, or merge the "
+                             "adapter into the base first (merge_and_unload, save_pretrained) and train that.")
     if ref_model is not None:
         raise MegaTrainError("ref_model is not supported: the reference is the starting policy, whose log-probabilities "
                              "the engine computes in a forward-only pass before the first step (the adapter-disabled "
@@ -137,8 +141,6 @@ def check_dpo(args, ref_model, train_dataset, peft_config, quantization_config) 
     if args.activation_offloading:
         raise MegaTrainError("activation_offloading=True is TRL's offload for a model on the GPU; the engine keeps "
                              "activations itself (offload_activations). Leave it False.")
-    if args.padding_free:
-        raise MegaTrainError("padding_free is not supported (TRL 1.16 falls back to padding for DPO); leave it False.")
     if args.use_liger_kernel:
         raise MegaTrainError("use_liger_kernel is not supported; the engine's head is already chunked.")
     if quantization_config is not None or (args.model_init_kwargs or {}).get("quantization_config"):
@@ -173,7 +175,7 @@ class MegaTrainDPOTrainer(DPOTrainer, MegaTrainTrainer):
             if args.peft_config is not None and args.peft_config is not peft_config:
                 raise MegaTrainError("peft_config was given twice (as an argument and in args); keep one.")
             args.peft_config = peft_config
-        check_dpo(args, ref_model, train_dataset, args.peft_config, quantization_config)
+        check_dpo(args, model, ref_model, train_dataset, args.peft_config, quantization_config)
         check_outputs(args)
         check_resume(args.resume_from_checkpoint, args.output_dir)
         if isinstance(model, str):  # a meta skeleton, filled by the engine: never a whole model in RAM

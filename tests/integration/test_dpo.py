@@ -202,6 +202,7 @@ def test_dpo_config_elsewhere_names_the_dpo_trainer(tmp_path):
     (dict(loss_type=["kto"]), r"loss_type \['kto'\]"),
     (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
     (dict(ref_model=True), "ref_model"),
+    (dict(peft_model=True), "a PeftModel as model"),
 ])
 def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tmp_path, monkeypatch):
     folder = model_folder(tmp_path, "llama")
@@ -211,6 +212,10 @@ def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tm
 
     monkeypatch.setattr(DPOTrainer, "_prepare_dataset", no_tokenizing)
     ref = make_model("llama", num_hidden_layers=2) if extra.pop("ref_model", None) else None
+    if extra.pop("peft_model", None):  # a model with an adapter of its own: TRL's reference would be a copy of it
+        from peft import get_peft_model
+
+        folder = get_peft_model(make_model("llama", num_hidden_layers=2), LoraConfig(**LORA))
     with pytest.raises(MegaTrainError, match=match) as e:
         MegaTrainDPOTrainer(folder, ref_model=ref, args=DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True,
                                                                   report_to=[], bf16=False, **extra),
