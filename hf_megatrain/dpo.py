@@ -153,6 +153,11 @@ def check_dpo(args, model, ref_model, train_dataset, peft_config, quantization_c
                              "log-probabilities come from lm_head's weight); remove 'lm_head' from target_modules.")
     if train_dataset is None:
         raise MegaTrainError("train_dataset is required (preference pairs: prompt, chosen, rejected).")
+    import datasets
+
+    if isinstance(train_dataset, datasets.IterableDataset):
+        raise MegaTrainError("train_dataset is an IterableDataset: the engine computes the reference's log-probabilities "
+                             "over the whole dataset before the first step, which needs a map-style datasets.Dataset.")
     sample = next(iter(train_dataset))
     if "image" in sample or "images" in sample:
         raise MegaTrainError("vision preference data (an 'image' or 'images' column) is not supported: the engine "
@@ -199,7 +204,6 @@ class MegaTrainDPOTrainer(DPOTrainer, MegaTrainTrainer):
         self._asked_precompute = args.precompute_ref_log_probs
         args.precompute_ref_log_probs = True
         self._rows: dict[int, dict] = {}
-        self._ref_pass = False
         super().__init__(model=skeleton, ref_model=None, args=args, data_collator=data_collator,
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)

@@ -203,6 +203,7 @@ def test_dpo_config_elsewhere_names_the_dpo_trainer(tmp_path):
     (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
     (dict(ref_model=True), "ref_model"),
     (dict(peft_model=True), "a PeftModel as model"),
+    (dict(iterable=True), "IterableDataset"),
 ])
 def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tmp_path, monkeypatch):
     folder = model_folder(tmp_path, "llama")
@@ -216,10 +217,11 @@ def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tm
         from peft import get_peft_model
 
         folder = get_peft_model(make_model("llama", num_hidden_layers=2), LoraConfig(**LORA))
+    data = pairs().to_iterable_dataset() if extra.pop("iterable", None) else pairs()
     with pytest.raises(MegaTrainError, match=match) as e:
         MegaTrainDPOTrainer(folder, ref_model=ref, args=DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True,
                                                                   report_to=[], bf16=False, **extra),
-                            train_dataset=pairs())
+                            train_dataset=data)
     assert "\n" not in str(e.value)
 
 
