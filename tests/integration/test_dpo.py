@@ -74,11 +74,11 @@ def run(cls, folder, out, lora=None, evaluate_after=None, config_cls=DPOConfig, 
     return trainer, logs, load_file(os.path.join(out, name))
 
 
-def assert_same_run(logs, stock_logs, weights, stock_weights, starts_at_reference=True):
+def assert_same_run(logs, stock_logs, weights, stock_weights, starts_at_reference=True, abs_tol=1e-6):
     """starts_at_reference: the first step's policy is the reference (full fine-tuning, LoRA with B = 0). Its
     rewards are then 0 up to the last bit, so whether a chosen reward beats its rejected one is decided by
     round-off (stock's own two reference paths differ there): rewards/accuracies is not compared at step 1,
-    the rewards themselves are (zero within 1e-6 on both sides)."""
+    the rewards themselves are (zero within abs_tol on both sides)."""
     assert len(logs) == len(stock_logs)
     assert sum("loss" in h for h in logs) == KW["max_steps"]
     assert any("eval_rewards/margins" in h for h in logs)
@@ -86,10 +86,10 @@ def assert_same_run(logs, stock_logs, weights, stock_weights, starts_at_referenc
         assert ours.keys() == theirs.keys(), (ours, theirs)
         tie = starts_at_reference and theirs.get("step") == 1 and "loss" in theirs
         if tie:
-            assert max(abs(h[k]) for h in (ours, theirs) for k in ("rewards/chosen", "rewards/rejected")) < 1e-6
+            assert max(abs(h[k]) for h in (ours, theirs) for k in ("rewards/chosen", "rewards/rejected")) < abs_tol
         for k in ours:
             if not (tie and k == "rewards/accuracies"):
-                assert ours[k] == pytest.approx(theirs[k], rel=1e-5, abs=1e-6), (k, ours, theirs)
+                assert ours[k] == pytest.approx(theirs[k], rel=1e-5, abs=abs_tol), (k, ours, theirs)
     assert weights.keys() == stock_weights.keys()
     for k in weights:
         torch.testing.assert_close(weights[k], stock_weights[k], atol=1e-5, rtol=1e-5, msg=k)
@@ -250,4 +250,6 @@ def test_dpo_on_the_cuda_path_equals_stock_in_fp32(kind, tmp_path):
                                compute_dtype="float32", **gpu)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-    assert_same_run(logs, stock_logs, weights, stock_weights)
+    # the reference pass and the training pass run other kernels for other batch shapes: the step-1 rewards
+    # (0 in exact arithmetic) carry beta times the logps' last bits, about 1e-6
+    assert_same_run(logs, stock_logs, weights, stock_weights, abs_tol=2e-5)
