@@ -81,7 +81,7 @@ class GradListener(Protocol):
 
 
 def _check_model(model: nn.Module, spec, skeleton: bool) -> None:
-    for path in (spec.embed, spec.layers, spec.norm, spec.lm_head, spec.rotary):
+    for path in (spec.embed, spec.layers, spec.norm, spec.lm_head) + ((spec.rotary,) if spec.rotary else ()):
         try:
             model.get_submodule(path)
         except AttributeError:
@@ -209,7 +209,7 @@ class StreamingEngine(nn.Module):
             raise MegaTrainError(f"embedding_dropout={cfg.embedding_dropout} is applied outside the decoder layers, "
                                  "which the engine does not do yet; set config.embedding_dropout = 0.")
         self.rotary = self._build_rotary(model)
-        self.rotary_per_kind = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.rotary_per_kind = self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.loss_chunk_tokens = loss_chunk(cfg.vocab_size, self.device.type, config.loss_chunk_tokens)
         self.pipeline: Pipeline = self._make_pipeline(config)
         self.activations = Activations(self.device, config.offload_activations, config.activation_lookahead)
@@ -291,11 +291,14 @@ class StreamingEngine(nn.Module):
         the MLPs' own forward. Only the engine's templates are patched, never the user's model."""
         self.engine_config = replace(self.engine_config, mlp_tile_tokens=tokens or None)
         for key, tmpl in self._templates.items():
-            if key.startswith("layer"):
+            # a hybrid stack's mixer-only layers (Mamba, short conv) have no per-token block: they run untiled
+            if key.startswith("layer") and self.spec.mlp and _has_submodule(tmpl.module, self.spec.mlp):
                 mlp = tmpl.module.get_submodule(self.spec.mlp)
                 tile_mlp(mlp, tokens) if tokens else untile_mlp(mlp)
 
-    def _build_rotary(self, model) -> nn.Module:
+    def _build_rotary(self, model) -> nn.Module | None:
+        if self.spec.rotary is None:  # no rotary embeddings (Jamba, Mamba, Kimi-Linear): layers get none
+            return None
         src = model.get_submodule(self.spec.rotary)
         rotary = type(src)(config=self.config)  # inv_freq is a non-persistent buffer: rebuild it
         return rotary.to(self.device)
@@ -801,8 +804,13 @@ class _BatchContext:
         else:
             self.masks = engine.spec.build_masks(cfg, embeds, mask, pos)
         self.pos = pos
-        if engine.rotary_per_kind:  # Gemma 3: one rotary base per attention kind, as its model forward does
+        self.raw_mask = mask  # the 2D mask as given: what Mamba's model forward hands its layers
+        if engine.rotary is None:
+            self.pos_emb = None
+        elif engine.rotary_per_kind:  # Gemma 3: one rotary base per attention kind, as its model forward does
             self.pos_emb = {kind: engine.rotary(embeds, pos, kind) for kind in set(engine.spec.kinds(cfg))}
+        elif engine.spec.rotary_rows:  # Qwen3.5's mRoPE: a text-only forward gives every row the same positions
+            self.pos_emb = engine.rotary(embeds, pos[None].expand(engine.spec.rotary_rows, pos.shape[0], -1))
         else:
             self.pos_emb = engine.rotary(embeds, position_ids=pos)
         self.router = engine.spec.has_router_loss and bool(getattr(cfg, "output_router_logits", False))
@@ -811,10 +819,28 @@ class _BatchContext:
         self.rng: dict[int, tuple] = {}
 
     def layer_kwargs(self, unit) -> dict:
+        if self.engine.spec.layer_inputs is not None:
+            return self._planned_kwargs(unit)
         pos_emb = self.pos_emb[unit.attn_kind] if isinstance(self.pos_emb, dict) else self.pos_emb
         kw = dict(attention_mask=self.masks[unit.attn_kind], position_ids=self.pos, position_embeddings=pos_emb)
         if self.docs:
             kw["megatrain_documents"] = self.docs
+        return kw
+
+    def _planned_kwargs(self, unit) -> dict:
+        """A hybrid stack's layer call, as its model forward makes it (ArchSpec.layer_inputs)."""
+        kw = {}
+        for name, source in self.engine.spec.layer_inputs:
+            what = source[0]
+            if what == "mask":
+                kw[name] = self.masks.get(unit.attn_kind if source[1] is None else source[1])
+            elif what == "rotary":  # for every layer, or for those of one kind (OLMo-hybrid's attention layers)
+                every = source[1] is None or getattr(self.engine.config, source[1][0])[unit.layer] == source[1][1]
+                kw[name] = self.pos_emb if every else None
+            elif what == "position_ids":
+                kw[name] = self.pos
+            elif what == "raw_mask":
+                kw[name] = self.raw_mask
         return kw
 
     def attention(self):

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 
 import torch
 
+from ..constants import IGNORE_INDEX
 from ..errors import MegaTrainError
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,45 @@ def _int(config, name):
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+# State-space mixers (Mamba, Mamba-2 and the hybrids built on them): the state and the scan's chunk shrink, and the
+# number of SSM heads with the width (their size stays: heads x head size is the mixer's width, tied to the model's).
+_SSM_STATE = ("mamba_d_state", "state_size", "ssm_state_size")
+_SSM_CHUNK = ("mamba_chunk_size", "chunk_size")
+_SSM_HEADS = (("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head_dim"))
+_SSM_WIDTH = 256  # the width of a stack without attention heads (Mamba): nothing else shrinks it
+
+
+def _shrink_ssm(small, hidden: int | None) -> None:
+    heads = list(_SSM_HEADS)
+    if _int(small, "num_attention_heads") is None and _int(small, "expand") is not None:
+        heads.append(("num_heads", "head_dim"))  # Mamba-2's SSM heads
+        if hidden and hidden > _SSM_WIDTH:
+            small.hidden_size = _SSM_WIDTH
+    new = _int(small, "hidden_size")
+    for key, dim in heads:
+        n = _int(small, key)
+        if n is None or not hidden or not new:
+            continue
+        n = max(1, n * new // hidden)
+        setattr(small, key, n)
+        for groups in ("mamba_n_groups", "n_groups"):
+            if _int(small, groups):
+                setattr(small, groups, math.gcd(getattr(small, groups), n))
+        if _int(small, "mamba_d_ssm") and _int(small, dim):
+            small.mamba_d_ssm = n * getattr(small, dim)  # Falcon-H1's mixer width
+    for key in _SSM_STATE:
+        if _int(small, key):
+            setattr(small, key, min(getattr(small, key), 16))
+    for key in _SSM_CHUNK:
+        if _int(small, key):
+            setattr(small, key, min(getattr(small, key), 16))
+
+
+def _settable(config, name: str) -> bool:
+    prop = getattr(type(config), name, None)
+    return not isinstance(prop, property) or prop.fset is not None
+
+
 def small_copy(config):
     """`config` with 2 layers (or one per layer kind, up to 4) and small widths, its head geometry kept."""
     small = copy.deepcopy(config)
@@ -53,6 +94,7 @@ def small_copy(config):
             small.num_attention_heads = new_heads
             if kv:
                 small.num_key_value_heads = new_kv
+    _shrink_ssm(small, hidden)
     for key, value in _SMALL.items():
         if _int(small, key) is not None:
             setattr(small, key, min(getattr(small, key), value) if key == "vocab_size" else value)
@@ -68,14 +110,23 @@ def small_copy(config):
     if _int(small, "first_k_dense_replace"):
         small.first_k_dense_replace = 1  # a dense layer, then a sparse one
     depth = _DEPTH
-    if getattr(small, "layer_types", None):
+    types = list(getattr(small, "layer_types", None) or ())
+    picked = types[:_DEPTH]
+    for kind in dict.fromkeys(types):  # every kind of layer the family has, once at least
+        if kind not in picked and len(picked) < 4:
+            picked.append(kind)
+    if types and _settable(small, "layer_types"):
+        try:
+            small.layer_types = picked
+            depth = len(picked)
+            types = []
+        except AttributeError:  # Bamba's sets a list it derives from, which has no setter
+            pass
+    if types:
+        # Kinds derived from the depth (Jamba's attention every 8th layer from the 4th, Bamba's attention indices):
+        # the first layers up to one of every kind, as many as that takes (the width is small).
         types = list(small.layer_types)
-        picked = types[:_DEPTH]
-        for kind in dict.fromkeys(types):  # every kind of layer the family has, once at least
-            if kind not in picked and len(picked) < 4:
-                picked.append(kind)
-        small.layer_types = picked
-        depth = len(picked)
+        depth = max(_DEPTH, max(types.index(kind) for kind in set(types)) + 1)
     small.num_hidden_layers = depth
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(small, key, None), int) and getattr(small, key) >= small.vocab_size:
@@ -84,15 +135,23 @@ def small_copy(config):
 
 
 def _differences(small, key: str) -> list[str]:
-    """Stock autograd and the engine on one batch of the small copy: what differs (the loss, then each
-    gradient); MegaTrainError where either side cannot run."""
+    """Stock autograd and the engine on the small copy: what differs (the loss, then each gradient), on a batch
+    without padding, then on one with a right-padded row (what a layer does with padding: an attention mask, a
+    recurrent layer's 2D one); MegaTrainError where either side cannot run."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, small.vocab_size, (2, 24), generator=g)
+    plain = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    mask = torch.ones_like(ids)
+    mask[1, -6:] = 0
+    padded = {"input_ids": ids, "labels": ids.masked_fill(mask == 0, IGNORE_INDEX), "attention_mask": mask}
+    return _compare(small, key, plain) or [f"{d} (with a padded row)" for d in _compare(small, key, padded)]
+
+
+def _compare(small, key: str, batch: dict) -> list[str]:
     from transformers import AutoModelForCausalLM
 
     from .schedule import StreamingEngine
 
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, small.vocab_size, (2, 24), generator=g)
-    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
     try:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(copy.deepcopy(small), dtype=torch.float32).train()

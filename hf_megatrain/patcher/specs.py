@@ -9,10 +9,13 @@ returns its undo.
 
 from __future__ import annotations
 
+import ast
 import copy
+import functools
 import inspect
 import re
 import sys
+import textwrap
 from dataclasses import dataclass
 from typing import Callable
 
@@ -50,6 +53,12 @@ def _always_full(config, index: int) -> str:
     return FULL
 
 
+def _kind_by_attr(attr: str, config, index: int) -> str:
+    # Hybrid stacks: the config list the model forward picks each layer's mask by (layer_types, or Bamba's and
+    # Granite-4's layers_block_type).
+    return getattr(config, attr)[index]
+
+
 def _same_name(name: str, config) -> tuple[str, tuple]:
     return name, ()
 
@@ -64,8 +73,10 @@ class ArchSpec:
     layers: str = "model.layers"
     norm: str = "model.norm"
     lm_head: str = "lm_head"
-    rotary: str = "model.rotary_emb"
-    mlp: str = "mlp"  # inside a decoder layer: the per-token block that sequence tiling splits
+    rotary: str | None = "model.rotary_emb"  # None: the model has none (Jamba, Mamba, Kimi-Linear)
+    # Inside a decoder layer: the per-token block that sequence tiling splits; a hybrid stack's layers without
+    # one (a Mamba or conv mixer alone) are not tiled, and None: no layer has one.
+    mlp: str | None = "mlp"
     # Module attribute of the router inside a layer whose output[0] is the router logits (a tuple: several
     # routers in one layer, JetMoE's attention and MLP ones), the name of the aux-loss function in the modeling
     # module, the config attribute that holds the number of experts it is given, and the one that holds the
@@ -92,6 +103,18 @@ class ArchSpec:
     # A generic MoE family whose causal LM adds a router loss the engine could not take from the installed
     # transformers: why, in a few words (the self-check's refusal says it).
     router_unmatched: str | None = None
+    # Hybrid stacks (linear attention, Mamba/SSM, short conv beside or instead of attention), read from the base
+    # model's forward (_layer_plan): how it makes each kind of mask, ((kind, maker), ...), a maker being the name
+    # of a masking_utils function or ("if_none", config attribute, maker if None, maker otherwise); and what it
+    # hands each decoder layer, ((keyword, source), ...), a source being ("mask", kind or None: the layer's own),
+    # ("rotary", None or (config list, kind): the rotary cos/sin, for every layer or where the list names that
+    # kind, else None), ("position_ids",) or ("raw_mask",) (the 2D attention mask as given). None for both: the
+    # standard call (the mask of the layer's attention kind, position_ids, position_embeddings).
+    mask_makers: tuple | None = None
+    layer_inputs: tuple | None = None
+    # Multimodal rotary embeddings of a text stack (Qwen3.5's mRoPE): the rotary module takes its positions as
+    # [rows, batch, seq], which a text-only forward makes by repeating the 2D position ids this many times.
+    rotary_rows: int | None = None
 
     @property
     def has_router_loss(self) -> bool:
@@ -114,6 +137,10 @@ class ArchSpec:
             **{_CACHE_KW: None},
         )
         masks = {}
+        if self.mask_makers is not None:  # a hybrid stack: every mask its model forward makes, made as it does
+            for kind, maker in self.mask_makers:
+                masks[kind] = _mask_function(maker, config)(**kw)
+            return masks
         makers = {SLIDING: create_sliding_window_causal_mask, CHUNKED: create_chunked_causal_mask}
         for kind in set(self.kinds(config)):
             masks[kind] = makers.get(kind, create_causal_mask)(**kw)
@@ -175,6 +202,10 @@ def _softcap_logits(config, logits):
 
 def _divided_logits(config, logits):
     return logits / config.logits_scaling  # GraniteForCausalLM
+
+
+def _multiplied_logits(config, logits):
+    return logits * config.lm_head_multiplier  # FalconH1ForCausalLM
 
 
 def _scaled_logits(config, logits):
@@ -259,30 +290,47 @@ def _generic(config) -> ArchSpec | str:
     if isinstance(paths, str):
         return paths
     kind = _per_layer_types if getattr(config, "layer_types", None) else _uniform_window
-    spec = ArchSpec(model_type, kind, generic=True, **paths)
-    layers = model.get_submodule(spec.layers)
+    layers = model.get_submodule(paths["layers"])
     said = {config.num_hidden_layers, model.config.num_hidden_layers}  # building may rewrite it (LongCat-Flash)
     if said != {len(layers)}:
         return (f"its causal LM has {len(layers)} decoder layers where its config's num_hidden_layers says "
                 f"{max(said - {len(layers)})}, which the engine's one-unit-per-layer layout does not take")
     params = inspect.signature(type(layers[0]).forward).parameters
-    wanted = {"hidden_states", "attention_mask", "position_embeddings"}
-    # position_ids is passed by keyword too: named, or taken by **kwargs (the self-check decides the rest)
-    takes_position_ids = "position_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    if not wanted <= set(params) or not takes_position_ids:
-        absent = sorted(wanted - set(params)) + ([] if takes_position_ids else ["position_ids"])
-        return (f"its decoder layer ({type(layers[0]).__name__}) does not take {', '.join(absent)}, which the "
-                "engine passes each layer")
+    plan = {}
+    # A hybrid stack (layers that are not all attention), or one without rotary embeddings: what each layer gets is
+    # read from the base model's forward.
+    hybrid = bool(set(getattr(config, "layer_types", None) or ()) - _ATTENTION_KINDS) or paths["rotary"] is None
+    if hybrid:
+        plan = _layer_plan(model, paths, layers)
+        if isinstance(plan, str):
+            return plan
+        attr = plan.pop("kind_attr")
+        kind = functools.partial(_kind_by_attr, attr) if attr else kind
+    else:
+        wanted = {"hidden_states", "attention_mask", "position_embeddings"}
+        # position_ids is passed by keyword too: named, or taken by **kwargs (the self-check decides the rest)
+        takes_position_ids = "position_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        if not wanted <= set(params) or not takes_position_ids:
+            absent = sorted(wanted - set(params)) + ([] if takes_position_ids else ["position_ids"])
+            return (f"its decoder layer ({type(layers[0]).__name__}) does not take {', '.join(absent)}, which the "
+                    "engine passes each layer")
     mlp = next((n for n in _MLP_NAMES if all(_has(layer, n) for layer in layers)), None)
-    if mlp is None:
+    if mlp is None and hybrid:  # a hybrid's mixer-only layers (Nemotron-H's Mamba ones) are not tiled
+        mlp = next((n for n in _MLP_NAMES if any(_has(layer, n) for layer in layers)), None)
+    elif mlp is None:
         return (f"its decoder layers ({type(layers[0]).__name__}) have no per-token block under a name the engine "
                 f"knows ({', '.join(_MLP_NAMES)}) in every layer")
-    outside = _outside_the_layers(model, paths)
+    outside = _outside_the_layers(model, paths, planned=hybrid)
     if isinstance(outside, str):
         return outside
     router = _router_loss(model, layers)
     fields = router if isinstance(router, dict) else {"router_unmatched": router}
-    spec = ArchSpec(model_type, kind, mlp=mlp, generic=True, **paths, **outside, **fields)
+    disk = _generic_experts_disk(model.config, layers)
+    if disk is not None:
+        fields["from_disk"] = disk
+    if plan:  # recurrent layers do not see document boundaries: rows are never split into documents for them
+        fields["attention_kwargs"] = False
+    spec = ArchSpec(model_type, kind, mlp=mlp, generic=True, **paths, **outside, **fields, **plan)
     _GENERIC[model_type] = spec
     return spec
 
@@ -295,8 +343,11 @@ _LOGITS = (
                 r"\(logits\)\s*\n\s*logits\s*=\s*logits\s*\*\s*self\.config\.final_logit_softcapping\b"), "_softcap_logits"),
     (re.compile(r"logits\s*=\s*logits\s*\*\s*self\.logit_scale\b"), "_scaled_logits"),
     (re.compile(r"logits\s*=\s*logits\s*/\s*self\.config\.logits_scaling\b"), "_divided_logits"),
+    (re.compile(r"logits\s*=\s*self\.lm_head\([^\n]*\)\s*\*\s*self\.model\.lm_head_multiplier\s*$", re.M),
+     "_multiplied_logits"),  # Falcon-H1's µP head multiplier
 )
-_EMBED_MULTIPLIER = re.compile(r"inputs_embeds\s*=\s*inputs_embeds\s*\*\s*self\.embedding_multiplier\b")
+_EMBED_MULTIPLIER = re.compile(r"inputs_embeds\s*=\s*(inputs_embeds|self\.embed_tokens\(input_ids\))\s*\*\s*"
+                               r"self\.embedding_multiplier\b")
 
 
 # What the engine hands a decoder layer, or what a training forward leaves at its default (a cache; Falcon's alibi,
@@ -320,9 +371,10 @@ def _layer_call_keywords(base_forward: str, layers: str) -> list[str]:
     return re.findall(r"^\s*(\w+)\s*=", call.group(1), re.M) if call else []
 
 
-def _outside_the_layers(model, paths: dict) -> dict | str:
+def _outside_the_layers(model, paths: dict, planned: bool = False) -> dict | str:
     """What the causal LM and its base model do outside the layers that the engine repeats (the spec's logits and
-    embed_multiplier fields), read from their forwards' source; the reason, where they do what it does not."""
+    embed_multiplier fields), read from their forwards' source; the reason, where they do what it does not.
+    `planned`: what the layers get was read by _layer_plan, which refuses what it does not know."""
     base = model.get_submodule(paths["embed"].rpartition(".")[0])
     try:
         forward, base_forward = inspect.getsource(type(model).forward), inspect.getsource(type(base).forward)
@@ -335,6 +387,9 @@ def _outside_the_layers(model, paths: dict) -> dict | str:
         return f"its causal LM transforms the logits in several ways ({', '.join(found)})"
     if found == ["_scaled_logits"] and not re.search(r"self\.logit_scale\s*=\s*config\.logit_scale\s*$", init, re.M):
         return "its causal LM scales the logits by something other than config.logit_scale"
+    if found == ["_multiplied_logits"] and not re.search(r"self\.lm_head_multiplier\s*=\s*config\.lm_head_multiplier\s*$",
+                                                        base_init, re.M):
+        return "its causal LM multiplies the logits by something other than config.lm_head_multiplier"
     if found:
         out["logits"] = globals()[found[0]]
     if _EMBED_MULTIPLIER.search(base_forward):
@@ -342,7 +397,7 @@ def _outside_the_layers(model, paths: dict) -> dict | str:
             return "its model multiplies the embeddings by something other than config.embedding_multiplier"
         out["embed_multiplier"] = "embedding_multiplier"
     extra = sorted(set(_layer_call_keywords(base_forward, paths["layers"].rpartition(".")[2])) - _LAYER_KWARGS)
-    if extra:
+    if extra and not planned:
         return (f"its model forward hands each decoder layer {', '.join(extra)}, computed outside the layers, which "
                 "the engine does not pass")
     norm = re.search(rf"self\.{re.escape(paths['norm'].rpartition('.')[2])}\(", base_forward)
@@ -351,6 +406,187 @@ def _outside_the_layers(model, paths: dict) -> dict | str:
         return (f"its model forward applies its final norm ({paths['norm']}) before the first decoder layer too, "
                 "where the engine's embedding unit applies none")
     return out
+
+
+# -- hybrid stacks: what the base model hands each decoder layer, read from its forward ------------------------------
+_MASK_FUNCTIONS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask",
+                   "create_recurrent_attention_mask")
+# What the engine hands a mask maker (ArchSpec.build_masks), by the names a model forward's mask_kwargs use.
+_MASK_KWARGS = {"config", "inputs_embeds", "attention_mask", "past_key_values", "cache", "position_ids"}
+# Keywords of a layer call that a training forward leaves at their defaults (no cache) or that say nothing the
+# layer computes with.
+_DEFAULTED = {"past_key_values", "cache", "past_key_value", "layer_past", "cache_params", "use_cache",
+              "cache_position", "output_attentions", "output_router_logits"}
+
+
+def _mask_function(maker, config):
+    """The masking_utils function a maker (ArchSpec.mask_makers) names for this config."""
+    import transformers.masking_utils as masking
+
+    if isinstance(maker, tuple):  # ("if_none", attribute, if None, otherwise): MiniMax's sliding or full mask
+        _, attr, if_none, otherwise = maker
+        maker = if_none if getattr(config, attr, None) is None else otherwise
+    return getattr(masking, maker)
+
+
+def _maker(node, aliases: dict):
+    """The mask maker an expression names: a masking_utils function, a name bound to one, or a choice between
+    two by whether a config attribute is None; None otherwise."""
+    if isinstance(node, ast.Name):
+        return node.id if node.id in _MASK_FUNCTIONS else aliases.get(node.id)
+    if isinstance(node, ast.IfExp) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1 \
+            and isinstance(node.test.ops[0], (ast.Is, ast.IsNot)) \
+            and isinstance(node.test.comparators[0], ast.Constant) and node.test.comparators[0].value is None:
+        attr = _config_attr(node.test.left)
+        body, orelse = _maker(node.body, aliases), _maker(node.orelse, aliases)
+        if attr and isinstance(body, str) and isinstance(orelse, str):
+            if isinstance(node.test.ops[0], ast.IsNot):
+                body, orelse = orelse, body
+            return ("if_none", attr, body, orelse)
+    return None
+
+
+def _config_attr(node) -> str | None:
+    """X of `self.config.X`."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "config" \
+            and isinstance(node.value.value, ast.Name) and node.value.value.id == "self":
+        return node.attr
+    return None
+
+
+def _per_layer_attr(node, index: str | None) -> str | None:
+    """X of `self.config.X[i]`, i the loop's layer index."""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name) and node.slice.id == index:
+        return _config_attr(node.value)
+    return None
+
+
+def _layer_plan(model, paths: dict, layers) -> dict | str:
+    """What a hybrid stack's base model hands each decoder layer (ArchSpec.mask_makers, .layer_inputs, and the
+    config list that names each layer's kind: `kind_attr`), read from its forward's source; the reason, in a few
+    words, where it does something the engine does not repeat. Every layer must be called on the hidden states
+    alone, with keywords that are masks the forward makes with masking_utils, the rotary embeddings (for every
+    layer, or for the layers of one kind), the position ids, the 2D attention mask as given, or a cache."""
+    base = model.get_submodule(paths["layers"].rpartition(".")[0])
+    layers_attr = paths["layers"].rpartition(".")[2]
+    name = type(base).__name__
+    try:
+        fn = ast.parse(textwrap.dedent(inspect.getsource(type(base).forward))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return f"the source of its model forward ({name}), which says what each of its hybrid layers gets, cannot be read"
+    aliases, bound, mapping, mapping_name = {}, {}, {}, None
+    assigns = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1
+                      and isinstance(n.targets[0], ast.Name)), key=lambda n: n.lineno)
+    for node in assigns:
+        target, value = node.targets[0].id, node.value
+        if _maker(value, aliases) is not None:
+            aliases[target] = _maker(value, aliases)  # MiniMax's mask_function
+        elif isinstance(value, ast.Call) and _maker(value.func, aliases) is not None:
+            bound[target] = _maker(value.func, aliases)  # Mamba-2's attention_mask = create_recurrent_attention_mask(..)
+        elif isinstance(value, ast.Dict) and value.keys and all(
+                isinstance(k, ast.Constant) and isinstance(k.value, str) for k in value.keys) \
+                and {"config", "inputs_embeds"} <= {k.value for k in value.keys}:
+            extra = sorted({k.value for k in value.keys} - _MASK_KWARGS)  # DeepSeek-V3.2's allow_is_causal_skip
+            if extra:
+                return (f"its model forward ({name}) makes its masks with arguments the engine does not pass "
+                        f"({', '.join(extra)})")
+        elif isinstance(value, ast.Dict) and value.keys and all(
+                isinstance(k, ast.Constant) and isinstance(k.value, str) for k in value.keys):
+            made = [_maker(v.func, aliases) if isinstance(v, ast.Call) else None for v in value.values]
+            if all(m is not None for m in made):
+                mapping_name, mapping = target, dict(zip((k.value for k in value.keys), made))
+    loops = [n for n in ast.walk(fn) if isinstance(n, ast.For) and f"self.{layers_attr}" in ast.unparse(n.iter)]
+    if len(loops) != 1:
+        return f"its model forward ({name}) does not run its layers in one loop the engine can read"
+    loop = loops[0]
+    index = layer = None
+    if isinstance(loop.target, ast.Tuple) and len(loop.target.elts) == 2:
+        index, layer = (e.id if isinstance(e, ast.Name) else None for e in loop.target.elts)
+    elif isinstance(loop.target, ast.Name):
+        layer = loop.target.id
+    calls = [n for n in ast.walk(loop) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == layer]
+    if layer is None or len(calls) != 1:
+        return f"its model forward ({name}) calls its layers in a way the engine cannot read"
+    call = calls[0]
+    if len(call.args) != 1 or not isinstance(call.args[0], ast.Name) or call.args[0].id != "hidden_states":
+        return (f"its model forward ({name}) hands each decoder layer positional arguments beyond the hidden states "
+                f"({', '.join(ast.unparse(a) for a in call.args[1:]) or ast.unparse(call.args[0])}), which the engine "
+                "does not pass")
+    local = {}  # OLMo-hybrid: layer_position_embeddings = position_embeddings if self.config.layer_types[i] == K else None
+    for node in ast.walk(loop):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and isinstance(node.value, ast.IfExp) and isinstance(node.value.body, ast.Name) \
+                and node.value.body.id == "position_embeddings" and isinstance(node.value.orelse, ast.Constant) \
+                and node.value.orelse.value is None and isinstance(node.value.test, ast.Compare) \
+                and isinstance(node.value.test.ops[0], ast.Eq) and isinstance(node.value.test.comparators[0], ast.Constant):
+            attr = _per_layer_attr(node.value.test.left, index)
+            if attr:
+                local[node.targets[0].id] = ("rotary", (attr, node.value.test.comparators[0].value))
+    kind_attr, inputs, makers, strict = None, [], dict(mapping), False
+    rows = _mrope_rows(ast.unparse(fn))
+    layer_init = inspect.getsource(type(layers[0]).__init__) if layers else ""
+    for kw in call.keywords:
+        v, src = kw.value, None
+        if kw.arg is None or kw.arg in _DEFAULTED:
+            continue
+        if isinstance(v, ast.Name):
+            if v.id == "position_ids":
+                src = ("position_ids",)
+            elif v.id == "position_embeddings":
+                src = ("rotary", None)
+            elif v.id in local:
+                src = local[v.id]
+            elif v.id == "text_position_ids" and rows:
+                src = ("position_ids",)  # row 0 of the positions repeated for mRoPE: the 2D ids themselves
+            elif v.id in bound:
+                makers[f"@{v.id}"] = bound[v.id]
+                src = ("mask", f"@{v.id}")
+            elif v.id == "attention_mask":
+                src = ("raw_mask",)
+        elif isinstance(v, ast.Subscript) and isinstance(v.value, ast.Name) and v.value.id == mapping_name:
+            if isinstance(v.slice, ast.Constant) and v.slice.value in mapping:
+                src = ("mask", v.slice.value)
+            elif _per_layer_attr(v.slice, index):
+                src, attr, strict = ("mask", None), _per_layer_attr(v.slice, index), True
+                if kind_attr not in (None, attr):
+                    return f"its model forward ({name}) picks its layers' masks by two config lists"
+                kind_attr = attr
+        elif isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "get" \
+                and isinstance(v.func.value, ast.Name) and v.func.value.id == mapping_name and len(v.args) == 1 \
+                and isinstance(v.args[0], ast.Attribute) and isinstance(v.args[0].value, ast.Name) \
+                and v.args[0].value.id == layer:
+            # Nemotron-H: causal_mask_mapping.get(block.block_type), block_type = config.layers_block_type[layer_idx]
+            m = re.search(rf"self\.{re.escape(v.args[0].attr)}\s*=\s*config\.(\w+)\[layer_idx\]\s*$", layer_init, re.M)
+            if m:
+                src, kind_attr = ("mask", None), m.group(1)
+        if src is None:
+            return (f"its model forward ({name}) hands each decoder layer {kw.arg}={ast.unparse(v)}, computed outside "
+                    "the layers, which the engine does not pass")
+        if src[0] == "rotary" and paths["rotary"] is None:
+            src = None  # NoPE: the forward hands None (Granite-4 without rotary embeddings)
+        if src is not None:
+            inputs.append((kw.arg, src))
+    for cls in dict.fromkeys(type(m) for m in layers):  # Jamba: one class for attention layers, one for Mamba
+        params = inspect.signature(cls.forward).parameters
+        absent = [k for k, _ in inputs if k not in params]
+        if absent and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return f"its decoder layer ({cls.__name__}) does not take {', '.join(absent)}, which its model forward passes"
+    kinds = set(getattr(model.config, kind_attr, None) or ()) if strict else set()
+    if kinds - set(makers):
+        return (f"its model forward makes no mask the engine can read for its "
+                f"{', '.join(sorted(kinds - set(makers)))} layers")
+    plan = dict(kind_attr=kind_attr, mask_makers=tuple(makers.items()), layer_inputs=tuple(inputs))
+    return dict(plan, rotary_rows=rows) if rows else plan
+
+
+def _mrope_rows(forward: str) -> int | None:
+    """Qwen3.5's text model: 2D position ids are repeated into [n, batch, seq], row 0 is what the layers and the
+    masks get (the ids themselves) and rows 1.. what the rotary module gets: n - 1 rows of the same ids."""
+    n = re.search(r"position_ids\s*=\s*position_ids\[None, \.\.\.\]\.expand\((\d+), position_ids\.shape\[0\], -1\)", forward)
+    if n and re.search(r"text_position_ids\s*=\s*position_ids\[0\]", forward) \
+            and re.search(r"position_ids\s*=\s*position_ids\[1:\]", forward):
+        return int(n.group(1)) - 1
+    return None
 
 
 # What a generic causal LM's forward must do with its routers for the engine's router loss to be its own: read
@@ -392,13 +628,16 @@ def _router_loss(model, layers) -> dict | str | None:
     recorded = getattr(cls, "_can_record_outputs", None) or {}
     recorded = recorded.get("router_logits")
     recorded = recorded if isinstance(recorded, (list, tuple)) else [recorded] if recorded is not None else []
-    targets = []  # (router class, the index of its logits among its outputs)
+    targets = []  # (router class, the index of its logits among its outputs, the name its path must hold or None)
     for r in recorded:
         target = r if isinstance(r, type) else getattr(r, "target_class", None)
-        if not isinstance(target, type) or getattr(r, "layer_name", None) or getattr(r, "class_name", None):
+        if not isinstance(target, type) or getattr(r, "class_name", None):
             return f"its model records router logits in a way the engine does not read ({r!r})"
-        targets.append((target, 0 if isinstance(r, type) else int(r.index or 0)))
-    found = {tuple((n, i) for n, m in layer.named_modules() for t, i in targets if isinstance(m, t)) for layer in layers}
+        named = getattr(r, "layer_name", None)  # MiniMax's mlp.gate, Jamba's router: a Linear of that name
+        targets.append((target, 0 if isinstance(r, type) else int(r.index or 0),
+                        f".{named.strip('.')}." if named else None))
+    found = {tuple((n, i) for n, m in layer.named_modules() for t, i, named in targets
+                   if isinstance(m, t) and (named is None or named in f".{n}.")) for layer in layers}
     found.discard(())  # the dense layers of an MoE
     if len(found) != 1:
         return ("its decoder layers have no router the engine finds from the model's recorded router logits"
@@ -429,10 +668,11 @@ def _layout(model) -> dict | str:
     if len(layers) != 1:
         return (f"its base model ({type(base).__name__}) holds {len(layers)} lists of layers itself, where the engine "
                 "streams exactly one list of decoder layers")
-    if len(rotary) != 1:
-        return (f"its base model ({type(base).__name__}) has no rotary module of its own (its positions are made "
-                "some other way), where the engine hands each layer the rotary embeddings")
-    taken = {f"{prefix}.{layers[0]}", f"{prefix}.{rotary[0]}", embed, head}
+    if len(rotary) > 1:
+        return (f"its base model ({type(base).__name__}) has {len(rotary)} rotary modules, where the engine hands "
+                "every layer the embeddings of one")
+    rotary = f"{prefix}.{rotary[0]}" if rotary else None  # none: positions made otherwise, or none at all (Mamba)
+    taken = {f"{prefix}.{layers[0]}", embed, head} | ({rotary} if rotary else set())
     rest = [(f"{prefix}.{n}", m) for n, m in base.named_children()
             if f"{prefix}.{n}" not in taken and not isinstance(m, torch.nn.Dropout)]
     if len(rest) > 1:  # a final norm without parameters (OLMo's) beside modules with some is not the norm
@@ -440,11 +680,32 @@ def _layout(model) -> dict | str:
     rest = [n for n, _ in rest]
     if len(rest) != 1:
         extra = ", ".join(rest) if rest else "no final norm"
+        if rotary is None and len(rest) > 1:
+            return (f"its base model ({type(base).__name__}) has no rotary module, and modules outside the embedding, "
+                    f"the decoder layers and one final norm ({extra}): positions made outside the layers, which the "
+                    "engine does not run")
         return (f"its base model has parameters outside the embedding, the decoder layers and one final norm "
                 f"({extra}), which the engine does not run")
     if any(not n.startswith(tuple(p + "." for p in taken | set(rest))) for n, _ in model.named_parameters()):
         return "its causal LM has parameters outside the embedding, the decoder layers, the final norm and the head"
-    return dict(embed=embed, layers=f"{prefix}.{layers[0]}", norm=rest[0], lm_head=head, rotary=f"{prefix}.{rotary[0]}")
+    return dict(embed=embed, layers=f"{prefix}.{layers[0]}", norm=rest[0], lm_head=head, rotary=rotary)
+
+
+def _generic_experts_disk(config, layers):
+    """Checkpoints of a generic MoE family whose experts HF v5 fuses (experts.gate_up_proj [E, 2I, H], down_proj)
+    and stores one by one (experts.E.gate_proj / up_proj / down_proj), as Qwen3-Next's and Jamba's: the disk
+    mapping, with I read from the config attribute that equals the fused tensor's half height; None where the
+    layers hold no such experts or no attribute says I."""
+    for layer in layers:
+        for name, module in layer.named_modules():
+            fused = getattr(module, "gate_up_proj", None)
+            if name.endswith("experts") and isinstance(fused, torch.Tensor) and fused.dim() == 3:
+                inter = fused.shape[1] // 2
+                for attr in ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size"):
+                    if getattr(config, attr, None) == inter:
+                        return _fused_experts_disk(attr, "gate_proj", "up_proj", "down_proj")
+                return None
+    return None
 
 
 def _has(module, path: str) -> bool:
@@ -474,10 +735,7 @@ def _why_not(config) -> str:
     if varying:
         return (f"a per-layer config ({', '.join(sorted(varying))} may differ from layer to layer), which the "
                 "engine's layout does not take yet")
-    kinds = set(getattr(config, "layer_types", None) or ())
-    if kinds - _ATTENTION_KINDS:
-        return f"state-space or hybrid layers ({', '.join(sorted(kinds - _ATTENTION_KINDS))}), not attention layers only"
-    return _UNKNOWN
+    return _UNKNOWN  # hybrid stacks (state-space, linear attention, conv layers) too: the generic spec reads them
 
 
 _UNKNOWN = "a decoder stack the registry does not know, without the standard layout the engine can try"
