@@ -152,13 +152,14 @@ def model_sizes(config, peft_config=None) -> ModelSizes:
     (adapter_units_memo): the units' trainable part (n_train) is then the adapters alone."""
     units = config_units_memo(config) if peft_config is None else adapter_units_memo(config, peft_config)
     h = config.hidden_size
-    heads = config.num_attention_heads
-    hd = getattr(config, "head_dim", None) or h // heads
-    kv = getattr(config, "num_key_value_heads", heads) * hd
+    # a stack without attention (Mamba) has no heads; GPT-J and CodeGen name theirs n_head
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 0
+    hd = getattr(config, "head_dim", None) or (h // heads if heads else 0)
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * hd
     layers = [u for u in units if u.kind == "layer"]
     return ModelSizes(params=sum(u.numel for u in units), embed=units[0].numel, head=units[-1].numel,
                   layer=max((u.numel for u in layers), default=0), layers=len(layers), hidden=h,
-                  inter=config.intermediate_size, vocab=config.vocab_size, kv_dim=kv,
+                  inter=_mlp_width(config), vocab=config.vocab_size, kv_dim=kv,
                   tied=units[-1].tied_local is not None, units=units)
 
 
@@ -322,6 +323,16 @@ def state_from_defaults(optim: str, d: dict) -> OptimizerState:
     return OptimizerState("adafactor", full=int(beta1), factored=True, scalars=1, scratch=2,
                           keeps="factored second moment" + " + exp_avg" * beta1,
                           step_bytes=84 + 20 * beta1, settings=f"beta1 {d['beta1']:g}" if beta1 else "")
+
+
+def _mlp_width(config) -> int:
+    """The widest MLP intermediate of a layer (what one MLP tile's activations are sized by): the
+    config's intermediate_size, else its MoE experts' or shared expert's, else GPT-J's n_inner (4 x
+    hidden when unset)."""
+    widths = [getattr(config, name, None) for name in
+              ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "n_inner")]
+    widths = [w for w in widths if isinstance(w, int) and w > 0]
+    return max(widths) if widths else 4 * config.hidden_size
 
 
 @dataclass

@@ -477,7 +477,6 @@ def test_a_warm_estimate_plans_from_the_config_record_the_same_plan(monkeypatch,
         assert isinstance(_config_of(model), PretrainedConfig)  # another config.json: read for real
 
 
-@pytest.mark.xfail(strict=True, reason="the optimizer rows still build Trainer's optimizer classes (in progress)")
 def test_a_warm_estimate_imports_no_transformers(tmp_path):
     """The point of the record: a warm `hf-megatrain estimate` of a 70B shape, in a fresh process, never
     imports transformers (3-4 s of a 2-core box, more than the planning)."""
@@ -489,7 +488,7 @@ def test_a_warm_estimate_imports_no_transformers(tmp_path):
     env = {**os.environ, "HF_MEGATRAIN_CACHE": str(tmp_path)}
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env) for _ in range(2)]
     assert [r.stdout.splitlines()[-1] for r in runs] == ["IMPORTED True", "IMPORTED False"], runs[1].stderr[-2000:]
-    assert runs[0].stdout == runs[1].stdout
+    assert runs[0].stdout.splitlines()[:-1] == runs[1].stdout.splitlines()[:-1]  # the same plan, printed
 
 
 def test_estimate_and_predict_leave_the_units_they_are_handed_as_they_were():
