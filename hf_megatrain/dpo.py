@@ -31,7 +31,7 @@ import contextlib
 import copy
 import math
 import random
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -43,7 +43,7 @@ try:
 except ImportError as e:  # an optional extra
     raise ImportError("hf_megatrain.dpo needs TRL: pip install 'hf_megatrain[trl]'") from e
 
-from .arguments import MegaTrainArguments, check_arguments, megatrain_arguments
+from .arguments import MegaTrainArguments, check_arguments
 from .checkpoint.loading import load_model_and_tokenizer
 from .constants import IGNORE_INDEX
 from .engine.loss import RowLoss
@@ -52,8 +52,8 @@ from .errors import MegaTrainError
 from .logs import show_logs
 from .patcher.adapters import check_adapter_config, is_peft_model
 from .preflight import check_outputs, check_resume
-from .sft import _say_unapplied
-from .trainer import MegaTrainTrainer, refuse_other_trl_config
+from .sft import _say_unapplied, trl_arguments
+from .trainer import MegaTrainTrainer
 
 # DPOConfig.loss_type values: every one is a function of the per-row sums (see pair_losses)
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -86,29 +86,7 @@ class MegaTrainDPOConfig(DPOConfig, MegaTrainArguments):
 def dpo_arguments(args, model) -> MegaTrainDPOConfig:
     """The trainer's own MegaTrainDPOConfig for what the user passed: None (TRL's default, an output
     folder named after the model), a DPOConfig, a MegaTrainDPOConfig or TrainingArguments."""
-    if args is None:
-        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-        return MegaTrainDPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-DPO")
-    refuse_other_trl_config(args, "MegaTrainDPOTrainer")
-    if isinstance(args, MegaTrainDPOConfig):
-        own = copy.copy(args)
-    elif isinstance(args, DPOConfig):
-        if type(args) is not DPOConfig:
-            raise MegaTrainError(f"args is a {type(args).__name__}, a subclass of DPOConfig whose fields hf_megatrain "
-                                 "cannot carry over; pass MegaTrainDPOConfig (every DPOConfig field works there).")
-        own = copy.copy(args)
-        own.__class__ = MegaTrainDPOConfig  # it only adds fields, each with a default
-        for f in fields(MegaTrainArguments):
-            if f.name not in vars(own):
-                setattr(own, f.name, f.default_factory() if f.default_factory is not MISSING else f.default)
-        own.follow_max_length()
-    elif isinstance(args, TrainingArguments):
-        megatrain_arguments(args)  # refuses another library's subclass with the reason
-        values = {f.name: getattr(args, f.name) for f in fields(args) if f.init}
-        own = MegaTrainDPOConfig(**values)
-    else:
-        raise MegaTrainError(f"args must be MegaTrainDPOConfig, DPOConfig or TrainingArguments, not "
-                             f"{type(args).__name__}.")
+    own = trl_arguments(args, model, MegaTrainDPOConfig, DPOConfig, "MegaTrainDPOTrainer", "DPO")
     own.loss_type = list(own.loss_type)  # the caller's list stays theirs
     check_arguments(own)
     return own

@@ -76,31 +76,40 @@ class MegaTrainSFTConfig(SFTConfig, MegaTrainArguments):
 def sft_arguments(args, model) -> MegaTrainSFTConfig:
     """The trainer's own MegaTrainSFTConfig for what the user passed: None (TRL's default, an
     output folder named after the model), an SFTConfig, a MegaTrainSFTConfig or TrainingArguments."""
+    own = trl_arguments(args, model, MegaTrainSFTConfig, SFTConfig, "MegaTrainSFTTrainer", "SFT")
+    check_arguments(own)
+    return own
+
+
+def trl_arguments(args, model, own_class, trl_class, trainer: str, suffix: str):
+    """The TRL trainer's config as `own_class` (TRL's `trl_class` plus MegaTrainArguments' fields) for
+    what the user passed: None (TRL's default, an output folder named after the model), a `trl_class`,
+    an `own_class` or TrainingArguments; a config of another TRL trainer is refused by name, before any
+    data is tokenized. Shared by the SFT and DPO trainers."""
     if args is None:
         name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-        return MegaTrainSFTConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-SFT")
-    refuse_other_trl_config(args, "MegaTrainSFTTrainer")  # GRPO, DPO...: one line, before any data is tokenized
-    if isinstance(args, MegaTrainSFTConfig):
+        return own_class(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-{suffix}")
+    refuse_other_trl_config(args, trainer)  # GRPO, DPO...: one line, before any data is tokenized
+    if isinstance(args, own_class):
+        return copy.copy(args)
+    if isinstance(args, trl_class):
+        if type(args) is not trl_class:
+            raise MegaTrainError(f"args is a {type(args).__name__}, a subclass of {trl_class.__name__} whose fields "
+                                 f"hf_megatrain cannot carry over; pass {own_class.__name__} (every "
+                                 f"{trl_class.__name__} field works there).")
         own = copy.copy(args)
-    elif isinstance(args, SFTConfig):
-        if type(args) is not SFTConfig:
-            raise MegaTrainError(f"args is a {type(args).__name__}, a subclass of SFTConfig whose fields hf_megatrain "
-                                 "cannot carry over; pass MegaTrainSFTConfig (every SFTConfig field works there).")
-        own = copy.copy(args)
-        own.__class__ = MegaTrainSFTConfig  # it only adds fields, each with a default
+        own.__class__ = own_class  # it only adds fields, each with a default
         for f in fields(MegaTrainArguments):
             if f.name not in vars(own):
                 setattr(own, f.name, f.default_factory() if f.default_factory is not MISSING else f.default)
-        own.follow_max_length()  # its __post_init__ ran as SFTConfig's
-    elif isinstance(args, TrainingArguments):
-        megatrain_arguments(args)  # refuses another library's subclass (TRL's DPOConfig...) with the reason
+        own.follow_max_length()  # its __post_init__ ran as the TRL class's
+        return own
+    if isinstance(args, TrainingArguments):
+        megatrain_arguments(args)  # refuses another library's subclass with the reason
         values = {f.name: getattr(args, f.name) for f in fields(args) if f.init}
-        own = MegaTrainSFTConfig(**values)  # what SFTTrainer does with TrainingArguments, with our fields kept
-    else:
-        raise MegaTrainError(f"args must be MegaTrainSFTConfig, SFTConfig or TrainingArguments, not "
-                             f"{type(args).__name__}.")
-    check_arguments(own)
-    return own
+        return own_class(**values)  # what TRL's trainers do with TrainingArguments, with our fields kept
+    raise MegaTrainError(f"args must be {own_class.__name__}, {trl_class.__name__} or TrainingArguments, not "
+                         f"{type(args).__name__}.")
 
 
 def check_sft(args, kwargs: dict) -> None:
