@@ -44,15 +44,13 @@ except ImportError as e:  # an optional extra
     raise ImportError("hf_megatrain.dpo needs TRL: pip install 'hf_megatrain[trl]'") from e
 
 from .arguments import MegaTrainArguments, check_arguments
-from .checkpoint.loading import load_model_and_tokenizer
 from .constants import IGNORE_INDEX
 from .engine.loss import RowLoss
 from .engine.step import ENGINE_KEYS
 from .errors import MegaTrainError
-from .logs import show_logs
 from .patcher.adapters import check_adapter_config, is_peft_model
 from .preflight import check_outputs, check_resume
-from .sft import _say_unapplied, trl_arguments
+from .sft import load_for_trl, trl_arguments
 from .trainer import MegaTrainTrainer
 
 # DPOConfig.loss_type values: every one is a function of the per-row sums (see pair_losses)
@@ -161,17 +159,7 @@ class MegaTrainDPOTrainer(DPOTrainer, MegaTrainTrainer):
         check_dpo(args, model, ref_model, train_dataset, args.peft_config, quantization_config)
         check_outputs(args)
         check_resume(args.resume_from_checkpoint, args.output_dir)
-        if isinstance(model, str):  # a meta skeleton, filled by the engine: never a whole model in RAM
-            show_logs(None if args.log_level == "passive" and args.should_log else args.get_process_log_level())
-            init = dict(args.model_init_kwargs or {})
-            init.setdefault("trust_remote_code", args.trust_remote_code)
-            _say_unapplied(init, args)
-            args.model_init_kwargs = None
-        else:
-            init = {}
-        self._loaded = load_model_and_tokenizer(model, attn_implementation=init.get("attn_implementation"),
-                                                revision=init.get("revision"),
-                                                trust_remote_code=init.get("trust_remote_code"))
+        self._loaded = load_for_trl(model, args)  # a folder or hub id: a meta skeleton the engine fills
         skeleton, tokenizer, _ = self._loaded
         if processing_class is None:
             processing_class = tokenizer

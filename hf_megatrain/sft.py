@@ -81,6 +81,23 @@ def sft_arguments(args, model) -> MegaTrainSFTConfig:
     return own
 
 
+def load_for_trl(model, args):
+    """load_model_and_tokenizer for a TRL trainer of ours: a folder or hub id becomes a meta skeleton,
+    filled by the engine, so the TRL trainer never loads the whole model into RAM (MegaTrainTrainer.__init__
+    picks up what was resolved). Of model_init_kwargs, the revision, attention implementation and
+    trust_remote_code apply (the last defaulting to args.trust_remote_code, as in TRL); what else is asked
+    is said. For a loaded model the TRL trainer warns that model_init_kwargs are ignored, as stock does."""
+    init = {}
+    if isinstance(model, str):
+        show_logs(None if args.log_level == "passive" and args.should_log else args.get_process_log_level())
+        init = dict(args.model_init_kwargs or {})
+        init.setdefault("trust_remote_code", args.trust_remote_code)
+        _say_unapplied(init, args)
+        args.model_init_kwargs = None  # used here, so the TRL trainer does not warn that it ignores them
+    return load_model_and_tokenizer(model, attn_implementation=init.get("attn_implementation"),
+                                    revision=init.get("revision"), trust_remote_code=init.get("trust_remote_code"))
+
+
 def trl_arguments(args, model, own_class, trl_class, trainer: str, suffix: str):
     """The TRL trainer's config as `own_class` (TRL's `trl_class` plus MegaTrainArguments' fields) for
     what the user passed: None (TRL's default, an output folder named after the model), a `trl_class`,
@@ -154,21 +171,7 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         check_sft(args, kwargs)
         check_outputs(args)
         check_resume(args.resume_from_checkpoint, args.output_dir)
-        # A folder or hub id becomes a meta skeleton here and is filled by the engine, so SFTTrainer
-        # never loads the whole model into RAM; MegaTrainTrainer.__init__ picks up what was resolved.
-        # Of model_init_kwargs, the revision, attention implementation and trust_remote_code apply (the
-        # last defaulting to args.trust_remote_code, as in SFTTrainer); what else is asked is said.
-        if isinstance(model, str):
-            show_logs(None if args.log_level == "passive" and args.should_log else args.get_process_log_level())
-            init = dict(args.model_init_kwargs or {})
-            init.setdefault("trust_remote_code", args.trust_remote_code)
-            _say_unapplied(init, args)
-            args.model_init_kwargs = None  # used here, so SFTTrainer does not warn that it ignores them
-        else:  # a loaded model: SFTTrainer warns that model_init_kwargs are ignored, as stock does
-            init = {}
-        self._loaded = load_model_and_tokenizer(model, attn_implementation=init.get("attn_implementation"),
-                                                revision=init.get("revision"),
-                                                trust_remote_code=init.get("trust_remote_code"))
+        self._loaded = load_for_trl(model, args)
         skeleton, tokenizer, _ = self._loaded
         if processing_class is None:
             # the folder's tokenizer; for a loaded model None, and SFTTrainer loads it as stock does, from the
