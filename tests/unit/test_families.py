@@ -267,6 +267,19 @@ def test_later_families_gradients_match_stock(family, attn):
     assert_engine_matches_stock(model)
 
 
+def _streamed_in(src, tmp_path):
+    """(skeleton, engine): `src` saved as HF writes it and streamed into the engine's store (fp32, a small
+    loss chunk), every master equal to src's parameter."""
+    src.save_pretrained(tmp_path / "src")
+    skeleton, _, folder = load_model_and_tokenizer(str(tmp_path / "src"))
+    engine = engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False,
+                                    loss_chunk_tokens=7).train()
+    masters = dict(engine.named_master_params())
+    for name, p in src.named_parameters():
+        assert torch.equal(masters[name], p.detach()), name
+    return skeleton, engine
+
+
 @pytest.mark.parametrize("family", list(LATER))
 def test_later_families_count_and_stream_in(family, tmp_path):
     """The estimator's count; a folder (experts one by one, as HF writes them) streamed into the store, and
@@ -276,13 +289,7 @@ def test_later_families_count_and_stream_in(family, tmp_path):
 
     src = _later_model(family)
     assert model_sizes(src.config).params == sum(p.numel() for p in src.parameters())
-    src.save_pretrained(tmp_path / "src")
-    skeleton, _, folder = load_model_and_tokenizer(str(tmp_path / "src"))
-    engine = engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False,
-                                    loss_chunk_tokens=7).train()
-    masters = dict(engine.named_master_params())
-    for name, p in src.named_parameters():
-        assert torch.equal(masters[name], p.detach()), name
+    skeleton, engine = _streamed_in(src, tmp_path)
     theirs, ours = persistent_buffers(src), persistent_buffers(skeleton)
     assert ours.keys() == theirs.keys() and (family != "glm4_moe" or theirs)
     for name, buf in theirs.items():
@@ -378,13 +385,7 @@ def test_hybrid_stacks_count_stream_in_and_load_back(model_type, tmp_path):
 
     src, _ = _hybrid_model(model_type, attn="eager")
     assert sum(u.numel for u in config_units(src.config)) == sum(p.numel() for p in src.parameters())
-    src.save_pretrained(tmp_path / "src")
-    skeleton, _, folder = load_model_and_tokenizer(str(tmp_path / "src"))
-    engine = engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False,
-                                    loss_chunk_tokens=7).train()
-    masters = dict(engine.named_master_params())
-    for name, p in src.named_parameters():
-        assert torch.equal(masters[name], p.detach()), name
+    _, engine = _streamed_in(src, tmp_path)
     batch = make_batch(batch=3, seq=12)
     out = src(**batch)
     out.loss.backward()
