@@ -221,6 +221,12 @@ def host_adamw_gparams(numel: int = 1 << 27, clip: bool = True, lean: bool = Fal
     `lean`, G parameters per second, stepped from a worker thread with the caller's OpenMP thread
     count, as in training (from a worker thread it ran about 20% slower than from the main thread on
     the H200 box: BENCHMARKS.md, run 14)."""
+    return _on_worker(lambda: _adamw_rate(numel, clip, lean), "megatrain-probe-adamw")
+
+
+def _on_worker(fn, name: str):
+    """fn() on a thread of its own with the caller's OpenMP thread count (the count is per thread),
+    as the engine's host steps run; its result, or its exception raised here."""
     import threading
 
     import torch
@@ -231,11 +237,11 @@ def host_adamw_gparams(numel: int = 1 << 27, clip: bool = True, lean: bool = Fal
     def work():
         try:
             torch.set_num_threads(threads)
-            result.append(_adamw_rate(numel, clip, lean))
+            result.append(fn())
         except BaseException as e:  # re-raised on the caller's thread
             result.append(e)
 
-    worker = threading.Thread(target=work, name="megatrain-probe-adamw")
+    worker = threading.Thread(target=work, name=name)
     worker.start()
     worker.join()
     if isinstance(result[0], BaseException):
@@ -270,8 +276,6 @@ def host_optim_gparams(optim: str, shape: tuple = (16384, 8192)) -> float:
     one fp32 parameter of `shape`, as HostParamOptimizer.step_unit runs it (the gradient clipped in place,
     the class's own step, the bf16 compute copy refreshed), from a worker thread with the caller's
     OpenMP thread count; G parameters per second, the first step (its state allocated) left out."""
-    import threading
-
     import torch
 
     from .estimator import optimizer_class
@@ -282,27 +286,13 @@ def host_optim_gparams(optim: str, shape: tuple = (16384, 8192)) -> float:
     compute = torch.empty(shape, dtype=torch.bfloat16)
     inner = cls([master], **kwargs)
     coef = torch.tensor(0.5)
-    threads = torch.get_num_threads()
-    result: list = []
 
     def run():
         master.grad.mul_(coef)
         inner.step()
         compute.copy_(master)
 
-    def work():
-        try:
-            torch.set_num_threads(threads)
-            result.append(master.numel() / _best(run, 3) / GB)
-        except BaseException as e:  # re-raised on the caller's thread
-            result.append(e)
-
-    worker = threading.Thread(target=work, name="megatrain-probe-optim")
-    worker.start()
-    worker.join()
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return result[0]
+    return _on_worker(lambda: master.numel() / _best(run, 3) / GB, "megatrain-probe-optim")
 
 
 def matmul_rates(seconds: float) -> tuple[float, float]:
