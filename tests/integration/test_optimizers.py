@@ -64,6 +64,40 @@ def test_matches_stock(kind, optim, tmp_path):
     assert_same_run(stock, mega, ref)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("optim", list(OPTIMS))
+def test_on_the_cuda_path_matches_stock(optim, tmp_path):
+    """On the GPU in fp32 (TF32 off): one resident layer steps the optimizer on the device, the streamed ones
+    on the host; losses, grad norms and final weights against stock Trainer on the GPU, to fp32 tolerance (the
+    two runs' kernels differ)."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        train = rows(16, 0)
+        kw = dict(COMMON, optim=optim, optim_args=OPTIMS[optim], use_cpu=False)
+        model = make_model("llama_tied")
+        ref = copy.deepcopy(model)
+        stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **kw),
+                        train_dataset=train, data_collator=default_data_collator)
+        stock.train()
+        mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "mega"), compute_dtype="float32",
+                                                          gpu_resident_layers="1", **kw),
+                                train_dataset=train, data_collator=default_data_collator)
+        mega.train()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    assert any(u.resident for u in mega.engine.units) and not all(u.resident for u in mega.engine.units)
+    a, b = logs(stock), logs(mega)
+    assert len(a) == len(b) == COMMON["max_steps"]
+    for x, y in zip(a, b):
+        for k in KEYS:
+            assert abs(x[k] - y[k]) <= 1e-5 * max(1.0, abs(x[k])), (k, x, y)
+    masters = dict(mega.engine.named_master_params())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(masters[name].cpu(), p.detach().cpu(), atol=1e-5, rtol=1e-4, msg=name)
+
+
 def build(out, optim, model=None, **overrides):
     kw = dict(COMMON, optim=optim, optim_args=OPTIMS.get(optim))
     kw.update(overrides)
