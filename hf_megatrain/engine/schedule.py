@@ -65,7 +65,11 @@ class _Head(nn.Module):
         self.logits, self.config = logits, config
 
     def forward(self, hidden):
-        out = self.lm_head(self.norm(hidden))
+        # the norm may hand back fp32 (Mamba's residual stream is kept in fp32): its causal LM casts to the head's
+        # dtype first, as this does (a no-op where they agree)
+        hidden = self.norm(hidden)
+        weight = getattr(self.lm_head, "weight", None)
+        out = self.lm_head(hidden if weight is None else hidden.to(weight.dtype))
         return out if self.logits is None else self.logits(self.config, out)
 
 
@@ -271,20 +275,33 @@ class StreamingEngine(nn.Module):
                     raise MegaTrainError(f"decoder layer {unit.layer} has a persistent buffer without a value (a "
                                          "meta skeleton not filled from its checkpoint).")
                 if own:
-                    self._layer_buffers[unit.index] = {k: b.to(self.device) for k, b in own.items()}
+                    self._layer_buffers[unit.index] = {k: self._buffer_on_device(k, b) for k, b in own.items()}
         return templates
 
     def _template_buffers(self, sources: dict) -> dict:
         """The real buffers of the modules a template copies (a template lives on meta), on the compute
-        device, by their names in the template: e.g. Gemma's embedding scale."""
+        device, by their names in the template: e.g. Gemma's embedding scale. Floating ones take the compute
+        dtype (_buffer_on_device says which)."""
         out = {}
         for prefix, module in sources.items():
             for name, buf in module.named_buffers():
                 if buf.device.type == "meta":
                     raise MegaTrainError(f"{type(module).__name__}.{name} is a buffer without a value (a meta "
                                          "skeleton); hf_megatrain cannot rebuild it.")
-                out[f"{prefix}.{name}" if prefix else name] = buf.to(self.device)
+                out[f"{prefix}.{name}" if prefix else name] = self._buffer_on_device(name, buf)
         return out
+
+    def _buffer_on_device(self, name: str, buf: torch.Tensor) -> torch.Tensor:
+        """A buffer on the compute device. A floating one takes the compute dtype, as a stock model's buffers
+        do when its parameters are cast (`model.to(torch.bfloat16)` casts them too): a forward that mixes one
+        into a matmul with the activations (MiniMax's lightning-attention decays) runs, and a scale (Gemma 4's
+        layer_scalar, Falcon-H1's mup_vector) keeps the hidden states in the compute dtype. Except those of a
+        layer's MoE block (the module that holds its router: DeepSeek's e_score_correction_bias, LFM2-MoE's
+        expert_bias), which HF's routers add to scores they compute in fp32: they stay fp32, as under stock's
+        autocast. In fp32 nothing changes."""
+        blocks = tuple(p.rpartition(".")[0] + "." for p in self.spec.router_paths)
+        keep = not buf.is_floating_point() or any(name.startswith(b) for b in blocks if b != ".")
+        return buf.to(self.device, dtype=None if keep else self.compute_dtype)
 
     def set_mlp_tiling(self, tokens: int | None) -> None:
         """Run every layer's MLP on sequence tiles of at most `tokens` tokens; None (or 0) restores
