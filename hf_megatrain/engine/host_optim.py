@@ -17,16 +17,21 @@ The per-parameter state lives in the unit instances' `state` (torch's or transfo
 device of the master: the host for streamed units, the GPU for resident ones. The checkpoint module
 saves it as safetensors (`state_tensors` / `load_state_tensors`).
 
+Where HostAdamW steps a unit during the backward (engine/step.py's policy: the step's last backward without
+clipping, or with transient_grads after a norm pass), this does too, with the same machinery (HostOptimizer:
+step_during_backward, final_grad on the worker as each unit's last gradient lands, resident units on the
+device's stream): each unit's instance steps over the gradient in whatever buffer holds it then, the unit's
+own accumulator or one of transient_grads' shared buffers (store.claim_grad), which is free again once the
+step has run. The numbers are those of the step after the backward: the same gradients, clipped by the same
+coefficient, stepped by the same instance.
+
 Not combined (refused by `unsupported_modes`, before any weight is read): data parallel (a rank's slice
-cuts parameters, and Adafactor's state is not elementwise), transient gradients and gradients kept on
-the GPU (both need the step to run inside the backward or tile by tile, which only HostAdamW does).
-Stepping during the backward is AdamW's alone: `step_during_backward` returns False, and the caller then
-steps after the backward (engine/step.py).
+cuts parameters, and Adafactor's state is not elementwise: its factored second moment and RMS span the
+whole parameter), and gradients kept on the GPU (gpu_grad_layers: HostAdamW brings them over in tiles that
+cut parameters, which the stock classes cannot step).
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import torch
 
@@ -44,17 +49,20 @@ def optimizer_name(optim: str) -> str:
 
 def unsupported_modes(optim: str, *, world_size: int = 1, transient_grads: bool = False,
                       gpu_grad_layers: int = 0) -> str | None:
-    """Why a run of `optim` (one of PARAM_OPTIMS) cannot run with these settings, in one line; None: it can."""
+    """Why a run of `optim` (one of PARAM_OPTIMS) cannot run with these settings, in one line; None: it can.
+    transient_grads combines (each unit's instance steps during the backward); it is taken as an argument
+    so that callers ask one question of every mode."""
+    del transient_grads
     if world_size > 1:
-        why = "data parallel (world size > 1)"
-    elif transient_grads:
-        why = "transient_grads"
-    elif gpu_grad_layers:
-        why = "gpu_grad_layers"
-    else:
-        return None
-    return (f"optim={optim!r} is not combined with {why} yet (only the AdamW variants are); run one process with "
-            f"transient_grads=False and gpu_grad_layers=0, or use optim='adamw_torch'.")
+        return (f"optim={optim!r} is not combined with data parallel (world size > 1): each rank would hold a "
+                f"slice of the fp32 state that cuts parameters, and {optim}'s step needs whole ones "
+                f"(Adafactor's factored moments, RMS); run one process, or use optim='adamw_torch', whose "
+                f"state is elementwise.")
+    if gpu_grad_layers:
+        return (f"optim={optim!r} is not combined with gpu_grad_layers yet: those gradients come to the host in "
+                f"tiles that cut parameters, which {optim}'s step needs whole; set gpu_grad_layers=0 "
+                f"(transient_grads=True saves more host RAM), or use optim='adamw_torch'.")
+    return None
 
 
 class HostParamOptimizer(HostOptimizer):
@@ -101,36 +109,18 @@ class HostParamOptimizer(HostOptimizer):
             self.units.append((optimizer_cls(inner_groups, **kwargs), follows, views))
         self.step_count = 0
         self._clip = None
+        self._init_armed()
         self._stepper = Worker("megatrain-optim") if engine.background_host_jobs else None
         self.host_threads = 0
+        self.step_name = name
 
     # -- step -----------------------------------------------------------------------------------
     def hyperparameters(self) -> list[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
-        self.engine.wait_for_gradients()
-        self.step_count += 1
-        hyper, clip, self._clip = self.hyperparameters(), self._clip, None
-        counts = list(self.store.grad_count)  # zero_grad() may run before the steps do
-        host = []
-        for unit in self.store.units:
-            if self._stepper is None or unit.resident:  # a resident unit: now, on the device's stream
-                self.step_unit(unit.index, hyper, clip, counts[unit.index])
-            else:
-                host.append(unit.index)
-        for index in host:
-            self.store.ready[index].clear()
-        for index in host:
-            self._stepper.submit(partial(self.step_unit, index, hyper, clip, counts[index]),
-                                 f"{self.name} step {self.step_count} of {self.store.units[index].label}",
-                                 self.store.ready[index])
-        return loss
-
-    def step_unit(self, index: int, hyper: list[dict], clip, count: int) -> None:
-        """The unit's optimizer over its views (skipped, like torch for grad=None, if it got no gradient)."""
+    def step_unit(self, index: int, hyper: list[dict], clip, count: int, step: int = 0) -> None:
+        """The unit's optimizer over its views (skipped, like torch for grad=None, if it got no gradient);
+        `step` (the engine's count) is not read: each stock instance keeps its own, per parameter."""
         entry = self.units[index]
         if count == 0 or entry is None:
             return
@@ -149,13 +139,6 @@ class HostParamOptimizer(HostOptimizer):
                 for v in views:
                     v.grad = None
             self.store.refresh_compute(index)
-
-    # -- what the step policy asks of an optimizer --------------------------------------------------
-    def step_during_backward(self, clip_norm=None) -> bool:
-        return False  # AdamW's alone; the step runs after the backward
-
-    def backward_failed(self) -> None:
-        pass
 
     # -- state ------------------------------------------------------------------------------------
     def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, object]]:

@@ -83,8 +83,118 @@ class _ArmedStep:
 
 class HostOptimizer(torch.optim.Optimizer):
     """What every host optimizer of the engine shares: the worker that steps (`_stepper`, None when steps
-    run on the calling thread), zero_grad through the engine, and its step count in the state dict (the
-    optimizer's own state is saved by the checkpoint module)."""
+    run on the calling thread), where each unit's step runs (`_submit`: resident units on the device's
+    stream, streamed ones on the worker), stepping during the backward (`step_during_backward`, which
+    transient_grads needs), zero_grad through the engine, and its step count in the state dict (the
+    optimizer's own state is saved by the checkpoint module).
+
+    A subclass sets engine, store, step_count, _clip, _stepper and `step_name` (what a failed step's
+    message calls it), calls `_init_armed()`, and defines `step_unit(index, hyper, clip, count, step)`
+    and `hyperparameters()` (what its step reads from param_groups, read when the step is armed)."""
+
+    step_name = "optimizer"
+
+    def _init_armed(self) -> None:
+        self._armed: _ArmedStep | None = None  # set by step_during_backward()
+        self._torn = None  # why step() must refuse: units were stepped by a backward that then failed
+
+    def _submit(self, indices, hyper, clip, counts, step) -> None:
+        """Step these units: resident ones now, on the device's stream (before the next forward is
+        queued behind them); streamed ones on the host worker, each gating its next load."""
+        host = []
+        for index in indices:
+            if self._stepper is None or self.store.units[index].resident:
+                self.step_unit(index, hyper, clip, counts[index], step)
+            else:
+                host.append(index)
+        for index in host:  # cleared and queued together: a refused submit sets it again, failed
+            self.store.ready[index].clear()
+            self._stepper.submit(partial(self.step_unit, index, hyper, clip, counts[index], step),
+                                 f"{self.step_name} step {step} of {self.store.units[index].label}",
+                                 self.store.ready[index])
+
+    # -- stepping during the backward (exact without clipping, or with the norm measured first) ----
+    def step_during_backward(self, clip_norm: tuple[torch.Tensor, float] | None = None) -> bool:
+        """Arm: during the next backward, step each unit as soon as its gradient is final.
+
+        Call it before the LAST micro-batch of an optimizer step. Without `clip_norm`, only when no
+        clipping will be applied (the global norm is unknown until the backward ends). clip_norm:
+        (the global norm that backward's gradients will have, measured before it by
+        StreamingEngine.gradient_norm, max_norm): each unit is clipped as it steps, as
+        clip_grad_norm_(max_norm) and step() would clip it. The hyper-parameters are taken now,
+        which is what `step()` would read (schedulers move lr after the step). The following
+        `step()` only finishes the job. Returns False where it does not apply (no worker: the CPU
+        without background_host_jobs).
+        """
+        if self._stepper is None:
+            return False
+        self._check_whole()
+        clip = clip_coefficient(*clip_norm) if clip_norm is not None else None
+        self._armed = _ArmedStep(step=self.step_count + 1, hyper=self.hyperparameters(), clip=clip)
+        self.engine.listen(self)
+        return True
+
+    def backward_failed(self) -> None:
+        """The backward that step_during_backward() armed failed (the engine has stopped telling
+        us): forget the arm, so no later backward steps units early. Units it already stepped
+        cannot be un-stepped; then the next step() refuses, rather than stepping them twice."""
+        armed, self._armed = self._armed, None
+        if armed is not None and armed.stepped:
+            done = sorted(armed.stepped)
+            self._torn = (f"the backward failed after step_during_backward() had already stepped "
+                          f"{len(done)} unit(s) ({self.store.units[done[0]].label} first)")
+
+    def _check_whole(self) -> None:
+        if self._torn is not None:
+            if self._stepper is not None:
+                self._stepper.check()  # a failed step that tore it: its error first, as every later call gets
+            raise RuntimeError(f"{self._torn}; the model is partly updated. Restart from the last checkpoint.")
+
+    def final_grad(self, index: int, landed) -> None:
+        """GradListener (training thread): unit `index` got its last gradient; `landed()` blocks
+        until that gradient is in the host accumulator (and raises if adding it failed)."""
+        armed = self._armed
+        armed.stepped.add(index)
+        count = self.store.grad_count[index]
+        if self.store.master[index].device.type != "cpu":  # a resident unit: queued now on the device's stream
+            self.step_unit(index, armed.hyper, armed.clip, count, armed.step)
+            return
+        self.store.ready[index].clear()
+
+        def job():
+            landed()
+            self.step_unit(index, armed.hyper, armed.clip, count, armed.step)
+
+        self._stepper.submit(job, f"{self.step_name} step {armed.step} of {self.store.units[index].label} "
+                                  f"(during the backward)", self.store.ready[index])
+
+    def _finish_armed(self, loss):
+        """step() after an armed backward: the units it did not step (no gradient, or not final during it)."""
+        armed, self._armed = self._armed, None
+        self.engine.listen(None)
+        if self._clip is not None:
+            raise RuntimeError("clip_grad_norm_ was called after step_during_backward(); the steps already ran "
+                               "(to clip them, measure the norm first: step_during_backward(clip_norm=...))")
+        self.engine.wait_for_gradients()
+        self.step_count = armed.step
+        rest = [u.index for u in self.store.units if u.index not in armed.stepped]
+        self._submit(rest, armed.hyper, armed.clip, list(self.store.grad_count), self.step_count)
+        return loss
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._closure_loss(closure)
+        self._check_whole()
+        if self._armed is not None:
+            return self._finish_armed(loss)
+        self.engine.wait_for_gradients()
+        self.step_count += 1
+        hyper = self.hyperparameters()
+        clip = self._clip
+        self._clip = None
+        counts = list(self.store.grad_count)  # zero_grad() may run before the steps do
+        self._submit([u.index for u in self.store.units], hyper, clip, counts, self.step_count)
+        return loss
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Pre-clip global norm; the next step scales gradients by min(1, max_norm/(norm+1e-6))."""
@@ -128,6 +238,8 @@ class HostOptimizer(torch.optim.Optimizer):
 
 
 class HostAdamW(HostOptimizer):
+    step_name = "AdamW"
+
     def __init__(self, engine, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  host_threads: int | None = None):
         """host_threads: default the engine config's. 0: the calling thread steps 8M-element
@@ -184,8 +296,7 @@ class HostAdamW(HostOptimizer):
             out.extend(tensors)
         self.step_count = 0
         self._clip = None  # multiplier for the next step's gradients, set by clip_grad_norm_
-        self._armed: _ArmedStep | None = None  # set by step_during_backward()
-        self._torn = None  # why step() must refuse: units were stepped by a backward that then failed
+        self._init_armed()
         # On a GPU (or on the CPU when asked: engine.background_host_jobs) the step runs on a host
         # thread, unit by unit in forward order, while the next forward already computes the
         # units that are done (store.ready gates each one).
@@ -210,101 +321,6 @@ class HostAdamW(HostOptimizer):
             dict(lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"], weight_decay=g["weight_decay"])
             for g in self.param_groups
         ]
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._closure_loss(closure)
-        self._check_whole()
-        if self._armed is not None:
-            return self._finish_armed(loss)
-        self.engine.wait_for_gradients()
-        self.step_count += 1
-        hyper = self.hyperparameters()
-        clip = self._clip
-        self._clip = None
-        counts = list(self.store.grad_count)  # zero_grad() may run before the steps do
-        self._submit([u.index for u in self.store.units], hyper, clip, counts, self.step_count)
-        return loss
-
-    def _submit(self, indices, hyper, clip, counts, step) -> None:
-        """Step these units: resident ones now, on the device's stream (before the next forward is
-        queued behind them); streamed ones on the host worker, each gating its next load."""
-        host = []
-        for index in indices:
-            if self._stepper is None or self.store.units[index].resident:
-                self.step_unit(index, hyper, clip, counts[index], step)
-            else:
-                host.append(index)
-        for index in host:  # cleared and queued together: a refused submit sets it again, failed
-            self.store.ready[index].clear()
-            self._stepper.submit(partial(self.step_unit, index, hyper, clip, counts[index], step),
-                                 f"AdamW step {step} of {self.store.units[index].label}", self.store.ready[index])
-
-    # -- stepping during the backward (exact without clipping, or with the norm measured first) ----
-    def step_during_backward(self, clip_norm: tuple[torch.Tensor, float] | None = None) -> bool:
-        """Arm: during the next backward, step each unit as soon as its gradient is final.
-
-        Call it before the LAST micro-batch of an optimizer step. Without `clip_norm`, only when no
-        clipping will be applied (the global norm is unknown until the backward ends). clip_norm:
-        (the global norm that backward's gradients will have, measured before it by
-        StreamingEngine.gradient_norm, max_norm): each unit is clipped as it steps, as
-        clip_grad_norm_(max_norm) and step() would clip it. The hyper-parameters are taken now,
-        which is what `step()` would read (schedulers move lr after the step). The following
-        `step()` only finishes the job. Returns False where it does not apply (CPU).
-        """
-        if self._stepper is None:
-            return False
-        self._check_whole()
-        clip = clip_coefficient(*clip_norm) if clip_norm is not None else None
-        self._armed = _ArmedStep(step=self.step_count + 1, hyper=self.hyperparameters(), clip=clip)
-        self.engine.listen(self)
-        return True
-
-    def backward_failed(self) -> None:
-        """The backward that step_during_backward() armed failed (the engine has stopped telling
-        us): forget the arm, so no later backward steps units early. Units it already stepped
-        cannot be un-stepped; then the next step() refuses, rather than stepping them twice."""
-        armed, self._armed = self._armed, None
-        if armed is not None and armed.stepped:
-            done = sorted(armed.stepped)
-            self._torn = (f"the backward failed after step_during_backward() had already stepped "
-                          f"{len(done)} unit(s) ({self.store.units[done[0]].label} first)")
-
-    def _check_whole(self) -> None:
-        if self._torn is not None:
-            if self._stepper is not None:
-                self._stepper.check()  # a failed step that tore it: its error first, as every later call gets
-            raise RuntimeError(f"{self._torn}; the model is partly updated. Restart from the last checkpoint.")
-
-    def final_grad(self, index: int, landed) -> None:
-        """GradListener (training thread): unit `index` got its last gradient; `landed()` blocks
-        until that gradient is in the host accumulator (and raises if adding it failed)."""
-        armed = self._armed
-        armed.stepped.add(index)
-        count = self.store.grad_count[index]
-        if self.store.master[index].device.type != "cpu":  # a resident unit: queued now on the device's stream
-            self.step_unit(index, armed.hyper, armed.clip, count, armed.step)
-            return
-        self.store.ready[index].clear()
-
-        def job():
-            landed()
-            self.step_unit(index, armed.hyper, armed.clip, count, armed.step)
-
-        self._stepper.submit(job, f"AdamW step {armed.step} of {self.store.units[index].label} (during the backward)",
-                             self.store.ready[index])
-
-    def _finish_armed(self, loss):
-        armed, self._armed = self._armed, None
-        self.engine.listen(None)
-        if self._clip is not None:
-            raise RuntimeError("clip_grad_norm_ was called after step_during_backward(); the steps already ran "
-                               "(to clip them, measure the norm first: step_during_backward(clip_norm=...))")
-        self.engine.wait_for_gradients()
-        self.step_count = armed.step
-        rest = [u.index for u in self.store.units if u.index not in armed.stepped]
-        self._submit(rest, armed.hyper, armed.clip, list(self.store.grad_count), self.step_count)
-        return loss
 
     def step_unit(self, index: int, hyper: list[dict], clip, count: int, step: int) -> None:
         """AdamW on one unit (skipped, like torch does for grad=None, if it got no gradient)."""

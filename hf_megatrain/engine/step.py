@@ -1,16 +1,17 @@
 """The step policy: when the host optimizer runs relative to the backward, written once for the
 trainer, `prepare()` users and their own loops.
 
-A streamed unit's AdamW step can run on the host while the backward is still computing the units
-below it, but only where its gradient is final and its clip coefficient known:
+A streamed unit's step (HostAdamW's, or a stock optimizer's in HostParamOptimizer: the same policy for
+both) can run on the host while the backward is still computing the units below it, but only where its
+gradient is final and its clip coefficient known:
 
 - without clipping, on the step's last backward: each unit is stepped as soon as its gradient has
-  landed (HostAdamW.step_during_backward), overlapping the CPU optimizer with the GPU;
+  landed (HostOptimizer.step_during_backward), overlapping the CPU optimizer with the GPU;
 - with clipping and transient_grads (no gradient outlives its step, so the norm cannot be taken
   after the backward): a first pass measures the global norm and keeps nothing
   (StreamingEngine.gradient_norm), then each unit is stepped, clipped by it, as its gradient lands;
 - otherwise (clipping with kept gradients, or an earlier micro-batch of the step): the gradients
-  accumulate, and the caller clips (HostAdamW.clip_grad_norm_) and steps after the backward.
+  accumulate, and the caller clips (HostOptimizer.clip_grad_norm_) and steps after the backward.
 
 Either way the caller's `optimizer.step()` ends the step: it finishes an armed step or runs one.
 """

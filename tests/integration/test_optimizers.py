@@ -64,6 +64,68 @@ def test_matches_stock(kind, optim, tmp_path):
     assert_same_run(stock, mega, ref)
 
 
+def in_shared_buffers(store):
+    """Whether a unit's gradient (None once gone) is a view of transient_grads' shared buffers, not its own."""
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in store._grad_buffers]
+    return lambda g: g is None or any(lo <= g.data_ptr() < hi for lo, hi in spans)
+
+
+@pytest.mark.parametrize("optim", list(OPTIMS))
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "mixtral"])
+def test_transient_grads_match_stock(kind, optim, tmp_path):
+    """transient_grads: no streamed unit keeps a gradient of its own; each step first measures the global norm
+    (a norm pass), then the backward steps each unit's stock instance on the host worker as its gradient lands
+    in a shared buffer, clipped by that norm (GA 2 through each layer together, as transient_grads needs).
+    Losses, grad norms (the norm pass's) and final masters are stock Trainer's."""
+    train = rows(16, 0)
+    kw = dict(COMMON, optim=optim, optim_args=OPTIMS[optim])
+    model = make_model(kind)
+    ref = copy.deepcopy(model)
+    stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **kw),
+                    train_dataset=train, data_collator=default_data_collator)
+    stock.train()
+    mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "mega"), transient_grads="true",
+                                                      background_host_jobs=True, layer_major_accumulation="true", **kw),
+                            train_dataset=train, data_collator=default_data_collator)
+    passes = []
+    norm_pass = mega.engine.gradient_norm
+    mega.engine.gradient_norm = lambda *a, **k: passes.append(1) or norm_pass(*a, **k)
+    mega.train()
+    store = mega.engine.store
+    assert store.transient and len(store._grad_buffers) == 3 and all(map(in_shared_buffers(store), store.grad))
+    assert len(passes) == COMMON["max_steps"]  # one norm pass a step: clipping was exact
+    assert min(h["grad_norm"] for h in logs(stock)) > COMMON["max_grad_norm"]  # and active at every step
+    assert_same_run(stock, mega, ref)
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adafactor"])
+def test_transient_grads_without_clipping_match_stock(optim, tmp_path):
+    """Without clipping no norm pass runs: each unit steps as its gradient lands, on Mixtral with a resident
+    layer (on the CPU its gradient is in the shared host buffers too)."""
+    train = rows(16, 0)
+    kw = dict(COMMON, optim=optim, optim_args=OPTIMS[optim], max_grad_norm=0.0)
+    model = make_model("mixtral")
+    ref = copy.deepcopy(model)
+    stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **kw),
+                    train_dataset=train, data_collator=default_data_collator)
+    stock.train()
+    mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "mega"), transient_grads="true",
+                                                      background_host_jobs=True, layer_major_accumulation="true",
+                                                      gpu_resident_layers="1", **kw),
+                            train_dataset=train, data_collator=default_data_collator)
+    mega.engine.gradient_norm = None  # never called without clipping
+    mega.train()
+    assert mega.engine.store.transient and sum(u.resident and u.kind == "layer" for u in mega.engine.units) == 1
+    a, b = logs(stock), logs(mega)
+    assert len(a) == len(b) == COMMON["max_steps"]
+    for x, y in zip(a, b):
+        for k in KEYS:
+            assert abs(x[k] - y[k]) <= 1e-6 * max(1.0, abs(x[k])), (k, x, y)
+    masters = dict(mega.engine.named_master_params())
+    for name, p in ref.named_parameters():
+        assert (masters[name] - p.detach()).abs().max().item() <= 1e-6, name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("optim", list(OPTIMS))
@@ -148,17 +210,23 @@ def test_resume_with_another_optimizer_is_refused(tmp_path):
 
 
 def test_modes_only_adamw_runs_are_refused_before_weights(tmp_path, monkeypatch):
+    """gpu_grad_layers (and data parallel: tests/unit/test_optimizer_plan.py) with another optimizer than AdamW,
+    and an optim the engine does not run, are refused by the plan, before the engine reads a weight;
+    transient_grads is not: its run gets as far as building the engine."""
     import hf_megatrain.trainer as trainer_module
 
     def read(*a, **k):
         raise AssertionError("weights were read")
 
     monkeypatch.setattr(trainer_module.StreamingEngine, "__init__", read)
-    with pytest.raises(MegaTrainError, match="optim='adafactor' is not combined with transient_grads yet"):
-        build(tmp_path, "adafactor", transient_grads="true", background_host_jobs=True,
-              gradient_accumulation_steps=1)
+    with pytest.raises(MegaTrainError, match="optim='adafactor' is not combined with gpu_grad_layers yet") as e:
+        build(tmp_path, "adafactor", gpu_grad_layers="2")
+    assert "\n" not in str(e.value)
     with pytest.raises(MegaTrainError, match="optim='lion_32bit' is not supported: hf_megatrain runs these on the host"):
         build(tmp_path, "lion_32bit")
+    with pytest.raises(AssertionError, match="weights were read"):  # planned and admitted
+        build(tmp_path, "adafactor", transient_grads="true", background_host_jobs=True,
+              gradient_accumulation_steps=1)
 
 
 def test_cli_sgd_matches_stock(tmp_path):

@@ -10,6 +10,8 @@ from transformers import Trainer, TrainingArguments, get_linear_schedule_with_wa
 
 from hf_megatrain import StreamingEngine
 from hf_megatrain.engine.host_optim import HostParamOptimizer, unsupported_modes
+from hf_megatrain.engine.step import train_step
+from hf_megatrain.errors import MegaTrainError
 from tests.support.tiny import make_batch, make_model
 
 OPTIM_ARGS = {
@@ -42,7 +44,6 @@ def test_same_gradients_same_masters(optim, kind, resident, background):
     opt = HostParamOptimizer(engine, cls, kwargs, weight_decay=0.1, name=optim)
     sched = get_linear_schedule_with_warmup(opt, 1, 4)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
-    assert opt.step_during_backward() is False  # the step policy then steps after the backward
     params = dict(ref.named_parameters())
     for step in range(4):
         engine.forward_backward(make_batch(seed=step))
@@ -60,11 +61,67 @@ def test_same_gradients_same_masters(optim, kind, resident, background):
 
 
 def test_refused_modes_say_so_in_one_line():
-    assert unsupported_modes("sgd") is None
-    for kw in (dict(world_size=2), dict(transient_grads=True), dict(gpu_grad_layers=2)):
+    assert unsupported_modes("sgd") is None and unsupported_modes("adafactor", transient_grads=True) is None
+    for kw, says in ((dict(world_size=2), "data parallel"), (dict(gpu_grad_layers=2), "gpu_grad_layers")):
         why = unsupported_modes("adafactor", **kw)
-        assert "\n" not in why and why.startswith("optim='adafactor' is not combined with")
-    engine = StreamingEngine(make_model("llama"), compute_dtype=torch.float32, transient_grads=True,
-                             background_host_jobs=True)
-    with pytest.raises(ValueError, match="transient_grads"):
+        assert "\n" not in why and why.startswith(f"optim='adafactor' is not combined with {says}")
+    engine = StreamingEngine(make_model("llama"), compute_dtype=torch.float32, gpu_grad_layers=1)
+    with pytest.raises(ValueError, match="gpu_grad_layers"):
         HostParamOptimizer(engine, *stock_cls_and_kwargs("sgd"), name="sgd")
+
+
+def run_policy(optim, kind, clip, **engine_kw):
+    """Four steps of the engine's step policy (engine.step.train_step, one micro-batch a step, a scheduler):
+    (grad norms, masters, the optimizer)."""
+    model = make_model(kind, seed=3)
+    decay = Trainer.get_decay_parameter_names(None, model)
+    engine = StreamingEngine(model, compute_dtype=torch.float32, decay_names=decay, **engine_kw).train()
+    opt = HostParamOptimizer(engine, *stock_cls_and_kwargs(optim), weight_decay=0.1, name=optim)
+    sched = get_linear_schedule_with_warmup(opt, 1, 4)
+    norms = []
+    for step in range(4):
+        out = train_step(engine, opt, [make_batch(seed=step)], max_grad_norm=clip)
+        norms.append(out.grad_norm)
+        sched.step()
+        engine.zero_grad()
+    opt.synchronize()
+    return norms, dict(engine.named_master_params()), opt
+
+
+@pytest.mark.parametrize("optim", list(OPTIM_ARGS))
+@pytest.mark.parametrize("kind,resident", [("llama_tied", 0), ("mixtral", 1)])
+@pytest.mark.parametrize("transient,clip", [(False, 0.0), (True, 0.0), (True, 0.05)])
+def test_stepping_during_the_backward_equals_stepping_after_it(optim, kind, resident, transient, clip):
+    """On the worker (background_host_jobs), each unit's instance steps as its last gradient lands, from its
+    own accumulator or a shared transient buffer, clipped by the norm pass's coefficient with clipping: the
+    masters and norms are bit for bit those of the step after the backward (which test_same_gradients_same_masters
+    holds to stock)."""
+    after_norms, after, _ = run_policy(optim, kind, clip, resident_layers=resident)
+    during_norms, during, opt = run_policy(optim, kind, clip, resident_layers=resident, background_host_jobs=True,
+                                           transient_grads=transient)
+    assert opt.engine.store.transient == transient
+    if clip:
+        assert all(torch.equal(a, b) for a, b in zip(after_norms, during_norms)), (after_norms, during_norms)
+        assert min(float(n) for n in after_norms) > clip  # every step clipped
+    for name in after:
+        assert torch.equal(after[name], during[name]), name
+
+
+def test_a_step_during_the_backward_runs_as_each_gradient_lands():
+    """step_during_backward arms the step: units are stepped while the backward still runs (final_grad on the
+    training thread hands each to the worker), and step() only finishes (the units with no gradient)."""
+    engine = StreamingEngine(make_model("llama", seed=3), compute_dtype=torch.float32, transient_grads=True,
+                             background_host_jobs=True).train()
+    opt = HostParamOptimizer(engine, *stock_cls_and_kwargs("adafactor"), name="adafactor")
+    seen = []
+    real = opt.step_unit
+    opt.step_unit = lambda index, *a: (seen.append((index, engine.store.grad_count[index])), real(index, *a))
+    assert opt.step_during_backward() is True
+    engine.forward_backward(make_batch(seed=0))
+    opt.synchronize()
+    assert sorted(i for i, _ in seen) == [u.index for u in engine.units]  # all, before step()
+    assert opt.step_count == 0
+    opt.step()
+    assert opt.step_count == 1 and len(seen) == len(engine.units)  # nothing stepped twice
+    with pytest.raises(MegaTrainError, match="transient_grads keeps each gradient only until its step"):
+        engine.forward_backward(make_batch(seed=1))  # unarmed: refused, not silently dropped
