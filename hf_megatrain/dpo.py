@@ -27,13 +27,9 @@ num_tokens, a MoE's aux_loss), in training and, as eval_*, in evaluation.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
-import random
 from dataclasses import dataclass, field, fields
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import TrainingArguments
@@ -44,13 +40,11 @@ except ImportError as e:  # an optional extra
     raise ImportError("hf_megatrain.dpo needs TRL: pip install 'hf_megatrain[trl]'") from e
 
 from .arguments import MegaTrainArguments, check_arguments
-from .constants import IGNORE_INDEX
 from .engine.loss import RowLoss
 from .engine.step import ENGINE_KEYS
 from .errors import MegaTrainError
-from .patcher.adapters import check_adapter_config, is_peft_model
-from .preflight import check_outputs, check_resume
-from .sft import load_for_trl, trl_arguments
+from .preference import EnginePreference, adapters_disabled, check_preference, completion_labels  # noqa: F401
+from .sft import trl_arguments
 from .trainer import MegaTrainTrainer
 
 # DPOConfig.loss_type values: every one is a function of the per-row sums (see pair_losses)
@@ -92,14 +86,7 @@ def dpo_arguments(args, model) -> MegaTrainDPOConfig:
 
 def check_dpo(args, model, ref_model, train_dataset, peft_config, quantization_config) -> None:
     """What DPOTrainer offers that the engine cannot honour, refused before any data is tokenized."""
-    if is_peft_model(model):
-        raise MegaTrainError("a PeftModel as model is not supported: DPOTrainer would keep a copy of its adapter as "
-                             "the reference. Pass the base model with peft_config for new adapters, or merge the "
-                             "adapter into the base first (merge_and_unload, save_pretrained) and train that.")
-    if ref_model is not None:
-        raise MegaTrainError("ref_model is not supported: the reference is the starting policy, whose log-probabilities "
-                             "the engine computes in a forward-only pass before the first step (the adapter-disabled "
-                             "model under LoRA). Omit ref_model, or start from the reference's weights.")
+    check_preference(args, model, ref_model, train_dataset, peft_config, quantization_config, "DPO")
     unknown = [t for t in args.loss_type if t not in LOSS_TYPES]
     if unknown:
         raise MegaTrainError(f"loss_type {unknown} is not supported: the engine computes {', '.join(LOSS_TYPES)}.")
@@ -111,36 +98,9 @@ def check_dpo(args, model, ref_model, train_dataset, peft_config, quantization_c
     if args.use_weighting:
         raise MegaTrainError("use_weighting (WPO) is not supported yet: it needs each token's log sum of squared "
                              "probabilities; leave it False.")
-    if args.sync_ref_model:
-        raise MegaTrainError("sync_ref_model is not supported: it keeps a second model that follows the policy, while "
-                             "the engine's reference is computed once, before the first step; leave it False.")
-    if args.activation_offloading:
-        raise MegaTrainError("activation_offloading=True is TRL's offload for a model on the GPU; the engine keeps "
-                             "activations itself (offload_activations). Leave it False.")
-    if args.use_liger_kernel:
-        raise MegaTrainError("use_liger_kernel is not supported; the engine's head is already chunked.")
-    if quantization_config is not None or (args.model_init_kwargs or {}).get("quantization_config"):
-        raise MegaTrainError("quantization_config is not supported: hf_megatrain trains at full precision (fp32 "
-                             "master weights); a frozen LoRA base streams in bf16. Remove it.")
-    check_adapter_config(peft_config)  # prompt learning: refused in one line
-    targets = getattr(peft_config, "target_modules", None) or ()
-    if "lm_head" in (targets if not isinstance(targets, str) else [targets]):
-        raise MegaTrainError("a LoRA adapter on lm_head is not supported by DPO (TRL refuses it too: the "
-                             "log-probabilities come from lm_head's weight); remove 'lm_head' from target_modules.")
-    if train_dataset is None:
-        raise MegaTrainError("train_dataset is required (preference pairs: prompt, chosen, rejected).")
-    import datasets
-
-    if isinstance(train_dataset, datasets.IterableDataset):
-        raise MegaTrainError("train_dataset is an IterableDataset: the engine computes the reference's log-probabilities "
-                             "over the whole dataset before the first step, which needs a map-style datasets.Dataset.")
-    sample = next(iter(train_dataset))
-    if "image" in sample or "images" in sample:
-        raise MegaTrainError("vision preference data (an 'image' or 'images' column) is not supported: the engine "
-                             "trains text decoders.")
 
 
-class MegaTrainDPOTrainer(DPOTrainer, MegaTrainTrainer):
+class MegaTrainDPOTrainer(EnginePreference, DPOTrainer, MegaTrainTrainer):
     """`trl.DPOTrainer` whose forward, loss, backward and optimizer step run on the streaming engine.
 
     Takes what DPOTrainer takes; `args` may be a DPOConfig (the engine's options at their defaults)
@@ -148,132 +108,30 @@ class MegaTrainDPOTrainer(DPOTrainer, MegaTrainTrainer):
     never loaded whole) or a CPU model; `peft_config` trains LoRA adapters. `ref_model` is refused:
     the reference is the starting policy (see the module docstring)."""
 
+    rows_per_example = 2  # each micro-batch is its pairs' chosen rows over their rejected rows
+    trl_name = "DPO"
+
     def __init__(self, model, ref_model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, compute_metrics=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None):
         args = dpo_arguments(args, model)
-        if peft_config is not None:  # the engine wraps the base itself (DPOTrainer would wrap a meta skeleton)
-            if args.peft_config is not None and args.peft_config is not peft_config:
-                raise MegaTrainError("peft_config was given twice (as an argument and in args); keep one.")
-            args.peft_config = peft_config
-        check_dpo(args, model, ref_model, train_dataset, args.peft_config, quantization_config)
-        check_outputs(args)
-        check_resume(args.resume_from_checkpoint, args.output_dir)
-        self._loaded = load_for_trl(model, args)  # a folder or hub id: a meta skeleton the engine fills
-        skeleton, tokenizer, _ = self._loaded
-        if processing_class is None:
-            processing_class = tokenizer
-        if args.device.type == "cuda":
-            args._n_gpu = 1  # one GPU per process: DPOTrainer would refuse nn.DataParallel on a multi-GPU host
-        # The reference's log-probabilities are computed before the first step whatever the config says (the
-        # only reference the engine has is the starting policy): TRL's precompute path, with no ref_model built.
-        self._asked_precompute = args.precompute_ref_log_probs
-        args.precompute_ref_log_probs = True
-        self._rows: dict[int, dict] = {}
+        skeleton, processing_class = self._engine_init(model, ref_model, args, train_dataset, processing_class,
+                                                       peft_config, quantization_config, check_dpo)
         super().__init__(model=skeleton, ref_model=None, args=args, data_collator=data_collator,
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
 
-    # -- what MegaTrainTrainer.__init__ calls before the engine exists ---------------------------------
-    def _datasets(self, raw_data, train_dataset, eval_dataset, data_collator, processing_class, args, config):
-        return train_dataset, eval_dataset, data_collator  # prepared by DPOTrainer already
-
-    def _plan(self, args, model):
-        # each micro-batch is its pairs' chosen rows over their rejected rows: twice the rows the batch size says
-        planned = copy.copy(args)
-        planned.per_device_train_batch_size = 2 * args.per_device_train_batch_size
-        run = super()._plan(planned, model)
-        for name in ("dataloader_pin_memory", "_n_gpu", "gradient_checkpointing"):
-            if hasattr(planned, name):
-                setattr(args, name, getattr(planned, name))
-        if self._split > 1:
-            raise MegaTrainError(
-                f"the memory plan splits each micro-batch of {planned.per_device_train_batch_size} rows (chosen and "
-                f"rejected) into {self._split}, but DPO's loss couples each pair's rows; lower "
-                "per_device_train_batch_size (raise gradient_accumulation_steps instead).")
-        return run
-
-    def _build_engine(self, model, weights_from, args, engine_config):
-        model = super()._build_engine(model, weights_from, args, engine_config)
-        self.engine.head_stats = []  # the MoE load-balancing loss of each micro-batch, for TRL's aux_loss metric
-        if args.disable_dropout:  # what DPOTrainer does to the model, done to the engine's copies of its modules
-            from trl.trainer.utils import disable_dropout_in_model
-
-            for tmpl in self.engine._templates.values():
-                disable_dropout_in_model(tmpl.module)
-        return model
-
     def _head_loss(self, group, num_items_in_batch):
         return RowLoss(lambda k, per_row: self._dpo_loss(group[k], per_row, k))
-
-    # -- the trainer after DPOTrainer.__init__ -------------------------------------------------------
-    def _post_init_engine(self):
-        """The MoE router loss as DPOTrainer settled it (coefficient and switch), on the engine's config copy."""
-        own = self.engine.config.get_text_config()
-        if hasattr(own, "output_router_logits"):
-            own.output_router_logits = bool(self.aux_loss_enabled)
-            setattr(own, self.engine.aux_coef, self.router_aux_loss_coef)
-
-    def _precompute_ref_logps(self, dataset, name, batch_size):
-        self._post_init_engine()  # the first thing after DPOTrainer's settings; before any forward
-        if self._asked_precompute:
-            return super()._precompute_ref_logps(dataset, name, batch_size)
-        # Stock computes the reference batch by batch, from a second model; the engine computes it here, before
-        # training. The pass leaves the random state as it found it, as stock's absence of it would.
-        states = (torch.get_rng_state(), np.random.get_state(), random.getstate(),
-                  torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-        try:
-            return super()._precompute_ref_logps(dataset, name, batch_size)
-        finally:
-            torch.set_rng_state(states[0])
-            np.random.set_state(states[1])
-            random.setstate(states[2])
-            if states[3] is not None:
-                torch.cuda.set_rng_state_all(states[3])
 
     def compute_ref_log_probs(self, model, inputs):
         """The reference's summed log-probabilities of a batch's chosen and rejected completions: the engine's
         forward-only pass, with LoRA adapters disabled."""
-        logps = {}
-
-        def keep(per_row):
-            logps["rows"] = per_row["logps"].detach()
-            return per_row["logps"].sum().detach()
-
-        engine, training = self.engine, self.engine.training
-        engine.eval()
-        try:
-            with torch.no_grad(), adapters_disabled(engine), self._no_head_stats():
-                engine(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
-                       labels=completion_labels(inputs), return_logits=False, row_loss=keep)
-        finally:
-            engine.train(training)
-        return logps["rows"].to(self.accelerator.device).chunk(2, dim=0)
-
-    @contextlib.contextmanager
-    def _no_head_stats(self):
-        stats, self.engine.head_stats = self.engine.head_stats, None
-        try:
-            yield
-        finally:
-            self.engine.head_stats = stats
-
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
-        if (eval_dataset is not None and not isinstance(eval_dataset, str) and self.engine.peft_model is None
-                and not self._asked_precompute and self.state.global_step > 0):
-            raise MegaTrainError(
-                "evaluate() was given a new dataset after training started: its reference log-probabilities are "
-                "those of the starting policy, which the engine computes before the first step (no second model is "
-                "kept). Pass it as eval_dataset when building the trainer.")
-        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        logps = self._engine_logps(inputs["input_ids"], inputs.get("attention_mask"), inputs["completion_mask"],
+                                   reference=True)
+        return logps.chunk(2, dim=0)
 
     # -- one micro-batch ---------------------------------------------------------------------------
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        for batch in batches:  # the engine trains on labels: the completion tokens, as TRL's loss counts them
-            batch["labels"] = completion_labels(batch)
-        return batches, num_items
-
     def training_step(self, model, inputs, num_items_in_batch=None):
         if "labels" not in inputs:  # called outside train()'s loop
             inputs["labels"] = completion_labels(inputs)
@@ -343,38 +201,6 @@ class MegaTrainDPOTrainer(DPOTrainer, MegaTrainTrainer):
         metrics["rewards/margins"].append(all_gather(chosen_rewards - rejected_rewards).mean())
         metrics["logps/chosen"].append(all_gather(chosen).mean())
         metrics["logps/rejected"].append(all_gather(rejected).mean())
-
-    def log(self, logs, start_time=None):
-        for buffer in self._metrics.values():  # device tensors become numbers once per log
-            for values in buffer.values():
-                values[:] = [float(v) for v in values]
-        super().log(logs, start_time)
-
-
-def completion_labels(batch) -> torch.Tensor:
-    """The batch's tokens where its completion_mask is set, IGNORE_INDEX elsewhere (TRL's DPO labels)."""
-    ids = torch.as_tensor(batch["input_ids"])
-    return ids.masked_fill(torch.as_tensor(batch["completion_mask"]).to(ids.device) == 0, IGNORE_INDEX)
-
-
-@contextlib.contextmanager
-def adapters_disabled(engine):
-    """The engine's LoRA adapters off (their layers return the base layer's output), as PEFT's
-    disable_adapter does to a model; nothing for a full fine-tune."""
-    if engine.peft_model is None:
-        yield
-        return
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for t in engine._templates.values() for m in t.module.modules() if isinstance(m, BaseTunerLayer)]
-    before = [m._disable_adapters for m in layers]
-    for m in layers:
-        m._disable_adapters = True
-    try:
-        yield
-    finally:
-        for m, b in zip(layers, before):
-            m._disable_adapters = b
 
 
 def pair_losses(args, chosen, rejected, ref_chosen, ref_rejected, lengths, tokens) -> torch.Tensor:

@@ -5,73 +5,24 @@ weights, for the loss types of DPOConfig, with and without precompute_ref_log_pr
 engine always computes the reference before the first step), LoRA (the reference is the adapter-disabled
 model) and a MoE. What the engine cannot do is refused by name, before any data is tokenized."""
 
-import os
-
-import datasets
 import pytest
 import torch
-from safetensors.torch import load_file
 
 trl = pytest.importorskip("trl")
 from peft import LoraConfig  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 
 from hf_megatrain import MegaTrainError, MegaTrainTrainer  # noqa: E402
-from hf_megatrain.demo import build_tokenizer, make_words  # noqa: E402
 from hf_megatrain.dpo import MegaTrainDPOConfig, MegaTrainDPOTrainer  # noqa: E402
 from hf_megatrain.sft import MegaTrainSFTTrainer  # noqa: E402
+from tests.support.preference import (  # noqa: E402,F401  (fresh_datasets: an autouse fixture)
+    KW, LORA, WORDS, assert_same_weights, fresh_datasets, model_folder, pairs)
+from tests.support.preference import run as run_trainer  # noqa: E402
 from tests.support.tiny import make_model  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def fresh_datasets(tmp_path, monkeypatch):
-    """No dataset cache shared between the stock run and ours: TRL caches the reference log-probs under a
-    fingerprint of the data and the weights, which the two runs share; without caching each run computes its own."""
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_datasets_cache"))
-    datasets.disable_caching()
-    yield
-    datasets.enable_caching()
-
-
-def model_folder(tmp_path, kind):
-    folder = tmp_path / f"model-{kind}"
-    model, tok = make_model(kind, num_hidden_layers=2), build_tokenizer()  # hidden 64
-    model.config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
-
-
-WORDS = make_words(40, seed=0)
-
-
-def pairs(words=WORDS):
-    """Prompt 'word>', chosen the word reversed, rejected the word itself or rotated (lengths differ by row)."""
-    return datasets.Dataset.from_dict({"prompt": [w + ">" for w in words], "chosen": [w[::-1] for w in words],
-                                       "rejected": [w[1:] + w[0] if i % 2 else w for i, w in enumerate(words)]})
-
-
-# lr 5e-4: Adam divides by the root of tiny second moments, so the last-bit differences between TRL's fused head
-# and the engine's two head passes grow with the rate in the weights (to 1.1e-5 at 1e-3 on the f-divergence group)
-KW = dict(bf16=False, use_cpu=True, max_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-          per_device_eval_batch_size=4, learning_rate=5e-4, max_grad_norm=0.3, logging_steps=1, save_strategy="no",
-          report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0)
-TIMINGS = ("runtime", "samples_per_second", "steps_per_second")
-LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM",
-            init_lora_weights=False)  # random B: the adapter-enabled model is not the reference
-
-
 def run(cls, folder, out, lora=None, evaluate_after=None, config_cls=DPOConfig, **extra):
-    trainer = cls(model=folder, args=config_cls(output_dir=str(out), **{**KW, **extra}), train_dataset=pairs(),
-                  eval_dataset=pairs(WORDS[:8]), peft_config=LoraConfig(**lora) if lora else None)
-    trainer.train()
-    trainer.evaluate()
-    if evaluate_after is not None:  # a dataset first seen after training: its reference computed then
-        trainer.evaluate(evaluate_after, metric_key_prefix="after")
-    trainer.save_model(str(out))
-    logs = [{k: v for k, v in h.items() if not k.endswith(TIMINGS)} for h in trainer.state.log_history]
-    name = "adapter_model.safetensors" if lora else "model.safetensors"
-    return trainer, logs, load_file(os.path.join(out, name))
+    return run_trainer(cls, config_cls, folder, out, pairs(), pairs(WORDS[:8]), lora, evaluate_after, **extra)
 
 
 def assert_same_run(logs, stock_logs, weights, stock_weights, starts_at_reference=True, abs_tol=1e-6):
@@ -90,9 +41,7 @@ def assert_same_run(logs, stock_logs, weights, stock_weights, starts_at_referenc
         for k in ours:
             if not (tie and k == "rewards/accuracies"):
                 assert ours[k] == pytest.approx(theirs[k], rel=1e-5, abs=abs_tol), (k, ours, theirs)
-    assert weights.keys() == stock_weights.keys()
-    for k in weights:
-        torch.testing.assert_close(weights[k], stock_weights[k], atol=1e-5, rtol=1e-5, msg=k)
+    assert_same_weights(weights, stock_weights)
 
 
 CASES = {

@@ -1,0 +1,235 @@
+"""What the engine changes in TRL's offline preference trainers (DPOTrainer, KTOTrainer): shared by
+hf_megatrain.dpo and hf_megatrain.kto.
+
+TRL prepares the data (prompts, tokenization, truncation, its collator); the engine runs every forward:
+the reference's, forward only, over the whole dataset before the first step (TRL's precompute path,
+taken whether or not the config asks for it: the reference is the starting policy, or the
+adapter-disabled model under LoRA, so no second model is kept), and the policy's, whose loss is a
+function of per-row sums of token log-probabilities (engine/loss.py RowLoss)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+
+import numpy as np
+import torch
+
+from .constants import IGNORE_INDEX
+from .errors import MegaTrainError
+from .patcher.adapters import check_adapter_config, is_peft_model
+from .preflight import check_outputs, check_resume
+from .sft import load_for_trl
+
+
+def check_preference(args, model, ref_model, train_dataset, peft_config, quantization_config, trl_name: str) -> None:
+    """What TRL's DPO and KTO trainers offer that the engine cannot honour, refused before any data is tokenized."""
+    if is_peft_model(model):
+        raise MegaTrainError(f"a PeftModel as model is not supported: {trl_name}Trainer would keep a copy of its "
+                             "adapter as the reference. Pass the base model with peft_config for new adapters, or "
+                             "merge the adapter into the base first (merge_and_unload, save_pretrained) and train that.")
+    if ref_model is not None:
+        raise MegaTrainError("ref_model is not supported: the reference is the starting policy, whose log-probabilities "
+                             "the engine computes in a forward-only pass before the first step (the adapter-disabled "
+                             "model under LoRA). Omit ref_model, or start from the reference's weights.")
+    if args.sync_ref_model:
+        raise MegaTrainError("sync_ref_model is not supported: it keeps a second model that follows the policy, while "
+                             "the engine's reference is computed once, before the first step; leave it False.")
+    if args.activation_offloading:
+        raise MegaTrainError("activation_offloading=True is TRL's offload for a model on the GPU; the engine keeps "
+                             "activations itself (offload_activations). Leave it False.")
+    if args.use_liger_kernel:
+        raise MegaTrainError("use_liger_kernel is not supported; the engine's head is already chunked.")
+    if quantization_config is not None or (args.model_init_kwargs or {}).get("quantization_config"):
+        raise MegaTrainError("quantization_config is not supported: hf_megatrain trains at full precision (fp32 "
+                             "master weights); a frozen LoRA base streams in bf16. Remove it.")
+    check_adapter_config(peft_config)  # prompt learning: refused in one line
+    targets = getattr(peft_config, "target_modules", None) or ()
+    if "lm_head" in (targets if not isinstance(targets, str) else [targets]):
+        raise MegaTrainError(f"a LoRA adapter on lm_head is not supported by {trl_name} (TRL refuses it too: the "
+                             "log-probabilities come from lm_head's weight); remove 'lm_head' from target_modules.")
+    if train_dataset is None:
+        raise MegaTrainError("train_dataset is required (preference data: prompt and completions).")
+    import datasets
+
+    if isinstance(train_dataset, datasets.IterableDataset):
+        raise MegaTrainError("train_dataset is an IterableDataset: the engine computes the reference's log-probabilities "
+                             "over the whole dataset before the first step, which needs a map-style datasets.Dataset.")
+    sample = next(iter(train_dataset))
+    if "image" in sample or "images" in sample:
+        raise MegaTrainError("vision preference data (an 'image' or 'images' column) is not supported: the engine "
+                             "trains text decoders.")
+
+
+class EnginePreference:
+    """Placed before a TRL preference trainer and MegaTrainTrainer among a trainer's bases
+    (class MegaTrainDPOTrainer(EnginePreference, DPOTrainer, MegaTrainTrainer)): what the engine changes there.
+
+    A subclass sets `rows_per_example` (rows of a micro-batch per example the batch size counts: DPO's
+    collator stacks chosen over rejected rows) and `trl_name`, and calls `_engine_init` first in __init__."""
+
+    rows_per_example = 1
+    trl_name = ""
+
+    def _engine_init(self, model, ref_model, args, train_dataset, processing_class, peft_config, quantization_config,
+                     check):
+        """Before the TRL trainer's __init__: the refusals (check), the outputs, the model as a meta skeleton the
+        engine fills. Returns (skeleton, processing_class) for the TRL trainer."""
+        if peft_config is not None:  # the engine wraps the base itself (TRL would wrap a meta skeleton)
+            if args.peft_config is not None and args.peft_config is not peft_config:
+                raise MegaTrainError("peft_config was given twice (as an argument and in args); keep one.")
+            args.peft_config = peft_config
+        check(args, model, ref_model, train_dataset, args.peft_config, quantization_config)
+        check_outputs(args)
+        check_resume(args.resume_from_checkpoint, args.output_dir)
+        self._loaded = load_for_trl(model, args)  # a folder or hub id: a meta skeleton the engine fills
+        skeleton, tokenizer, _ = self._loaded
+        if processing_class is None:
+            processing_class = tokenizer
+        if args.device.type == "cuda":
+            args._n_gpu = 1  # one GPU per process: TRL would refuse nn.DataParallel on a multi-GPU host
+        # The reference's log-probabilities are computed before the first step whatever the config says (the
+        # only reference the engine has is the starting policy): TRL's precompute path, with no ref_model built.
+        self._asked_precompute = args.precompute_ref_log_probs
+        args.precompute_ref_log_probs = True
+        self._rows: dict[int, dict] = {}
+        return skeleton, processing_class
+
+    # -- what MegaTrainTrainer.__init__ calls before the engine exists ---------------------------------
+    def _datasets(self, raw_data, train_dataset, eval_dataset, data_collator, processing_class, args, config):
+        return train_dataset, eval_dataset, data_collator  # prepared by the TRL trainer already
+
+    def _plan(self, args, model):
+        planned = copy.copy(args)
+        planned.per_device_train_batch_size = self.rows_per_example * args.per_device_train_batch_size
+        run = super()._plan(planned, model)
+        for name in ("dataloader_pin_memory", "_n_gpu", "gradient_checkpointing"):
+            if hasattr(planned, name):
+                setattr(args, name, getattr(planned, name))
+        if self._split > 1:
+            raise MegaTrainError(
+                f"the memory plan splits each micro-batch of {planned.per_device_train_batch_size} rows into "
+                f"{self._split}, but {self.trl_name}'s loss couples a micro-batch's rows; lower "
+                "per_device_train_batch_size (raise gradient_accumulation_steps instead).")
+        return run
+
+    def _build_engine(self, model, weights_from, args, engine_config):
+        model = super()._build_engine(model, weights_from, args, engine_config)
+        self.engine.head_stats = []  # the MoE load-balancing loss of each micro-batch, for TRL's aux_loss metric
+        if args.disable_dropout:  # what the TRL trainer does to the model, done to the engine's copies of its modules
+            from trl.trainer.utils import disable_dropout_in_model
+
+            for tmpl in self.engine._templates.values():
+                disable_dropout_in_model(tmpl.module)
+        return model
+
+    # -- the trainer after the TRL trainer's __init__ ---------------------------------------------------
+    def _post_init_engine(self):
+        """The MoE router loss as the TRL trainer settled it (coefficient and switch), on the engine's config copy."""
+        own = self.engine.config.get_text_config()
+        if hasattr(own, "output_router_logits"):
+            own.output_router_logits = bool(self.aux_loss_enabled)
+            setattr(own, self.engine.aux_coef, self.router_aux_loss_coef)
+
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        self._post_init_engine()  # the first thing after the TRL trainer's settings; before any forward
+        if self._asked_precompute:
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+        # Stock computes the reference batch by batch, from a second model; the engine computes it here, before
+        # training. The pass leaves the random state as it found it, as stock's absence of it would.
+        states = (torch.get_rng_state(), np.random.get_state(), random.getstate(),
+                  torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        try:
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+        finally:
+            torch.set_rng_state(states[0])
+            np.random.set_state(states[1])
+            random.setstate(states[2])
+            if states[3] is not None:
+                torch.cuda.set_rng_state_all(states[3])
+
+    def _engine_logps(self, input_ids, attention_mask, completion_mask, reference: bool) -> torch.Tensor:
+        """Each row's summed log-probabilities of its completion tokens, from a forward-only pass of the engine:
+        the reference's (eval mode, LoRA adapters disabled) or the policy's as it is now (its mode kept)."""
+        logps = {}
+
+        def keep(per_row):
+            logps["rows"] = per_row["logps"].detach()
+            return per_row["logps"].sum().detach()
+
+        engine, training = self.engine, self.engine.training
+        if reference:
+            engine.eval()
+        labels = completion_labels({"input_ids": input_ids, "completion_mask": completion_mask})
+        try:
+            with torch.no_grad(), adapters_disabled(engine) if reference else contextlib.nullcontext(), \
+                    self._no_head_stats():
+                engine(input_ids=input_ids, attention_mask=attention_mask, labels=labels, return_logits=False,
+                       row_loss=keep)
+        finally:
+            engine.train(training)
+        return logps["rows"].to(self.accelerator.device)
+
+    @contextlib.contextmanager
+    def _no_head_stats(self):
+        stats, self.engine.head_stats = self.engine.head_stats, None
+        try:
+            yield
+        finally:
+            self.engine.head_stats = stats
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        if (eval_dataset is not None and not isinstance(eval_dataset, str) and self.engine.peft_model is None
+                and not self._asked_precompute and self.state.global_step > 0):
+            raise MegaTrainError(
+                "evaluate() was given a new dataset after training started: its reference log-probabilities are "
+                "those of the starting policy, which the engine computes before the first step (no second model is "
+                "kept). Pass it as eval_dataset when building the trainer.")
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        for batch in batches:  # the engine trains on labels: the completion tokens, as TRL's loss counts them
+            batch["labels"] = completion_labels(batch)
+        return batches, num_items
+
+    def log(self, logs, start_time=None):
+        # device tensors become numbers once per log; a (value, present) pair is a value TRL appends only when
+        # present is true (KTO's chosen metrics of a micro-batch with chosen rows), and a metric with no value is
+        # absent from the log, as in stock
+        for buffer in self._metrics.values():
+            for key in list(buffer):
+                values = [float(v[0]) if isinstance(v, tuple) else float(v) for v in buffer[key]
+                          if not isinstance(v, tuple) or bool(v[1])]
+                if values:
+                    buffer[key][:] = values
+                else:
+                    del buffer[key]
+        super().log(logs, start_time)
+
+
+def completion_labels(batch) -> torch.Tensor:
+    """The batch's tokens where its completion_mask is set, IGNORE_INDEX elsewhere (TRL's preference labels)."""
+    ids = torch.as_tensor(batch["input_ids"])
+    return ids.masked_fill(torch.as_tensor(batch["completion_mask"]).to(ids.device) == 0, IGNORE_INDEX)
+
+
+@contextlib.contextmanager
+def adapters_disabled(engine):
+    """The engine's LoRA adapters off (their layers return the base layer's output), as PEFT's
+    disable_adapter does to a model; nothing for a full fine-tune."""
+    if engine.peft_model is None:
+        yield
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for t in engine._templates.values() for m in t.module.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, b in zip(layers, before):
+            m._disable_adapters = b
