@@ -11,6 +11,7 @@ _EXPORTS = {
     "MegaTrainArguments": ".arguments",
     "MegaTrainDPOTrainer": ".dpo",  # needs the trl extra
     "MegaTrainError": ".errors",
+    "MegaTrainKTOTrainer": ".kto",  # needs the trl extra
     "MegaTrainSFTTrainer": ".sft",  # needs the trl extra
     "MegaTrainTrainer": ".trainer",
     "StreamingEngine": ".engine.schedule",

@@ -688,9 +688,9 @@ def _own(cls, name: str) -> type | None:
     return owner
 
 
-# TRL trainers whose loss and metrics the engine reproduces (hf_megatrain.sft, hf_megatrain.dpo), and what
+# TRL trainers whose loss and metrics the engine reproduces (hf_megatrain.sft, .dpo, .kto), and what
 # TRL's base class adds between them and Trainer
-ENGINE_TRL_TRAINERS = ("SFTTrainer", "DPOTrainer", "_BaseTrainer")
+ENGINE_TRL_TRAINERS = ("SFTTrainer", "DPOTrainer", "KTOTrainer", "_BaseTrainer")
 # TRL's online trainers, by the name of their config: each generates completions during training
 ONLINE_TRL = {"GRPO": "GRPO", "RLOO": "RLOO", "PPO": "PPO", "OnlineDPO": "online DPO", "XPO": "XPO",
               "NashMD": "Nash-MD", "GKD": "GKD", "GOLD": "GOLD"}
@@ -708,20 +708,22 @@ def refuse_other_trl_config(args, trainer: str) -> None:
     if kind in ONLINE_TRL:
         raise MegaTrainError(f"args is TRL's {name}: {ONLINE_TRL[kind]} is an online method that generates "
                              "completions during training, which hf_megatrain does not do (no generation); it trains "
-                             "offline: SFT (MegaTrainSFTTrainer) and preference pairs (MegaTrainDPOTrainer).")
-    if kind in ("SFT", "DPO"):
+                             "offline: SFT (MegaTrainSFTTrainer), preference pairs (MegaTrainDPOTrainer) and "
+                             "unpaired preferences (MegaTrainKTOTrainer).")
+    if kind in ("SFT", "DPO", "KTO"):
         raise MegaTrainError(f"args is TRL's {name}, which {trainer} does not take: TRL's trainers run on the engine "
-                             "as hf_megatrain.sft.MegaTrainSFTTrainer (SFTConfig) and hf_megatrain.dpo."
-                             "MegaTrainDPOTrainer (DPOConfig).")
+                             "as hf_megatrain.sft.MegaTrainSFTTrainer (SFTConfig), hf_megatrain.dpo."
+                             "MegaTrainDPOTrainer (DPOConfig) and hf_megatrain.kto.MegaTrainKTOTrainer (KTOConfig).")
     raise MegaTrainError(f"args is TRL's {name}: TRL's {kind} trainer is not supported by hf_megatrain (its loss "
-                         "needs forwards the engine does not run); SFT and DPO are (hf_megatrain.sft."
-                         "MegaTrainSFTTrainer, hf_megatrain.dpo.MegaTrainDPOTrainer).")
+                         "needs forwards the engine does not run); SFT, DPO and KTO are (hf_megatrain.sft."
+                         "MegaTrainSFTTrainer, hf_megatrain.dpo.MegaTrainDPOTrainer, hf_megatrain.kto."
+                         "MegaTrainKTOTrainer).")
 
 
 def custom_loss(cls, compute_loss_func, args) -> str | None:
     """What makes the loss the user's rather than the causal LM's own, named; None when nothing does."""
     owner = _own(cls, "compute_loss")
-    trl = next((c.__name__ for c in cls.__mro__ if c.__name__ in ("SFTTrainer", "DPOTrainer")), None)
+    trl = next((c.__name__ for c in cls.__mro__ if c.__name__ in ENGINE_TRL_TRAINERS[:-1]), None)
     if trl is not None:  # TRL's loss runs a fused head the engine reproduces
         if owner is not None:
             raise MegaTrainError(f"{owner.__name__}.compute_loss overrides {trl}.compute_loss, whose fused "

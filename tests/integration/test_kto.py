@@ -1,0 +1,162 @@
+"""TRL's KTOTrainer through the engine (issue 36): MegaTrainKTOTrainer against stock KTOTrainer on the CPU in fp32,
+with gradient accumulation 2 and clipping: the losses, every metric TRL logs (kl, rewards/*, logps/*, logits/*,
+entropy, num_tokens, a MoE's aux_loss), the evaluation metrics and the final weights, for both loss types, with
+and without precompute_ref_log_probs on the stock side (the engine always computes the reference before the first
+step), LoRA (the reference is the adapter-disabled model), a MoE and the engine's step placements. The KL term's
+policy pass (a forward-only pass of the mismatched rows with the step's weights) runs before each micro-batch's
+training pass. What the engine cannot do is refused by name, before any data is tokenized."""
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+from peft import LoraConfig  # noqa: E402
+from trl import KTOConfig, KTOTrainer  # noqa: E402
+
+from hf_megatrain import MegaTrainError, MegaTrainTrainer  # noqa: E402
+from hf_megatrain.kto import MegaTrainKTOConfig, MegaTrainKTOTrainer  # noqa: E402
+from tests.support.preference import (  # noqa: E402,F401  (fresh_datasets: an autouse fixture)
+    KW, LORA, WORDS, assert_same_weights, fresh_datasets, model_folder, pairs, unpaired)
+from tests.support.preference import run as run_trainer  # noqa: E402
+from tests.support.tiny import make_model  # noqa: E402
+
+
+def run(cls, folder, out, lora=None, evaluate_after=None, config_cls=KTOConfig, data=unpaired, **extra):
+    return run_trainer(cls, config_cls, folder, out, data(), data(WORDS[:8]), lora, evaluate_after, **extra)
+
+
+def assert_same_run(logs, stock_logs, weights, stock_weights, abs_tol=1e-6):
+    """Every log entry with the same keys (a metric stock logs only for micro-batches with chosen or rejected rows
+    is absent on both sides alike) and values within 1e-5, the saved weights within 1e-5. kl is the mean difference
+    of two summed log-probabilities of about -30, whose fp32 ulp is 1.9e-6: it is compared within 1e-5 absolute
+    (Mixtral's differs by 1.7e-6: its routed experts sum in another order per batch shape)."""
+    assert len(logs) == len(stock_logs)
+    assert sum("loss" in h for h in logs) == KW["max_steps"]
+    assert any("eval_kl" in h for h in logs)
+    for ours, theirs in zip(logs, stock_logs):
+        assert ours.keys() == theirs.keys(), (ours, theirs)
+        for k in ours:
+            tol = max(abs_tol, 1e-5) if k.endswith("kl") else abs_tol
+            assert ours[k] == pytest.approx(theirs[k], rel=1e-5, abs=tol), (k, ours, theirs)
+    assert_same_weights(weights, stock_weights)
+
+
+CASES = {
+    # stock computes the reference batch by batch from a second model; the engine before the first step
+    "kto": ("llama", None, dict()),
+    "kto_precompute_weighted": ("llama", None, dict(precompute_ref_log_probs=True, desirable_weight=0.7,
+                                                   undesirable_weight=1.4, beta=0.3)),
+    "apo_zero_unpaired": ("llama", None, dict(loss_type="apo_zero_unpaired")),
+    # paired data, unpaired by TRL into one desirable and one undesirable row per pair
+    "paired_data": ("llama", None, dict(data=pairs)),
+    "lora": ("llama", LORA, dict()),
+    "lora_precompute_apo": ("llama", LORA, dict(loss_type="apo_zero_unpaired", precompute_ref_log_probs=True)),
+    # the router's load-balancing loss added to the KTO loss, logged as aux_loss
+    "mixtral": ("mixtral", None, dict()),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kto_equals_stock_ktotrainer(case, tmp_path):
+    kind, lora, extra = CASES[case]
+    folder = model_folder(tmp_path, kind)
+    after = unpaired(WORDS[30:38]) if lora else None  # LoRA: the reference of a late dataset is the base model's
+    _, stock_logs, stock_weights = run(KTOTrainer, folder, tmp_path / "stock", lora, after, **extra)
+    trainer, logs, weights = run(MegaTrainKTOTrainer, folder, tmp_path / "mega", lora, after, **extra)
+    assert isinstance(trainer.args, MegaTrainKTOConfig) and trainer.ref_model is None
+    assert ("aux_loss" in logs[0]) == (kind == "mixtral")
+    if extra.get("loss_type") == "apo_zero_unpaired":  # no KL term: TRL logs kl 0
+        assert all(h["kl"] == 0 for h in logs if "kl" in h)
+    elif case in ("kto", "lora"):  # the KL term moves off 0 (clamped there while the estimate is negative)
+        assert any(h.get("kl", 0) > 0 for h in logs)
+    if lora:
+        assert all("lora_" in k for k in weights) and any("after_loss" in h for h in logs)
+    assert_same_run(logs, stock_logs, weights, stock_weights)
+
+
+# The engine's step placements (engine/step.py) with the KL term's forward-only pass before each micro-batch's
+# training pass: the step's micro-batches through each layer together (the KL passes of all of them first); the
+# host optimizer stepping each unit during the backward (after the last micro-batch's KL pass, no clipping);
+# transient gradients, clipped by a norm pass that runs the loss once more (with the same KL)
+MODES = {
+    "layer_major": (dict(layer_major_accumulation="true"), {}),
+    "step_during_backward": (dict(background_host_jobs=True), dict(max_grad_norm=0.0)),
+    "transient_grads": (dict(transient_grads="true", background_host_jobs=True, layer_major_accumulation="true"), {}),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_engine_modes_equal_stock(mode, tmp_path):
+    ours, both = MODES[mode]
+    folder = model_folder(tmp_path, "llama")
+    _, stock_logs, stock_weights = run(KTOTrainer, folder, tmp_path / "stock", **both)
+    trainer, logs, weights = run(MegaTrainKTOTrainer, folder, tmp_path / "mega", config_cls=MegaTrainKTOConfig,
+                                 **ours, **both)
+    assert trainer._per_pass == (2 if "layer_major_accumulation" in ours else 1)
+    assert_same_run(logs, stock_logs, weights, stock_weights)
+
+
+def test_kto_config_elsewhere_names_the_kto_trainer(tmp_path):
+    folder = model_folder(tmp_path, "llama")
+    args = KTOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[])
+    with pytest.raises(MegaTrainError, match="MegaTrainKTOTrainer"):
+        MegaTrainTrainer(folder, args)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (dict(loss_type="bco"), "loss_type='bco'"),
+    (dict(sync_ref_model=True), "sync_ref_model"),
+    (dict(activation_offloading=True), "activation_offloading"),
+    (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
+    (dict(ref_model=True), "ref_model"),
+    (dict(peft_model=True), "a PeftModel as model is not supported: KTOTrainer"),
+    (dict(iterable=True), "IterableDataset"),
+])
+def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tmp_path, monkeypatch):
+    folder = model_folder(tmp_path, "llama")
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("the data was prepared before the refusal")
+
+    monkeypatch.setattr(KTOTrainer, "_prepare_dataset", no_tokenizing)
+    ref = make_model("llama", num_hidden_layers=2) if extra.pop("ref_model", None) else None
+    if extra.pop("peft_model", None):
+        from peft import get_peft_model
+
+        folder = get_peft_model(make_model("llama", num_hidden_layers=2), LoraConfig(**LORA))
+    data = unpaired().to_iterable_dataset() if extra.pop("iterable", None) else unpaired()
+    with pytest.raises(MegaTrainError, match=match) as e:
+        MegaTrainKTOTrainer(folder, ref_model=ref, args=KTOConfig(output_dir=str(tmp_path / "o"), use_cpu=True,
+                                                                  report_to=[], bf16=False, **extra),
+                            train_dataset=data)
+    assert "\n" not in str(e.value)
+
+
+def test_a_new_dataset_after_full_fine_tuning_is_refused_in_one_line(tmp_path):
+    """Full fine-tuning keeps no reference model: a dataset first seen after a step has no reference."""
+    trainer = MegaTrainKTOTrainer(model_folder(tmp_path, "llama"), args=KTOConfig(output_dir=str(tmp_path / "o"),
+                                  **dict(KW, max_steps=1)), train_dataset=unpaired())
+    trainer.train()
+    with pytest.raises(MegaTrainError, match="eval_dataset when building the trainer"):
+        trainer.evaluate(unpaired(WORDS[:4]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_kto_on_the_cuda_path_equals_stock_in_fp32(kind, tmp_path):
+    """The CUDA pipeline (streamed layers, the KL rows' forward-only pass, the head's two passes on the device) in
+    fp32 compute against stock KTOTrainer on the GPU, TF32 off."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        folder = model_folder(tmp_path, kind)
+        gpu = dict(use_cpu=False)
+        _, stock_logs, stock_weights = run(KTOTrainer, folder, tmp_path / "stock", **gpu)
+        _, logs, weights = run(MegaTrainKTOTrainer, folder, tmp_path / "mega", config_cls=MegaTrainKTOConfig,
+                               compute_dtype="float32", **gpu)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    # other kernels for the reference pass's batch shapes: the step-1 rewards and kl (0 in exact arithmetic) carry
+    # beta times the logps' last bits (as in test_dpo's CUDA test)
+    assert_same_run(logs, stock_logs, weights, stock_weights, abs_tol=2e-5)
