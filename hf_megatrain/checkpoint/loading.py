@@ -94,7 +94,7 @@ def meta_skeleton(config, attn_implementation: str | None = None, trust_remote_c
                     # weights, so the loader reads it from the checkpoint (stream_load.load_into_store)
                     b = module._buffers[k]
                     module._buffers[k] = torch.zeros(b.shape, dtype=b.dtype)
-                else:
+                elif not _rebuilt(model, module, k):
                     raise MegaTrainError(f"{name}.{k} is a buffer that is neither saved with the weights nor a "
                                          "constant, so it cannot be rebuilt on the host")
         elif meta:
@@ -102,6 +102,26 @@ def meta_skeleton(config, attn_implementation: str | None = None, trust_remote_c
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, type(module)(config=model.config))
     return model
+
+
+def _rebuilt(model, module, key: str) -> bool:
+    """A non-persistent buffer the model computes when it is built (CTRL's pos_encoding, XGLM's sinusoid,
+    GPT-Neo's causal masks), made on the host and filled by the model's own _init_weights, as from_pretrained
+    fills it after loading; False (left on meta) where that does not write it."""
+    meta = module._buffers[key]
+    blank = torch.full(meta.shape, float("nan") if meta.is_floating_point() else 0, dtype=meta.dtype)
+    module._buffers[key] = blank.clone()
+    try:
+        model._init_weights(module)
+    except Exception:
+        module._buffers[key] = meta
+        return False
+    got = module._buffers[key]
+    written = got.device.type == "cpu" and (not bool(got.isnan().any()) if got.is_floating_point()
+                                            else not torch.equal(got, blank))
+    if not written:
+        module._buffers[key] = meta
+    return written
 
 
 def load_model_and_tokenizer(model, attn_implementation: str | None = None, revision: str | None = None,

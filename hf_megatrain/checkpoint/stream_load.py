@@ -115,7 +115,8 @@ def load_into_store(store, spec, config, folder: str, progress: bool = True, buf
     files = shard_files(folder)
     entries = [e for path in files for e in read_header(path)]  # every header first: fail before reading
     slots = {s.name: (u.index, s) for u in store.units for s in u.slots}
-    tied = {u.tied_local for u in store.units if u.tied_local}
+    # a tied lm_head (CTRL's beside a bias of its own, which the layout does not mark) saved anyway: skipped
+    tied = {u.tied_local for u in store.units if u.tied_local} or getattr(config, "tie_word_embeddings", False)
     buffers = buffers or {}
     plan, filled, buffer_plan = [], {name: 0 for name in slots}, []
     for e in entries:

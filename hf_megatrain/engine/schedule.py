@@ -43,24 +43,59 @@ logger = logging.getLogger(__name__)
 
 
 class _Embed(nn.Module):
-    """The embedding, and what the family's model forward does to its output (a multiplier)."""
+    """What the family's base model does before its first layer: the token embedding, a multiplier or scale,
+    a projection (OPT's project_in), absolute positions added (a module called as the base model calls it, or a
+    buffer the ids index), the embedding dropout (ArchSpec.positions and the fields beside it)."""
 
-    def __init__(self, embed: nn.Module, multiplier: float | None = None):
+    def __init__(self, embed: nn.Module, multiplier: float | None = None, positions: nn.Module | None = None,
+                 project_in: nn.Module | None = None, dropout: float = 0.0):
         super().__init__()
         self.embed = embed
         self.multiplier = multiplier
+        self.positions = positions
+        self.project_in = project_in
+        self.dropout = dropout
+        # OPT's and BioGPT's learned tables take the 2D mask (to count positions from it when given none)
+        self._with_mask = positions is not None and not isinstance(positions, _Table) \
+            and "attention_mask" in inspect.signature(positions.forward).parameters
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, position_ids=None, attention_mask=None):
         x = self.embed(input_ids)
-        return x if self.multiplier is None else x * self.multiplier
+        if self.multiplier is not None:
+            x = x * self.multiplier
+        if self.positions is None:
+            return x
+        if self.project_in is not None:
+            x = self.project_in(x)
+        if isinstance(self.positions, _Table):
+            pos = self.positions.weight.to(dtype=x.dtype)[position_ids, :]
+        elif self._with_mask:
+            mask = attention_mask if attention_mask is not None else torch.ones(input_ids.shape, device=x.device)
+            pos = self.positions(mask, 0, position_ids=position_ids)
+        else:
+            pos = self.positions(position_ids)
+        x = x + pos
+        return nn.functional.dropout(x, self.dropout, self.training) if self.dropout else x
+
+
+class _Table(nn.Module):
+    """A base model's buffer of positions that the ids index (CTRL's pos_encoding), as a module of the embedding
+    template so that it reaches each call like any template buffer."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", table, persistent=False)
 
 
 class _Head(nn.Module):
-    """Final norm + lm_head, and what the family's causal LM does to the logits (spec.logits)."""
+    """Final norm, a projection (OPT's project_out), lm_head, and what the family's causal LM does to the
+    logits (spec.logits)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, logits=None, config=None):
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, logits=None, config=None,
+                 project_out: nn.Module | None = None):
         super().__init__()
         self.norm = norm
+        self.project_out = project_out
         self.lm_head = lm_head
         self.logits, self.config = logits, config
 
@@ -68,6 +103,8 @@ class _Head(nn.Module):
         # the norm may hand back fp32 (Mamba's residual stream is kept in fp32): its causal LM casts to the head's
         # dtype first, as this does (a no-op where they agree)
         hidden = self.norm(hidden)
+        if self.project_out is not None:
+            hidden = self.project_out(hidden)
         weight = getattr(self.lm_head, "weight", None)
         out = self.lm_head(hidden if weight is None else hidden.to(weight.dtype))
         return out if self.logits is None else self.logits(self.config, out)
@@ -112,6 +149,19 @@ def _say_what_the_model_shows(store: HostStore, sharding) -> None:
     elif lower and any(s.numel and not s.trainable for u in store.units for s in u.slots):
         logger.info("the frozen weights (a LoRA base) exist only as the %s copy that streams, so the model "
                     "object's frozen parameters are %s; its trained ones are the fp32 masters.", dtype, dtype)
+
+
+def tied_head(model: nn.Module, spec, units) -> str | None:
+    """The head's name for lm_head's weight where it is the token embedding's (tied): what the store's layout
+    says (a head with no lm_head parameter of its own), or, beside an lm_head bias of its own (CTRL's), the two
+    modules sharing one weight."""
+    if units[-1].tied_local:
+        return units[-1].tied_local
+    lm_head, embed = model.get_submodule(spec.lm_head), model.get_submodule(spec.embed)
+    weight = getattr(lm_head, "weight", None)
+    if isinstance(weight, nn.Parameter) and weight is getattr(embed, "weight", None):
+        return "lm_head.weight"
+    return None
 
 
 def _snapshot(t: torch.Tensor) -> torch.Tensor:
@@ -173,6 +223,7 @@ class StreamingEngine(nn.Module):
         if decay_names is None:
             decay_names = [n for n, _ in model.named_parameters()]
         self.units = build_units(model, self.spec, decay_names)
+        self._tied = tied_head(model, self.spec, self.units)
         if sharding is not None and config.transient_grads:
             raise MegaTrainError("transient_grads is not combined with data parallel yet: the ranks' gradients are "
                                  "summed before each step; leave it off.")
@@ -217,6 +268,7 @@ class StreamingEngine(nn.Module):
         self.loss_chunk_tokens = loss_chunk(cfg.vocab_size, self.device.type, config.loss_chunk_tokens)
         self.pipeline: Pipeline = self._make_pipeline(config)
         self.activations = Activations(self.device, config.offload_activations, config.activation_lookahead)
+        self._embed_rng: list[tuple] = []  # per micro-batch: the RNG state its embedding dropout drew from
         self._extra_activations: list[Activations] = []  # micro-batches after the first (forward_backward_many)
         self._grad_scratch: torch.Tensor | None = None  # their weight gradients, before they are summed
         self._listener: GradListener | None = None
@@ -251,11 +303,26 @@ class StreamingEngine(nn.Module):
         layers = model.get_submodule(self.spec.layers)
         spec = self.spec
         multiplier = getattr(self.config, spec.embed_multiplier) if spec.embed_multiplier else None
+        if spec.embed_scale is not None:
+            multiplier = spec.embed_scale(self.config)
         embed, norm, head = (model.get_submodule(p) for p in (spec.embed, spec.norm, spec.lm_head))
+        # the embedding unit's other parts (absolute positions, OPT's project_in) and the head's (project_out)
+        parts = {part: _submodule_or_none(model, path) for part, path in spec.embed_parts + spec.head_parts}
+        parts = {k: m for k, m in parts.items() if m is not None}  # OPT's projections exist for some widths only
+        if spec.positions:
+            parts["positions"] = _Table(model.get_buffer(spec.positions)) if spec.positions_buffer \
+                else model.get_submodule(spec.positions)
+        copies = {k: meta_copy(m, cfg) for k, m in parts.items()}
+        embed_sources = {"embed": embed, **{k: parts[k] for k in ("positions", "project_in") if k in parts}}
         templates = {
-            "embed": Template(_Embed(meta_copy(embed, cfg), multiplier), self._template_buffers({"embed": embed})),
-            "head": Template(_Head(meta_copy(norm, cfg), meta_copy(head, cfg), spec.logits, self.config),
-                             self._template_buffers({"norm": norm, "lm_head": head})),
+            "embed": Template(_Embed(meta_copy(embed, cfg), multiplier, copies.get("positions"),
+                                     copies.get("project_in"), self._embed_dropout(model)),
+                              self._template_buffers(embed_sources)),
+            "head": Template(_Head(meta_copy(norm, cfg), meta_copy(head, cfg), spec.logits, self.config,
+                                   copies.get("project_out")),
+                             self._template_buffers({"norm": norm, "lm_head": head,
+                                                     **({"project_out": parts["project_out"]}
+                                                        if "project_out" in parts else {})})),
         }
         for unit in self.units:
             if unit.kind == "layer" and unit.template_key not in templates:
@@ -277,6 +344,15 @@ class StreamingEngine(nn.Module):
                 if own:
                     self._layer_buffers[unit.index] = {k: self._buffer_on_device(k, b) for k, b in own.items()}
         return templates
+
+    def _embed_dropout(self, model) -> float:
+        """The probability of the dropout the base model applies to the embeddings' sum (spec.embed_dropout: a
+        Dropout module or a float attribute of the base model)."""
+        if not self.spec.embed_dropout:
+            return 0.0
+        base = model.get_submodule(self.spec.embed.rpartition(".")[0])
+        drop = getattr(base, self.spec.embed_dropout)
+        return float(drop.p if isinstance(drop, nn.Dropout) else drop)
 
     def _template_buffers(self, sources: dict) -> dict:
         """The real buffers of the modules a template copies (a template lives on meta), on the compute
@@ -463,16 +539,52 @@ class StreamingEngine(nn.Module):
         names = [s.local for s in head.slots]
         weights = Template.views(head_flat, head.slots)
         trainable = [s.trainable for s in head.slots]
-        if head.tied_local:
-            embed_slot = self.units[0].slots[0]
-            names.append(head.tied_local)
-            weights.append(embed_flat.view(embed_slot.shape))
+        if self._tied:
+            embed_slot = next(s for s in self.units[0].slots if s.local == "embed.weight")
+            names.append(self._tied)
+            weights.append(Template.views(embed_flat, [embed_slot])[0])
             trainable.append(embed_slot.trainable)
         return names, weights, trainable
 
     def _run_head(self, names):
         tmpl = self._templates["head"]
         return lambda ws, h: tmpl.call(dict(zip(names, ws)), h)
+
+    def _embed_call(self, named: dict, prep):
+        """The embedding unit on one micro-batch; its positions as the base model computes them."""
+        if not self.spec.positions:
+            return self._templates["embed"].call(named, prep.ids)
+        return self._templates["embed"].call(named, prep.ids, prep.pos, prep.mask)
+
+    @contextmanager
+    def _embed_rng_for(self, k: int, save: bool):
+        """The embedding dropout's random numbers (GPT-2's embd_pdrop): those of micro-batch k's forward drawn
+        again by its recompute, as a layer's are (_BatchContext.rng_for)."""
+        tmpl = self._templates["embed"]
+        if not (self.training and tmpl.module.dropout):
+            yield
+            return
+        dev = self.device
+        cuda = dev.type == "cuda"
+        if save:
+            self._embed_rng.append((torch.get_rng_state(), torch.cuda.get_rng_state(dev) if cuda else None))
+            yield
+            return
+        cpu_state, cuda_state = self._embed_rng[k]
+        with torch.random.fork_rng(devices=[dev] if cuda else [], device_type=dev.type if cuda else "cuda"):
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(cuda_state, dev)
+            yield
+
+    def _positions(self, prep, batch: dict):
+        """OPT's positions: without position ids in the batch, its forward counts them from the 2D mask
+        (cumsum(mask) * mask - 1: a left-padded row starts at 0 where its tokens start), for its positions and
+        its layers; every other family's are the engine's (0, 1, ... or the batch's own)."""
+        if not self.spec.positions_from_mask or batch.get("position_ids") is not None or prep.mask is None:
+            return prep
+        pos = torch.cumsum(prep.mask, dim=1)
+        return prep._replace(pos=(pos * prep.mask - 1).long())
 
     def _activation_sets(self, n: int) -> list[Activations]:
         """One store of layer inputs per micro-batch of a step (the first is `self.activations`)."""
@@ -488,20 +600,26 @@ class StreamingEngine(nn.Module):
         embed = self.units[0]
         e_w = pipe.weights(embed.index)
         xs, ctxs = [], []
+        self._embed_rng = []
         with torch.no_grad():
             with pipe.span("compute"):
-                for ids, mask, _, pos, _, docs in preps:
-                    xs.append(self._templates["embed"].call({"embed.weight": e_w.view(embed.slots[0].shape)}, ids))
-                    ctxs.append(_BatchContext(self, xs[-1], mask, pos, docs))
+                for prep in preps:
+                    with self._embed_rng_for(len(self._embed_rng), save=True):
+                        xs.append(self._embed_call(dict(zip((s.local for s in embed.slots),
+                                                            Template.views(e_w, embed.slots))), prep))
+                    ctxs.append(_BatchContext(self, xs[-1], prep.mask, prep.pos, prep.docs))
             acts = self._activation_sets(len(preps)) if keep else None
             for a in acts or ():
                 a.reset()
             routers = [{} for _ in preps]  # per micro-batch: layer -> its router logits
+            draws = self.training and self.spec.layer_draws
             for unit in self.units[1:-1]:
                 w = pipe.weights(unit.index)
                 for k, ctx in enumerate(ctxs):
                     if keep:
                         acts[k].put(unit.layer, xs[k])
+                    if draws:  # LayerDrop's number, drawn (on the CPU) before each layer as its base model draws it
+                        torch.rand([])
                     with pipe.span("compute"), ctx.rng_for(unit, save=True), ctx.router_capture(unit) as cap:
                         xs[k] = self._layer_call(unit, w, xs[k], ctx)
                     if cap:  # an MoE layer's router ran (a dense layer of an MoE model has none)
@@ -580,7 +698,7 @@ class StreamingEngine(nn.Module):
                                  "step its units as they finish: call HostAdamW.step_during_backward() before it "
                                  "(to clip, with clip_norm=(gradient_norm(...), max_norm)), with the step's "
                                  "micro-batches together in one call.")
-        preps = [self._inputs.prepare(b) for b in batches]
+        preps = [self._positions(self._inputs.prepare(b), b) for b in batches]
         require_labels(preps)
         pipe = self.pipeline
         pipe.start(self._unit_plan(backward=True))
@@ -616,7 +734,7 @@ class StreamingEngine(nn.Module):
                 own = [g.reshape(-1) for g in grad_w[:n_own] if g is not None]
                 if own:  # summed over micro-batches in their order, as the host accumulator would
                     head_grad = torch.cat(own) if head_grad is None else head_grad.add_(torch.cat(own))
-            tied_grads.append(grad_w[n_own].reshape(-1) if head.tied_local and grad_w[n_own] is not None else None)
+            tied_grads.append(grad_w[n_own].reshape(-1) if self._tied and grad_w[n_own] is not None else None)
             grad_xs.append(grad_x)
             r_seeds = {}
             if head_loss is not None and not isinstance(head_loss, RowLoss):
@@ -717,18 +835,23 @@ class StreamingEngine(nn.Module):
         if not embed.n_train:  # frozen embedding (LoRA): nothing to compute
             self.pipeline.release(embed.index)
             return
-        tmpl = self._templates["embed"]
         acc = None
         with self.pipeline.span("compute"):
-            for k, (ids, *_) in enumerate(preps):
+            for k, prep in enumerate(preps):
                 gbuf = self._grad_target(embed, k, len(preps))
 
-                def run(named, ids=ids):
-                    return [tmpl.call(named, ids)], []
+                def run(named, prep=prep, k=k):
+                    with self._embed_rng_for(k, save=False):
+                        return [self._embed_call(named, prep)], []
 
                 recompute_grads(embed.slots, e_w, gbuf, run, [grad_xs[k]])
                 grad_xs[k] = None
-                if tied_grads[k] is not None:
+                if tied_grads[k] is not None and len(embed.slots) > 1:
+                    # the token embedding's part of the unit (absolute positions beside it): the two uses of the
+                    # tied weight meet there in fp32 (the same sum: fp32 addition commutes)
+                    slot = next(s for s in embed.slots if s.local == "embed.weight")
+                    gbuf[slot.offset:slot.offset + slot.numel].add_(tied_grads[k])
+                elif tied_grads[k] is not None:
                     # Both uses of a tied weight meet in fp32, as they would in an fp32 .grad.
                     tied_grads[k].add_(gbuf)
                     gbuf = tied_grads[k]
@@ -772,7 +895,7 @@ class StreamingEngine(nn.Module):
                                  "computes no gradients. Training runs through MegaTrainTrainer.training_step (an "
                                  "override must call super().training_step) or engine.forward_backward.")
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "position_ids": position_ids}
-        prep = self._inputs.prepare(batch)
+        prep = self._positions(self._inputs.prepare(batch), batch)
         mask, labels, rows = prep.mask, prep.labels, prep.rows
         pipe = self.pipeline
         pipe.start(self._unit_plan(backward=False))
@@ -885,6 +1008,13 @@ class _BatchContext:
         if not self.router:
             return nullcontext(None)
         return self.engine._templates[unit.template_key].capturing()
+
+
+def _submodule_or_none(module: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:  # not built for this config (None)
+        return None
 
 
 def _has_submodule(module: nn.Module, path: str) -> bool:

@@ -13,6 +13,7 @@ import ast
 import copy
 import functools
 import inspect
+import math
 import re
 import sys
 import textwrap
@@ -115,6 +116,41 @@ class ArchSpec:
     # Multimodal rotary embeddings of a text stack (Qwen3.5's mRoPE): the rotary module takes its positions as
     # [rows, batch, seq], which a text-only forward makes by repeating the 2D position ids this many times.
     rotary_rows: int | None = None
+    # Absolute positions, added to the token embeddings before the first layer as the base model adds them: the
+    # path of the module that makes them (GPT-2's wpe, OPT's and BioGPT's learned tables with their offset of 2,
+    # XGLM's sinusoid), called with the position ids, or with the 2D mask and the ids where its forward takes the
+    # mask; or of a buffer the ids index (CTRL's pos_encoding, positions_buffer). They are part of the embedding
+    # unit (its `positions`), as OPT's project_in (applied to the token embeddings first) is, and project_out
+    # (after the final norm) is part of the head.
+    positions: str | None = None
+    positions_buffer: bool = False
+    positions_learned: bool = False  # the module holds parameters (a learned table), which the unit lays out
+    # OPT: without position ids in the batch, its forward counts them from the 2D mask (cumsum(mask) * mask - 1),
+    # for the positions and for its layers.
+    positions_from_mask: bool = False
+    project_in: str | None = None
+    project_out: str | None = None
+    # (config) -> what the token embeddings are multiplied by before the positions are added (CTRL's
+    # sqrt(n_embd)); and where the base model keeps the embedding dropout it applies to their sum: the name of a
+    # Dropout child, or of a float attribute it hands nn.functional.dropout (BioGPT's, XGLM's `dropout`).
+    embed_scale: Callable | None = None
+    embed_dropout: str | None = None
+    # LayerDrop (OPT, BioGPT, XGLM): in training the base model draws one random number before each layer (and
+    # skips the layer below config.layerdrop, which the engine refuses): the engine draws it too, so that the
+    # layers' dropout sees the numbers stock's does.
+    layer_draws: bool = False
+
+    @property
+    def embed_parts(self) -> tuple[tuple[str, str], ...]:
+        """(name in the embedding unit, module path) of what the embedding unit holds beside the token embedding:
+        how the host store lays their parameters out (engine/store.py)."""
+        return tuple((part, path) for part, path in (("positions", self.positions if self.positions_learned else None),
+                                                     ("project_in", self.project_in)) if path)
+
+    @property
+    def head_parts(self) -> tuple[tuple[str, str], ...]:
+        """The same for the head beside the final norm and lm_head (OPT's project_out)."""
+        return (("project_out", self.project_out),) if self.project_out else ()
 
     @property
     def has_router_loss(self) -> bool:
@@ -250,6 +286,8 @@ def spec_for(config) -> ArchSpec:
         if why == _UNKNOWN:
             spec = _generic(config)
             why = spec if isinstance(spec, str) else None
+    if why is None:
+        why = _config_refusal(spec, config)
     if why is not None:
         if not model_type:  # a PreTrainedModel of the user's own, no transformers family at all
             raise MegaTrainError(
@@ -262,6 +300,19 @@ def spec_for(config) -> ArchSpec:
             f"Supported decoder-only families: {', '.join(supported_model_types())}."
         )
     return spec
+
+
+def _config_refusal(spec: ArchSpec, config) -> str | None:
+    """What this config sets that its family's spec does not repeat, in a few words; None where nothing."""
+    unplaced = _not_laid_out(spec)
+    if unplaced:
+        return (f"{', '.join(unplaced)} {'holds' if len(unplaced) == 1 else 'hold'} parameters beside the token "
+                "embedding, the final norm and lm_head, which the host store does not lay out in the embedding or "
+                "head unit yet (engine/store.py)")
+    if spec.layer_draws and float(getattr(config, "layerdrop", 0.0) or 0.0) > 0:
+        return (f"layerdrop={config.layerdrop} skips random decoder layers in training, which the engine's "
+                "one-unit-per-layer schedule does not repeat; set config.layerdrop = 0")
+    return None
 
 
 _ATTENTION_KINDS = {FULL, SLIDING, CHUNKED}
@@ -333,6 +384,27 @@ def _generic(config) -> ArchSpec | str:
     spec = ArchSpec(model_type, kind, mlp=mlp, generic=True, **paths, **outside, **fields, **plan)
     _GENERIC[model_type] = spec
     return spec
+
+
+def _not_laid_out(spec: ArchSpec) -> list[str]:
+    """The parts of the embedding and head units beyond the token embedding, final norm and lm_head
+    (ArchSpec.embed_parts, head_parts: a learned position table, OPT's projections) whose parameters the host
+    store does not place in their unit under their part's name (engine/store.py's _unit_of, asked directly: it is
+    the store's placement rule, and a family must be refused before the store meets a parameter it cannot place)."""
+    if not spec.embed_parts and not spec.head_parts:
+        return []
+    from ..engine.store import _unit_of
+
+    unplaced = []
+    for kind, parts in (("embed", spec.embed_parts), ("head", spec.head_parts)):
+        for part, path in parts:
+            try:
+                placed = _unit_of(f"{path}.weight", spec)
+            except ValueError:
+                placed = None
+            if placed != (kind, None, f"{part}.weight"):
+                unplaced.append(path)
+    return unplaced
 
 
 # What a generic family's forwards may do outside the layers that the engine does as they do (spec.logits and
@@ -416,7 +488,9 @@ _MASK_KWARGS = {"config", "inputs_embeds", "attention_mask", "past_key_values", 
 # Keywords of a layer call that a training forward leaves at their defaults (no cache) or that say nothing the
 # layer computes with.
 _DEFAULTED = {"past_key_values", "cache", "past_key_value", "layer_past", "cache_params", "use_cache",
-              "cache_position", "output_attentions", "output_router_logits"}
+              "cache_position", "output_attentions", "output_router_logits",
+              # cross-attention inputs, None in a decoder-only causal LM's forward (GPT-2, XGLM, GPT-BigCode)
+              "encoder_hidden_states", "encoder_attention_mask"}
 
 
 def _mask_function(maker, config):
@@ -459,6 +533,28 @@ def _per_layer_attr(node, index: str | None) -> str | None:
     if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name) and node.slice.id == index:
         return _config_attr(node.value)
     return None
+
+
+def _as_keywords(call: ast.Call, layers) -> list | None:
+    """The layer call's arguments after the hidden states as keywords, a positional one named by the layer
+    forward's parameter in its place (GPT-2's `block(hidden_states, past_key_values, causal_mask, ...)`); None
+    where the first is not the hidden states or the others cannot be named (starred, too many, or layer classes
+    that name them differently)."""
+    args = call.args
+    if not args or not isinstance(args[0], ast.Name) or args[0].id != "hidden_states":
+        return None
+    if len(args) == 1:
+        return list(call.keywords)
+    named = set()
+    for cls in dict.fromkeys(type(m) for m in layers):
+        params = list(inspect.signature(cls.forward).parameters.values())[2:]  # after self and the hidden states
+        named.add(tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD))
+    if len(named) != 1 or any(isinstance(a, ast.Starred) for a in args):
+        return None
+    (names,) = named
+    if len(args) - 1 > len(names):
+        return None
+    return [ast.keyword(arg=n, value=a) for n, a in zip(names, args[1:])] + list(call.keywords)
 
 
 def _layer_plan(model, paths: dict, layers) -> dict | str:
@@ -508,7 +604,8 @@ def _layer_plan(model, paths: dict, layers) -> dict | str:
     if layer is None or len(calls) != 1:
         return f"its model forward ({name}) calls its layers in a way the engine cannot read"
     call = calls[0]
-    if len(call.args) != 1 or not isinstance(call.args[0], ast.Name) or call.args[0].id != "hidden_states":
+    keywords = _as_keywords(call, layers)
+    if keywords is None:
         return (f"its model forward ({name}) hands each decoder layer positional arguments beyond the hidden states "
                 f"({', '.join(ast.unparse(a) for a in call.args[1:]) or ast.unparse(call.args[0])}), which the engine "
                 "does not pass")
@@ -525,7 +622,7 @@ def _layer_plan(model, paths: dict, layers) -> dict | str:
     kind_attr, inputs, makers, strict = None, [], dict(mapping), False
     rows = _mrope_rows(ast.unparse(fn))
     layer_init = inspect.getsource(type(layers[0]).__init__) if layers else ""
-    for kw in call.keywords:
+    for kw in keywords:
         v, src = kw.value, None
         if kw.arg is None or kw.arg in _DEFAULTED:
             continue
@@ -675,6 +772,11 @@ def _layout(model) -> dict | str:
     taken = {f"{prefix}.{layers[0]}", embed, head} | ({rotary} if rotary else set())
     rest = [(f"{prefix}.{n}", m) for n, m in base.named_children()
             if f"{prefix}.{n}" not in taken and not isinstance(m, torch.nn.Dropout)]
+    parts = _embedding_parts(base, prefix, layers[0], [n for n, _ in rest]) if rotary is None else {}
+    if isinstance(parts, str):
+        return parts
+    taken |= {v for k, v in parts.items() if k in ("positions", "project_in", "project_out")}
+    rest = [(n, m) for n, m in rest if n not in taken]
     if len(rest) > 1:  # a final norm without parameters (OLMo's) beside modules with some is not the norm
         rest = [(n, m) for n, m in rest if any(True for _ in m.parameters())] or rest
     rest = [n for n, _ in rest]
@@ -688,7 +790,74 @@ def _layout(model) -> dict | str:
                 f"({extra}), which the engine does not run")
     if any(not n.startswith(tuple(p + "." for p in taken | set(rest))) for n, _ in model.named_parameters()):
         return "its causal LM has parameters outside the embedding, the decoder layers, the final norm and the head"
-    return dict(embed=embed, layers=f"{prefix}.{layers[0]}", norm=rest[0], lm_head=head, rotary=rotary)
+    return dict(embed=embed, layers=f"{prefix}.{layers[0]}", norm=rest[0], lm_head=head, rotary=rotary, **parts)
+
+
+def _sqrt_of(attr: str, config) -> float:
+    return math.sqrt(getattr(config, attr))  # CTRL: np.sqrt(n_embd), the same correctly rounded double
+
+
+def _embedding_parts(base, prefix: str, layers: str, rest: list[str]) -> dict | str:
+    """What a base model without rotary embeddings does between its token embedding and its first layer, and
+    after its last layer besides the final norm, read from its forward's source (ArchSpec.positions and the
+    fields beside it): a module called with the position ids whose output it adds to the embeddings (GPT-2's
+    wpe, OPT's embed_positions), or a buffer the ids index (CTRL's pos_encoding); a projection of the token
+    embeddings (OPT's project_in) and of the last hidden state (project_out); a scale of the token embeddings by
+    the square root of a config attribute (CTRL); its embedding dropout; LayerDrop's draws. The self-check
+    verifies what is read. {} where it does none of these; the reason where it does one the engine does not."""
+    try:
+        forward = inspect.getsource(type(base).forward)
+        init = inspect.getsource(type(base).__init__)
+    except (OSError, TypeError):
+        return {}
+    loop = _layers_loop(forward, layers)
+    if loop is None:
+        return {}
+    before, after = forward[:loop.start()], forward[loop.end():]
+    attrs = {n.rpartition(".")[2]: n for n in rest}
+    out = {}
+    for attr, path in attrs.items():
+        call = re.search(rf"self\.{attr}\(([^()]*(?:\([^()]*\)[^()]*)*)\)", before)
+        if call and "position_ids" in call.group(1):
+            if "positions" in out:
+                return f"its model forward makes absolute positions with two modules ({out['positions']}, {path})"
+            out["positions"] = path
+            out["positions_learned"] = any(True for _ in base.get_submodule(attr).parameters())
+    # Projections, read from the source whether this config builds them or not (OPT's are None where
+    # word_embed_proj_dim equals the width): the spec of a family is one for all its configs.
+    proj = re.search(r"inputs_embeds\s*=\s*self\.(\w+)\(inputs_embeds\)", before)
+    if proj:
+        out["project_in"] = f"{prefix}.{proj.group(1)}"
+    for name, buf in base.named_buffers(recurse=False):
+        if buf is not None and re.search(rf"self\.{name}\[position_ids\b", before):
+            if "positions" in out:
+                return f"its model forward makes absolute positions in two ways ({out['positions']}, {name})"
+            out.update(positions=f"{prefix}.{name}", positions_buffer=True)
+    # after the layers: the final norm, then a projection (OPT's project_out), applied last and declared in its
+    # __init__ as a Linear (or None)
+    applied = re.findall(r"hidden_states\s*=\s*self\.(\w+)\(hidden_states\)", after)
+    if len(applied) > 1 and re.search(rf"self\.{applied[-1]}\s*=\s*nn\.Linear\(", init):
+        out["project_out"] = f"{prefix}.{applied[-1]}"
+    if not out:
+        return {}
+    scale = re.search(r"inputs_embeds\s*\*=\s*(?:np|math)\.sqrt\(self\.(\w+)\)", before)
+    if scale:
+        attr = re.search(rf"self\.{scale.group(1)}\s*=\s*config\.(\w+)\s*$", init, re.M)
+        if attr is None:
+            return "its model forward scales the embeddings by something other than the root of a config attribute"
+        out["embed_scale"] = functools.partial(_sqrt_of, attr.group(1))
+    drop = re.search(r"hidden_states\s*=\s*self\.(\w+)\(hidden_states\)", before)
+    if drop and isinstance(getattr(base, drop.group(1), None), torch.nn.Dropout):
+        out["embed_dropout"] = drop.group(1)
+    drop = re.search(r"hidden_states\s*=\s*nn\.functional\.dropout\(hidden_states,\s*p=(?:float\()?self\.(\w+)\b",
+                     before)
+    if drop:
+        out["embed_dropout"] = drop.group(1)
+    if re.search(r"\bself\.layerdrop\b", forward[loop.start():]):
+        out["layer_draws"] = True
+    if re.search(r"position_ids\s*=\s*torch\.cumsum\(attention_mask\b", before):
+        out["positions_from_mask"] = True
+    return out
 
 
 def _generic_experts_disk(config, layers):
