@@ -81,6 +81,7 @@ def meta_skeleton(config, attn_implementation: str | None = None, trust_remote_c
         kwargs["trust_remote_code"] = trust_remote_code
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, **kwargs)
+    computed = []  # non-persistent buffers the model computes when built, blank on the host until rebuilt
     for name, module in list(model.named_modules()):
         meta = [k for k, b in module._buffers.items() if b is not None and b.device.type == "meta"]
         rotary = hasattr(module, "inv_freq") or type(module).__name__.endswith("RotaryEmbedding")
@@ -94,34 +95,46 @@ def meta_skeleton(config, attn_implementation: str | None = None, trust_remote_c
                     # weights, so the loader reads it from the checkpoint (stream_load.load_into_store)
                     b = module._buffers[k]
                     module._buffers[k] = torch.zeros(b.shape, dtype=b.dtype)
-                elif not _rebuilt(model, module, k):
-                    raise MegaTrainError(f"{name}.{k} is a buffer that is neither saved with the weights nor a "
-                                         "constant, so it cannot be rebuilt on the host")
+                else:
+                    computed.append((name, k, _blank(module, k)))
         elif meta:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, type(module)(config=model.config))
+    for name, key, blank in computed:
+        if not _rebuilt(model, name, key, blank):
+            raise MegaTrainError(f"{name}.{key} is a buffer that is neither saved with the weights nor a constant, "
+                                 "and the model's _init_weights does not compute it, so it cannot be rebuilt on the host")
     return model
 
 
-def _rebuilt(model, module, key: str) -> bool:
-    """A non-persistent buffer the model computes when it is built (CTRL's pos_encoding, XGLM's sinusoid,
-    GPT-Neo's causal masks), made on the host and filled by the model's own _init_weights, as from_pretrained
-    fills it after loading; False (left on meta) where that does not write it."""
+def _blank(module, key: str) -> torch.Tensor:
+    """A host tensor in place of a meta buffer, filled with what no initialisation writes (NaN, or zeros)."""
     meta = module._buffers[key]
     blank = torch.full(meta.shape, float("nan") if meta.is_floating_point() else 0, dtype=meta.dtype)
     module._buffers[key] = blank.clone()
-    try:
-        model._init_weights(module)
-    except Exception:
-        module._buffers[key] = meta
-        return False
-    got = module._buffers[key]
-    written = got.device.type == "cpu" and (not bool(got.isnan().any()) if got.is_floating_point()
-                                            else not torch.equal(got, blank))
-    if not written:
-        module._buffers[key] = meta
-    return written
+    return blank
+
+
+def _rebuilt(model, name: str, key: str, blank: torch.Tensor) -> bool:
+    """Whether a non-persistent buffer the model computes when it is built (CTRL's pos_encoding, XGLM's sinusoid,
+    GPT-Neo's causal masks, Falcon-H1's mup_vector) is now written by the model's own _init_weights, as
+    from_pretrained writes it after loading: called on the buffer's module, then on each module above it (Falcon-H1
+    computes its mixers' vector in its base model's), until one writes it. Parameters are on meta there, so
+    nothing else is initialised."""
+    path = name.split(".") if name else []
+    module = model.get_submodule(name)
+    for depth in range(len(path), -1, -1):
+        owner = model.get_submodule(".".join(path[:depth]))
+        try:
+            model._init_weights(owner)
+        except Exception:
+            continue
+        got = module._buffers[key]
+        if got.device.type == "cpu" and (not bool(got.isnan().any()) if got.is_floating_point()
+                                         else not torch.equal(got, blank)):
+            return True
+    return False
 
 
 def load_model_and_tokenizer(model, attn_implementation: str | None = None, revision: str | None = None,

@@ -376,11 +376,12 @@ def test_hybrid_stacks_tile_their_mlps_only(model_type):
         torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "jamba", "qwen3_5_text", "mamba2"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "jamba", "qwen3_5_text", "mamba2", "falcon_h1"])
 def test_hybrid_stacks_count_stream_in_and_load_back(model_type, tmp_path):
     """The layout's count, a saved folder streamed into the store (every master equal; an MoE's experts one by
-    one on disk, fused in memory), then the engine equals stock on the loaded model; the engine's saved files load
-    back to the same logits."""
+    one on disk, fused in memory; Falcon-H1's mixers' mup_vector, which is not saved, computed on the host by its
+    model's _init_weights), then the engine equals stock on the loaded model; the engine's saved files load back
+    to the same logits."""
     from hf_megatrain.engine.layout import config_units
 
     src, _ = _hybrid_model(model_type, attn="eager")
