@@ -462,8 +462,8 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
         if on_gpu_grads:
             plan.host[f"pinned landing tiles ({GRAD_LANDING_BUFFERS}, gradients kept on the GPU)"] = \
                 4 * GRAD_LANDING_BUFFERS * LANDING_TILE
-        if cuda and world == 1 and owned and opt.adamw:  # the accumulator and the staging slabs, for the buffers
-            # (transient gradients are stepped as they land: the host AdamW's alone)
+        if cuda and world == 1 and owned:  # the accumulator and the staging slabs, for the buffers
+            # (every host optimizer steps a transient gradient as it lands)
             plan.transient_saving = 4 * (owned - on_gpu_grads) - buffers \
                 + (eng.staging_slabs * 4 * slab_numel(units) if later_contributions else 0)
     if opt.adamw:
@@ -532,9 +532,6 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
         plan.gpu[f"lean resident layers (master, grad, {adam})"] = lean_state(16)
     else:
         plan.gpu[f"resident units (weights, master, grad, {adam})"] = state([u for u in units if u.resident], 16)
-    scratch = opt.scratch_bytes([u for u in units if u.resident and u.n_train], gpu=True)
-    if scratch:  # the resident units step after the backward, before the next forward: a phase of its own
-        plan.gpu["[optimizer step] temporaries of a resident unit's step"] = scratch
     plan.gpu["saved layer inputs"] = group * (s.layers - offload) * layer_input
     if offload:  # brought back ahead of need (engine.activations: the lookahead, plus the one in use)
         plan.gpu["offloaded inputs in flight"] = group * min(offload, eng.activation_lookahead + 1) * layer_input
@@ -557,6 +554,9 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     act = (tokens * (18 * s.hidden + 4 * s.kv_dim) + mlp_tokens * 4 * s.inter) * cbytes
     plan.gpu["[layer] one layer's recompute + grads"] = act + cbytes * s.layer + held + grad_x
     plan.gpu["[embedding] embedding gradient (fp32)"] = 4 * s.embed + held + grad_x
+    scratch = opt.scratch_bytes([u for u in units if u.resident and u.n_train], gpu=True)
+    if scratch:  # a resident unit steps after the backward, or during it (beside the gradients flowing down)
+        plan.gpu["[optimizer step] temporaries of a resident unit's step"] = scratch + grad_x + held
     plan.gpu["runtime (CUDA context, cuBLAS)"] = GPU_RUNTIME
     return plan
 
@@ -576,14 +576,12 @@ def mode_plans(config, batch: int, seq: int, engine: EngineConfig, *, sizes: Mod
                optimizer: OptimizerState | None = None) -> list[tuple[str, EngineConfig, MemoryPlan]]:
     """The plan of each memory mode (MODES) at `engine`'s placement: what `estimate` shows side by side
     (gradients kept on the GPU stay where they are, except with transient_grads, which keeps none).
-    optimizer: what steps the run (default AdamW); another than AdamW steps after the backward only, so
-    neither transient_grads nor gradients kept on the GPU are its modes."""
+    optimizer: what steps the run (default AdamW); another than AdamW keeps no gradient on the GPU (its
+    step needs whole parameters, and those come over in tiles)."""
     sizes = sizes or model_sizes(config)
     opt = optimizer or ADAMW
     out = []
     for name, fields in MODES:
-        if not opt.adamw and fields.get("transient_grads"):
-            continue
         eng = mode_engine(engine, {"lean_streamed": False, "transient_grads": False, **fields,
                                    **({} if opt.adamw else {"gpu_grad_layers": 0})})
         out.append((name, eng, estimate(config, batch, seq, eng, sizes=sizes, micro_batches=micro_batches,
@@ -607,4 +605,4 @@ def mlp_tile(seq: int, tile: int | None = None) -> int | None:
 def mode_engine(engine: EngineConfig, fields: dict) -> EngineConfig:
     """`engine` with a memory mode's fields (MODES). transient_grads keeps no gradient to place on the
     GPU, so gpu_grad_layers goes to 0 with it (EngineConfig refuses the two together)."""
-    return replace(engine, **fields, **({"gpu_grad_layers": 0} if fields.get("transient_grads") else {}))
+    return replace(engine, **{**fields, **({"gpu_grad_layers": 0} if fields.get("transient_grads") else {})})

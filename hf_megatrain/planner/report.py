@@ -21,8 +21,8 @@ def verdict(request: Request, run: RunPlan) -> str | None:
 
 
 # Optimizers priced beside the one asked for, in the modes table: Adafactor (the leanest that keeps a
-# second moment), and AdamW where another was asked. Only their modes without transient_grads (theirs
-# alone is AdamW's), labelled "optim=NAME[ + mode]".
+# second moment), and AdamW where another was asked; every memory mode of each (all of them step a
+# transient gradient as it lands), labelled "optim=NAME[ + mode]".
 ALTERNATIVE_OPTIMIZERS = ("adafactor", "adamw")
 
 
@@ -41,8 +41,8 @@ def mode_rows(model_config, request: Request, run: RunPlan, machine: Machine) ->
 
 
 def _optimizer_rows(model_config, request: Request, run: RunPlan, machine: Machine, opt, label: str) -> list[dict]:
-    """mode_rows' rows of one optimizer: each mode it combines with (label: "" for the one asked for, whose
-    rows are named by their mode alone; "optim=NAME" for an alternative, shown without transient_grads)."""
+    """mode_rows' rows of one optimizer: each memory mode (label: "" for the one asked for, whose rows are
+    named by their mode alone; "optim=NAME" for an alternative)."""
     from .steptime import norm_pass, predict, routed_per_layer
 
     sizes, ga, clip = model_sizes(model_config, request.peft_config), request.grad_accum, request.clip
@@ -52,8 +52,6 @@ def _optimizer_rows(model_config, request: Request, run: RunPlan, machine: Machi
     rows = []
     for name, eng, plan in mode_plans(model_config, run.rows, request.seq, run.engine, sizes=sizes,
                                       micro_batches=run.per_pass, later_contributions=later, optimizer=opt):
-        if label and eng.transient_grads:
-            continue
         if label:
             name = label if name == "default" else f"{label} + {name}"
         step = predict(model_config, run.rows, request.seq, eng, machine.planning_rates(), micro_batches=n,

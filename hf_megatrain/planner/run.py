@@ -4,7 +4,8 @@ step time), for the trainer, `hf-megatrain estimate` and `prepare()`.
 What is decided here and nowhere else:
 - the auto rules of the host memory modes: transient_grads and gpu_grad_layers on auto are weighed
   only where there is a machine to weigh them against (a GPU, its free memory and the host's), and
-  transient_grads only where it is free of time (one process, no clipping);
+  transient_grads only where it is free of time (one process, no clipping), for every optimizer the
+  engine runs (each steps a unit as its gradient lands); gpu_grad_layers for the host AdamW alone;
 - data parallel x memory modes: residency is not combined with sharding (streamed, said in a note), the
   host memory modes are off; layer_major_accumulation, transient_grads, lean_streamed and
   gpu_grad_layers asked for with it are refused;
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 from .admission import admit, allocator_advice
-from .estimator import GiB, MemoryPlan, estimate, model_sizes, optimizer_state
+from .estimator import MemoryPlan, estimate, model_sizes, optimizer_state
 from .machine import Machine, ranks_on_this_host
 from .placement import StepSplit, longest_fitting_row, one_at_a_time, resolve_placement, split_step
 from ..engine.config import EngineConfig
@@ -41,8 +42,9 @@ class Request:
     inline JSON or a JSON file, as MegaTrainArguments.peft_config takes them; None: full fine-tuning):
     the plan's units then train only the adapters (model_sizes), the base is frozen (no
     step-time prediction yet).
-    optimizer: only the host AdamW steps during the backward or tile by tile, so the modes that need it
-    (transient_grads, gpu_grad_layers, data parallel) are off or refused for the others; optimizer and
+    optimizer: every host optimizer steps during the backward (transient_grads), but only the host AdamW
+    steps tile by tile or a slice of each parameter, so the modes that need that (gpu_grad_layers, data
+    parallel) are off or refused for the others; optimizer and
     optim_args (TrainingArguments' spellings) say what state it keeps per parameter (optimizer_state).
     admit: check the plan against the machine (memory_check). suggest_row: a refusal also names the
     longest row that fits (mlp_tile_tokens: the tile as asked, for that search)."""
@@ -139,7 +141,8 @@ def request_from_arguments(args, device, lora: bool = False, model=None, optimiz
 def settle_autos(engine: EngineConfig, request: Request, machine: Machine) -> EngineConfig:
     """The auto rules of the host memory modes, once: with nothing to weigh them against (no GPU, no
     free memory given, data parallel), they are off; transient_grads on auto is offered only where
-    it costs no pass (no clipping); with transient_grads no gradient persists to keep on the GPU.
+    it costs no pass (no clipping); with transient_grads no gradient persists to keep on the GPU, and
+    only the host AdamW steps a gradient kept there (in tiles that cut parameters).
     Data parallel streams every layer (residency is not combined with sharding yet)."""
     cuda = engine.device.type == "cuda"
     weighed = cuda and request.world_size <= 1 and machine.gpu_free is not None and machine.host_free is not None
@@ -149,11 +152,8 @@ def settle_autos(engine: EngineConfig, request: Request, machine: Machine) -> En
                       gpu_grad_layers=0)
     if engine.transient_grads and engine.gpu_grad_layers is None:
         fields["gpu_grad_layers"] = 0  # no gradient persists to be placed
-    if request.optimizer != "adamw":  # only the host AdamW steps during the backward, or tile by tile
-        if engine.transient_grads is None:
-            fields["transient_grads"] = False
-        if engine.gpu_grad_layers is None:
-            fields["gpu_grad_layers"] = 0
+    if request.optimizer != "adamw" and engine.gpu_grad_layers is None:  # only the host AdamW steps in tiles
+        fields["gpu_grad_layers"] = 0
     if engine.transient_grads is None and not (weighed and not request.clip):
         fields["transient_grads"] = False
     if engine.gpu_grad_layers is None and not weighed:

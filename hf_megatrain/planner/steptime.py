@@ -9,10 +9,11 @@ dependencies:
 - backward, last unit first: a streamed unit's weights come in, its recompute and backward run once
   they are in and the previous unit's backward is done, its gradient goes out after them;
 - host AdamW of the streamed units: with exact clipping, only once the whole backward is done (the
-  global norm scales every gradient) and then unit by unit in forward order; without clipping, each
-  unit as soon as its gradient has landed; another optimizer (sgd, adagrad, rmsprop, adafactor: engine/
-  host_optim.py) always after the backward, at its own host rate (Rates.host_step: the probe's
-  measurement, else modelled from the bytes its step moves against AdamW's);
+  global norm scales every gradient) and then unit by unit in forward order; without clipping (or with
+  it through transient_grads' norm pass), each unit as soon as its gradient has landed; another optimizer
+  (sgd, adagrad, rmsprop, adafactor: engine/host_optim.py) is placed the same way (the engine's step
+  policy is one for all), at its own host rate (Rates.host_step: the probe's measurement, else modelled
+  from the bytes its step moves against AdamW's);
 - next forward, first unit first: a streamed unit's weights come in after its AdamW has refreshed
   them, and its forward runs after they are in.
 
@@ -214,7 +215,7 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
 
         end, landed = backward()
         done, host = {}, end  # host AdamW of the streamed units
-        if (clip or not opt.adamw) and not measure:  # after the whole backward, in forward order
+        if clip and not measure:  # after the whole backward, in forward order
             for i in range(len(units)):
                 if adam[i]:
                     host += adam[i] * adam_scale
@@ -246,8 +247,8 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
              "PCIe": step - simulate(pcie_scale=1e-9),
              host: step - simulate(adam_scale=1e-9)}
     bound = max(gains, key=gains.get)
-    if bound == host and (clip or not opt.adamw) and not measure:
-        bound = f"{host} after the backward" + (" (exact clipping)" if clip else "")
+    if bound == host and clip and not measure:
+        bound = f"{host} after the backward (exact clipping)"
     return StepTime(step, tokens, bound, lanes, gains, rates.measured)
 
 

@@ -22,7 +22,7 @@ from hf_megatrain.engine.optimizer import HostAdamW
 from hf_megatrain.errors import MegaTrainError
 from hf_megatrain.planner import Machine, Request, plan_run, request_from_arguments
 from hf_megatrain.planner.estimator import (ADAMW, ADAMW_OPTIMS, GiB, copy_units, estimate, model_sizes, optimizer_class,
-                                            optimizer_state, state_of)
+                                            optimizer_state, state_bytes_per_parameter, state_of)
 from hf_megatrain.planner.probe import REFERENCE, host_optim_gparams
 from hf_megatrain.planner.steptime import predict
 from hf_megatrain.shapes import make_config
@@ -227,18 +227,30 @@ def test_a_host_refusal_names_the_optimizer_that_fits():
     assert "optim='adafactor'" not in short.refusal
 
 
-def test_the_step_time_model_steps_other_optimizers_after_the_backward_at_their_rate():
+def test_the_step_time_model_places_other_optimizers_steps_as_adamws_at_their_rate():
+    """The engine's step policy is one for every optimizer: after the backward with exact clipping, during it
+    (each unit as its gradient lands) without clipping or with transient_grads' norm pass first."""
     config = make_config("llama-2-13b")
     sizes = model_sizes(config)
     engine = EngineConfig(device="cuda", resident_layers=0, offload_activations=0)
     adafactor = optimizer_state("adafactor")
+    steps = {}
     for clip in (True, False):
-        a = predict(config, 16, 1024, engine, REFERENCE, clip=clip, sizes=sizes, routed={})
-        b = predict(config, 16, 1024, engine, REFERENCE, clip=clip, sizes=sizes, routed={}, optimizer=adafactor)
-        ratio = REFERENCE.adamw(clip) / REFERENCE.host_step(adafactor, clip)
-        assert b.lanes["host_adafactor"] == pytest.approx(a.lanes["host_adamw"] * ratio)
-        assert b.bound.startswith("host adafactor after the backward")  # whatever the clipping
-        assert b.step_s >= b.lanes["host_adafactor"] + b.lanes["compute"] * 0.75 * 0.99  # never under the backward
+        for transient in (False, True):
+            eng = dataclasses.replace(engine, transient_grads=transient)
+            a = predict(config, 16, 1024, eng, REFERENCE, clip=clip, sizes=sizes, routed={})
+            b = predict(config, 16, 1024, eng, REFERENCE, clip=clip, sizes=sizes, routed={}, optimizer=adafactor)
+            ratio = REFERENCE.adamw(clip) / REFERENCE.host_step(adafactor, clip)
+            assert b.lanes["host_adafactor"] == pytest.approx(a.lanes["host_adamw"] * ratio)
+            after = clip and not transient
+            assert b.bound.startswith("host adafactor after the backward") == after, (clip, transient, b.bound)
+            assert b.lanes["compute"] == pytest.approx(a.lanes["compute"])  # the same passes (a norm pass: two)
+            if after:  # never under the backward plus the whole host step
+                assert b.step_s >= b.lanes["host_adafactor"] + b.lanes["compute"] * 0.75 * 0.99
+            else:  # the host step overlaps the backward: shorter than backward + host step, never under the host step
+                assert b.lanes["host_adafactor"] <= b.step_s < b.lanes["host_adafactor"] + b.lanes["compute"] * 0.75
+            steps[clip, transient] = b.step_s
+    assert steps[False, False] == steps[False, True] < steps[True, False]  # without clipping transient costs nothing
     measured = REFERENCE.__class__(**{**REFERENCE.__dict__, "optim_gparams": {"adafactor": [0.5, 84]}})
     assert measured.host_step(adafactor, True) == pytest.approx(0.5)
     assert measured.host_step(adafactor, False) == pytest.approx(0.5 * 98 / 90)
@@ -261,7 +273,7 @@ def test_estimate_prints_the_optimizer_and_its_alternatives(capsys):
     _, text = _estimate(capsys, *machine)
     assert "optim=" not in text.splitlines()[0]
     rows = [ln.split() for ln in text.splitlines() if ln.startswith("  optim=adafactor")]
-    assert [r[0] for r in rows] == ["optim=adafactor", "optim=adafactor"]  # default and + lean_streamed
+    assert [r[0] for r in rows] == ["optim=adafactor"] * 3  # default, + lean_streamed, + lean_streamed + transient
     _, out = _estimate(capsys, *machine, "--json")
     modes = json.loads(out)["modes"]
     asked = [m for m in modes if m["optimizer"] == "adamw"]
@@ -284,6 +296,81 @@ def test_estimate_prints_the_optimizer_and_its_alternatives(capsys):
     mark_resident(units, 4, sgd.engine.lean_resident, sgd.engine.lean_streamed, 0)
     assert state == [4 * sum(u.n_train for u in units if not u.resident)]  # a momentum buffer per streamed weight
     assert {m["optimizer"] for m in data["modes"]} == {"sgd", "adafactor", "adamw"}
-    assert not [m for m in data["modes"] if m["optimizer"] == "sgd" and "transient" in m["mode"]]
+    transient = [m for m in data["modes"] if m["optimizer"] == "sgd" and "transient" in m["mode"]]
+    lean = [m for m in data["modes"] if m["optimizer"] == "sgd" and m["mode"] == "lean_streamed"]
+    assert len(transient) == len(lean) == 1  # sgd with transient_grads: priced, less (no streamed accumulator)
+    assert transient[0]["state_bytes_per_parameter"] < lean[0]["state_bytes_per_parameter"]
+    assert transient[0]["host_gib"] < lean[0]["host_gib"]
     with pytest.raises(SystemExit, match="--optim / --optim_args"):
         _estimate(capsys, "--optim", "lion")
+
+
+# -- transient_grads with the other optimizers ---------------------------------------------------------
+def test_with_transient_grads_a_streamed_adafactor_parameter_keeps_no_fp32_gradient():
+    """Llama-3.1-70B, all streamed: with transient_grads a parameter costs its fp32 master, its bf16 copy and
+    Adafactor's factored state; the gradient is 3 shared buffers of the largest streamed unit, not 4 B each."""
+    config = make_config("llama-3.1-70b")
+    sizes = model_sizes(config)
+    adafactor = optimizer_state("adafactor")
+    engine = EngineConfig(device="cuda", resident_layers=0, offload_activations=0)
+    kw = dict(sizes=sizes, later_contributions=False, optimizer=adafactor)
+    plain = estimate(config, 16, 1024, engine, **kw)
+    transient = estimate(config, 16, 1024, dataclasses.replace(engine, transient_grads=True), **kw)
+    units = sizes.units
+    assert "fp32 gradient accumulator" not in transient.host
+    assert transient.host["fp32 gradient buffers (transient, 3)"] == 4 * 3 * max(u.n_train for u in units)
+    assert transient.host["fp32 master weights"] == 4 * sizes.params
+    assert transient.host["compute copy (streamed)"] == 2 * sizes.params
+    state = transient.host["optimizer state (adafactor: factored second moment)"]
+    assert state == sum(adafactor.unit_bytes(u) for u in units) < 0.01 * sizes.params  # rows + columns
+    assert plain.host_total - transient.host_total == 4 * sizes.params - 4 * 3 * max(u.n_train for u in units)
+    assert 6.0 < state_bytes_per_parameter(transient, sizes.params) < 6.2  # 4 + 2 + buffers + state
+    assert 10.0 <= state_bytes_per_parameter(plain, sizes.params) < 10.1
+    # and a GPU run prices it as a saving, for admission to offer
+    assert plain.transient_saving == pytest.approx(plain.host_total - transient.host_total)
+
+
+def test_the_auto_rule_takes_transient_grads_for_adafactor_where_it_takes_it_for_adamw():
+    """Qwen2.5-32B at 16K tokens on one H200 without clipping (transient_grads is free of time then): with
+    400 GiB of host, AdamW needs transient_grads and Adafactor fits without it; on this box's 122.7 GiB AdamW
+    fits in no mode and Adafactor takes transient_grads (and, its resident layers sharing one gradient buffer,
+    46 layers on the GPU). With clipping auto never takes it (a norm pass costs time); asked for, it runs
+    clipped through the norm pass and fits. gpu_grad_layers stays 0 on auto for Adafactor."""
+    config = make_config("qwen2.5-32b")
+    auto = EngineConfig(device="cuda", resident_layers=None, offload_activations=None, lean_resident=None,
+                        lean_streamed=None, transient_grads=None, gpu_grad_layers=None)
+
+    def planned(host_gib, optim, clip=0.0, engine=auto):
+        return plan_run(config, Request(engine, 16, 1024, max_grad_norm=clip, optimizer=optim),
+                        Machine(138.5 * GiB, host_gib * GiB))
+
+    big_adamw, big_adafactor = planned(400, "adamw"), planned(400, "adafactor")
+    assert big_adamw.engine.transient_grads and big_adamw.refusal is None
+    assert not big_adafactor.engine.transient_grads and big_adafactor.refusal is None
+    box_adamw, box_adafactor = planned(122.7, "adamw"), planned(122.7, "adafactor")
+    assert box_adamw.refusal is not None
+    assert box_adafactor.refusal is None and box_adafactor.engine.transient_grads
+    assert box_adafactor.engine.resident_layers == 46 and box_adafactor.engine.gpu_grad_layers == 0
+    assert "fp32 gradient accumulator" not in box_adafactor.memory.host
+    clipped = planned(122.7, "adafactor", clip=1.0)
+    assert not clipped.engine.transient_grads and clipped.refusal is not None
+    assert "transient_grads=True" in clipped.refusal.splitlines()[-1]  # the fix it offers
+    asked = planned(122.7, "adafactor", clip=1.0, engine=dataclasses.replace(auto, transient_grads=True))
+    assert asked.refusal is None and asked.engine.transient_grads
+    assert asked.step_time.step_s > box_adafactor.step_time.step_s  # the norm pass: one more forward and backward
+    assert any("norm pass" in n or "measures the global gradient norm" in n for n in asked.notes)
+
+
+def test_other_optimizers_refuse_data_parallel_and_gpu_grad_layers_in_one_line():
+    config = make_config("llama-3.2-1b")
+    engine = EngineConfig(device="cuda", resident_layers=0, offload_activations=0)
+    cases = ((dict(world_size=2), dict(), "data parallel"),
+             (dict(), dict(gpu_grad_layers=2), "gpu_grad_layers"))
+    for request_kw, engine_kw, says in cases:
+        with pytest.raises(MegaTrainError) as e:
+            plan_run(config, Request(dataclasses.replace(engine, **engine_kw), 4, 1024, optimizer="adafactor",
+                                     admit=False, **request_kw))
+        assert str(e.value).startswith(f"optim='adafactor' is not combined with {says}") and "\n" not in str(e.value)
+    run = plan_run(config, Request(dataclasses.replace(engine, transient_grads=True), 4, 1024, optimizer="sgd",
+                                   admit=False))
+    assert run.engine.transient_grads

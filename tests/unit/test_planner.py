@@ -234,17 +234,22 @@ def test_the_trainer_plans_for_the_memory_its_arguments_cap(tmp_path):
         MegaTrainTrainer(make_model("llama"), args)
 
 
-def test_optimizers_other_than_adamw_get_no_mode_that_steps_during_the_backward():
-    """Only the host AdamW steps during the backward or tile by tile: for another optimizer the planner leaves
-    transient_grads and gpu_grad_layers off on auto (where AdamW's plan takes them), and refuses them asked for,
-    or data parallel, before any weight is read."""
+def test_optimizers_other_than_adamw_get_transient_grads_but_no_mode_that_cuts_parameters():
+    """Every host optimizer steps during the backward (transient_grads), but only the host AdamW steps tile by
+    tile or a slice of each parameter: for another optimizer the planner weighs transient_grads on auto as for
+    AdamW (here Adafactor's plan fits without it, where AdamW's needs it: tests/unit/test_optimizer_plan.py has
+    one that needs it), takes it asked for, leaves gpu_grad_layers off on auto, and refuses it asked for, or
+    data parallel, before any weight is read."""
     cfg = make_config("qwen2.5-14b")
     auto = _auto()
     machine = Machine(138.5 * GiB, 122.7 * GiB)  # the host is short without a memory mode (test_capacity)
     adamw = plan_run(cfg, Request(auto, 8, 1024, max_grad_norm=0.0), machine).engine
     assert adamw.transient_grads
-    other = plan_run(cfg, Request(auto, 8, 1024, max_grad_norm=0.0, optimizer="adafactor"), machine).engine
-    assert (other.transient_grads, other.gpu_grad_layers) == (False, 0)
-    for engine, world in ((_auto(transient_grads=True, gpu_grad_layers=0), 1), (auto, 2)):
-        with pytest.raises(MegaTrainError, match="optim='sgd' is not combined with"):
+    other = plan_run(cfg, Request(auto, 8, 1024, max_grad_norm=0.0, optimizer="adafactor"), machine)
+    assert (other.engine.transient_grads, other.engine.gpu_grad_layers, other.refusal) == (False, 0, None)
+    asked = plan_run(cfg, Request(_auto(transient_grads=True), 8, 1024, optimizer="sgd"), machine)
+    assert asked.engine.transient_grads and asked.engine.gpu_grad_layers == 0
+    for engine, world, says in ((_auto(transient_grads=False, gpu_grad_layers=2), 1, "gpu_grad_layers"),
+                                (auto, 2, "data parallel")):
+        with pytest.raises(MegaTrainError, match=f"optim='sgd' is not combined with {says}"):
             plan_run(cfg, Request(engine, 8, 1024, world_size=world, optimizer="sgd"), machine)
