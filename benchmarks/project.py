@@ -3,6 +3,8 @@
     python benchmarks/project.py benchmarks/results/2026-12-03_h200_largest_llama-3.1-70b_11.json
     python benchmarks/project.py benchmarks/results/2026-12-03_h200_largest_llama-3.1-70b_11.json \
         --on llama-3.1-70b=491 mixtral-8x22b=982 --optim adamw_torch adafactor --tokens 16384    (issue 34)
+    python benchmarks/project.py --fit qwen2.5-32b=122.7 --gpu_gib 138.5 --optim adamw_torch adafactor \
+        --tokens 16384    (how many layers of a shape the planner admits on this box: no record needed)
 
 Input: the record of `largest.py` for a model of the target width truncated to what this box holds:
 the median seconds per decoder layer of forward, backward (with its recompute) and host AdamW, at
@@ -20,8 +22,8 @@ would do on one GPU and that host:
 
 Modes: default (clipping 1.0), lean_streamed (clipping 1.0), lean_streamed + transient_grads without
 clipping and with clipping 1.0 (then each step runs a norm pass first: one more forward and backward,
-which the step-time model counts); transient_grads is AdamW's alone (engine/host_optim.py), so another
-optimizer (--optim, TrainingArguments' names) runs the first two. Its state is the planner's count for
+which the step-time model counts), and transient_grads alone both ways too, for every optimizer (--optim, TrainingArguments' names: each steps a
+transient gradient as it lands, engine/host_optim.py). Another optimizer's state is the planner's count for
 the class Trainer builds (estimator.optimizer_state) and its host step is the record's host AdamW seconds
 scaled by the rates' ratio (Rates.host_step: modelled from the bytes each step moves, the reference
 rates having measured AdamW only). An MoE's layers are scaled by their active parameters (top-k of
@@ -41,17 +43,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 
+def project_modes() -> tuple:
+    """The modes `hf-megatrain estimate` shows, and transient_grads alone (the auto rule's first choice
+    where the host is short: it costs no PCIe bytes, lean_streamed doubles the streamed weights')."""
+    from hf_megatrain.planner.estimator import MODES
+
+    return MODES[:2] + (("transient_grads", dict(transient_grads=True)),) + MODES[2:]
+
+
 def project(record: dict, shape: str, gpu_gib: float, host_gib: float, tokens: int, mode: str, clip: bool,
             optim: str = "adamw_torch") -> dict:
     from hf_megatrain.engine.config import EngineConfig
     from hf_megatrain.planner.admission import shortfalls
-    from hf_megatrain.planner.estimator import estimate, GiB, model_sizes, MODES, optimizer_state
+    from hf_megatrain.planner.estimator import estimate, GiB, model_sizes, optimizer_state
     from hf_megatrain.planner.placement import resolve_placement
     from hf_megatrain.planner.probe import REFERENCE
     from hf_megatrain.shapes import make_config
     from hf_megatrain.planner.steptime import LayerCosts, norm_pass, predict, routed_per_layer
 
-    fields = dict(MODES)[mode]  # the modes `hf-megatrain estimate` shows
+    fields = dict(project_modes())[mode]
     opt = optimizer_state(optim)
     measured = model_sizes(make_config(record["shape"], record["layers"]))
     costs = LayerCosts(record["layer_forward_s"], record["layer_backward_s"], record["host_adamw_unit_s"],
@@ -61,7 +71,8 @@ def project(record: dict, shape: str, gpu_gib: float, host_gib: float, tokens: i
     seq = 1024
     rows = max(1, tokens // seq)
     auto = EngineConfig(device="cuda", resident_layers=None, offload_activations=None, lean_resident=None,
-                        gpu_grad_layers=None if opt.adamw else 0, **fields)  # (AdamW's alone: plan_run's rule)
+                        gpu_grad_layers=None if opt.adamw else 0, **fields)  # (AdamW's alone: plan_run's rule;
+    # its tiles cut parameters, which the other optimizers step whole)
     engine = resolve_placement(config, rows, seq, auto, gpu_free=gpu_gib * GiB, host_free=host_gib * GiB,
                                later_contributions=False, sizes=sizes, optimizer=opt).engine
     plan = estimate(config, rows, seq, engine, sizes=sizes, later_contributions=False, optimizer=opt)
@@ -83,9 +94,60 @@ def project(record: dict, shape: str, gpu_gib: float, host_gib: float, tokens: i
     }
 
 
+def fitting_depth(shape: str, gpu_gib: float, host_gib: float, optim: str, clip: bool,
+                  transient: bool | None, tokens: int = 16384, seq: int = 1024) -> dict:
+    """The most decoder layers of `shape` whose run the trainer's planner admits on a machine of `gpu_gib`
+    free GPU and `host_gib` available host (plan_run with the trainer's autos; transient None: auto), as
+    `largest.py --layers fit` asks it on the GPU box; a CPU estimate, nothing measured."""
+    import torch
+
+    from hf_megatrain.engine.config import EngineConfig
+    from hf_megatrain.planner import Machine, Request, plan_run
+    from hf_megatrain.planner.estimator import GiB, model_sizes, optimizer_state
+    from hf_megatrain.shapes import make_config
+
+    name = optimizer_state(optim).name
+    engine = EngineConfig(device="cuda", compute_dtype=torch.bfloat16, resident_layers=None, offload_activations=None,
+                          lean_resident=None, lean_streamed=None, transient_grads=transient, gpu_grad_layers=None)
+    machine = Machine(gpu_gib * GiB, host_gib * GiB)
+    full = make_config(shape).num_hidden_layers
+    for n in range(full, 0, -1):
+        config = make_config(shape, n)
+        run = plan_run(config, Request(engine, tokens // seq, seq, max_grad_norm=1.0 if clip else 0.0,
+                                       optimizer=name), machine)
+        if run.refusal is None:
+            e = run.engine
+            return {"shape": shape, "layers": n, "of": full, "params_b": round(model_sizes(config).params / 1e9, 2),
+                    "optim": name, "clipping": clip, "transient_grads_asked": transient,
+                    "transient_grads": e.transient_grads, "lean_streamed": e.lean_streamed,
+                    "resident_layers": e.resident_layers, "lean_resident": e.lean_resident,
+                    "gpu_grad_layers": e.gpu_grad_layers, "host_needed_gib": round(run.memory.host_per_host / GiB, 1),
+                    "gpu_needed_gib": round(run.memory.gpu_total / GiB, 1),
+                    "step_s": round(run.step_time.step_s, 2), "tokens_per_s": round(run.step_time.tokens_per_s)}
+    return {"shape": shape, "layers": 0, "of": full, "optim": name, "clipping": clip, "transient_grads_asked": transient}
+
+
+def print_fits(shape: str, gpu_gib: float, host_gib: float, optims: list, tokens: int) -> None:
+    """fitting_depth for each optimizer: clipping 1.0 with transient_grads on auto and asked for, and no clipping."""
+    print(f"{shape} on {gpu_gib:g} GiB GPU + {host_gib:g} GiB host, {tokens} tokens/step (planner only, step-time model "
+          "on the reference rates)")
+    for optim in optims:
+        for clip, transient in ((True, None), (True, True), (False, None)):
+            r = fitting_depth(shape, gpu_gib, host_gib, optim, clip, transient, tokens)
+            asked = "auto" if transient is None else "true"
+            head = f"  {r['optim']:9} clip {'1.0' if clip else 'none':4} transient_grads={asked:4}:"
+            if not r["layers"]:
+                print(f"{head} no depth fits")
+                continue
+            print(f"{head} {r['layers']}/{r['of']} layers ({r['params_b']} B), {r['resident_layers']} resident"
+                  f"{' (lean)' if r['lean_resident'] else ''}, lean_streamed {r['lean_streamed']}, transient_grads "
+                  f"{r['transient_grads']}; host {r['host_needed_gib']} GiB, GPU {r['gpu_needed_gib']} GiB; "
+                  f"{r['step_s']} s/step, {r['tokens_per_s']} tok/s (modelled)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("record", help="largest.py's JSON for the truncated model")
+    p.add_argument("record", nargs="?", help="largest.py's JSON for the truncated model (not with --fit)")
     p.add_argument("--shapes", nargs="+", default=["llama-3.1-70b", "dense-120b"])
     p.add_argument("--gpu_gib", type=float, default=139.0, help="the GPU's free memory (an H200: 139)")
     p.add_argument("--host_gib", type=float, nargs="+", default=[982.0, 1473.0],
@@ -97,24 +159,32 @@ def main() -> None:
                         "host: 491, a '1 TB' one: 982)")
     p.add_argument("--optim", nargs="+", default=["adamw_torch"],
                    help="optimizers to project, as TrainingArguments.optim (Trainer's defaults for each)")
+    p.add_argument("--fit", nargs="+", default=None, metavar="SHAPE=HOST_GIB",
+                   help="instead: the most layers of SHAPE the planner admits on --gpu_gib and HOST_GIB, per --optim "
+                        "(the CPU estimate of `largest.py --layers fit`; this box: qwen2.5-32b=122.7 --gpu_gib 138.5)")
     a = p.parse_args()
+    if a.fit:
+        for pair in a.fit:
+            shape, host = pair.split("=")
+            for tokens in a.tokens:
+                print_fits(shape, a.gpu_gib, float(host), a.optim, tokens)
+        return
+    if not a.record:
+        p.error("a record (largest.py's JSON) is needed, or --fit")
     sys.path.insert(0, HERE)
     from versions import versions, versions_line
-
-    from hf_megatrain.planner.estimator import MODES
 
     with open(a.record) as f:
         record = json.load(f)
     source = {k: record.get(k) for k in ("date", "card", "command", "versions")}
     here = versions()
     # transient_grads both ways: without clipping, and with it through a norm pass; the others clip
-    runs = [(mode, clip) for mode, fields in MODES for clip in ([False, True] if fields.get("transient_grads")
+    runs = [(mode, clip) for mode, fields in project_modes() for clip in ([False, True] if fields.get("transient_grads")
                                                                else [True])]
     pairs = [(s.split("=")[0], float(s.split("=")[1])) for s in a.on] if a.on else \
         [(shape, h) for shape in a.shapes for h in a.host_gib]
     rows = [project(record, shape, a.gpu_gib, h, t, mode, clip, optim)
-            for shape, h in pairs for t in a.tokens for optim in a.optim for mode, clip in runs
-            if optim.startswith("adamw") or not dict(MODES)[mode].get("transient_grads")]
+            for shape, h in pairs for t in a.tokens for optim in a.optim for mode, clip in runs]
     print(f"from {record['shape']} x {record['layers']} layers on {record.get('card', '?')}: per layer "
           f"fwd {record['layer_forward_s']} s, bwd {record['layer_backward_s']} s, host AdamW "
           f"{record['host_adamw_unit_s']} s at {record['tokens_per_step']} tokens/step")

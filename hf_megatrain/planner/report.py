@@ -99,12 +99,13 @@ def as_text(name: str, model_config, request: Request, run: RunPlan, machine: Ma
         out.append(f"\nstep time (model, {clipping}): {run.step_time.describe()}")
     if modes:
         here = " on this host" if machine.host_free is not None else ""
-        out.append(f"\nmemory modes at this placement     {'host B/param':>13} {'host GiB':>9} {'GPU GiB':>8} "
+        w = max(32, *(len(m["mode"]) for m in modes))  # an alternative optimizer's label with its mode is longer
+        out.append(f"\n{'memory modes at this placement':{w + 2}} {'host B/param':>13} {'host GiB':>9} {'GPU GiB':>8} "
                    f"{'step s (model)':>14} {'clipping':16}{here}")
         for m in modes:
             clip = "norm pass first" if m["norm_pass"] else "after backward" if m["clipping"] else "none"
             here = "" if m["fits"] is None else f" {'fits' if m['fits'] else 'short'}"
-            out.append(f"  {m['mode']:32} {m['state_bytes_per_parameter']:13.1f} {m['host_gib']:9.1f} "
+            out.append(f"  {m['mode']:{w}} {m['state_bytes_per_parameter']:13.1f} {m['host_gib']:9.1f} "
                        f"{m['gpu_gib']:8.1f} {m['step_s']:14.2f} {clip:16}{here}")
     said = verdict(request, run)
     if said is not None:
