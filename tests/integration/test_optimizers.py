@@ -126,6 +126,40 @@ def test_transient_grads_without_clipping_match_stock(optim, tmp_path):
         assert (masters[name] - p.detach()).abs().max().item() <= 1e-6, name
 
 
+@pytest.mark.parametrize("optim", ["adagrad", "adafactor"])
+def test_lora_with_transient_grads_matches_stock(optim, tmp_path):
+    """LoRA: the units train only their adapters, which the stock instance steps during the backward from the
+    shared buffers (clipping through the norm pass, GA 2 together), as stock Trainer steps the PEFT model."""
+    from peft import LoraConfig, get_peft_model
+
+    train = rows(16, 0)
+    kw = dict(COMMON, optim=optim, optim_args=OPTIMS[optim], max_grad_norm=0.1)  # adapters' norms are smaller
+    torch.manual_seed(0)
+    model = get_peft_model(make_model("llama_tied"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                                 target_modules=["q_proj", "v_proj", "down_proj"],
+                                                                 init_lora_weights=False))
+    ref = copy.deepcopy(model)
+    stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **kw),
+                    train_dataset=train, data_collator=default_data_collator)
+    stock.train()
+    mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "mega"), transient_grads="true",
+                                                      background_host_jobs=True, layer_major_accumulation="true", **kw),
+                            train_dataset=train, data_collator=default_data_collator)
+    mega.train()
+    assert mega.engine.store.transient
+    assert min(h["grad_norm"] for h in logs(stock)) > kw["max_grad_norm"]  # clipping active at every step
+    a, b = logs(stock), logs(mega)
+    assert len(a) == len(b) == COMMON["max_steps"]
+    for x, y in zip(a, b):
+        for k in KEYS:
+            assert abs(x[k] - y[k]) <= 1e-6 * max(1.0, abs(x[k])), (k, x, y)
+    masters = dict(mega.engine.named_master_params())
+    trained = {n.removeprefix("base_model.model."): p.detach() for n, p in ref.named_parameters() if p.requires_grad}
+    assert trained and set(trained) == set(masters) and all("lora_" in n for n in trained)
+    for name, p in trained.items():
+        assert (masters[name] - p).abs().max().item() <= 1e-6, name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("optim", list(OPTIMS))
