@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Callable, Protocol
@@ -48,9 +49,10 @@ class _Embed(nn.Module):
     buffer the ids index), the embedding dropout (ArchSpec.positions and the fields beside it)."""
 
     def __init__(self, embed: nn.Module, multiplier: float | None = None, positions: nn.Module | None = None,
-                 project_in: nn.Module | None = None, dropout: float = 0.0):
+                 project_in: nn.Module | None = None, dropout: float = 0.0, embed_norm: nn.Module | None = None):
         super().__init__()
         self.embed = embed
+        self.embed_norm = embed_norm
         self.multiplier = multiplier
         self.positions = positions
         self.project_in = project_in
@@ -63,6 +65,8 @@ class _Embed(nn.Module):
         x = self.embed(input_ids)
         if self.multiplier is not None:
             x = x * self.multiplier
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
         if self.positions is None:
             return x
         if self.project_in is not None:
@@ -313,10 +317,11 @@ class StreamingEngine(nn.Module):
             parts["positions"] = _Table(model.get_buffer(spec.positions)) if spec.positions_buffer \
                 else model.get_submodule(spec.positions)
         copies = {k: meta_copy(m, cfg) for k, m in parts.items()}
-        embed_sources = {"embed": embed, **{k: parts[k] for k in ("positions", "project_in") if k in parts}}
+        embed_sources = {"embed": embed, **{k: parts[k] for k in ("positions", "project_in", "embed_norm")
+                                            if k in parts}}
         templates = {
             "embed": Template(_Embed(meta_copy(embed, cfg), multiplier, copies.get("positions"),
-                                     copies.get("project_in"), self._embed_dropout(model)),
+                                     copies.get("project_in"), self._embed_dropout(model), copies.get("embed_norm")),
                               self._template_buffers(embed_sources)),
             "head": Template(_Head(meta_copy(norm, cfg), meta_copy(head, cfg), spec.logits, self.config,
                                    copies.get("project_out")),
@@ -580,7 +585,11 @@ class StreamingEngine(nn.Module):
     def _positions(self, prep, batch: dict):
         """OPT's positions: without position ids in the batch, its forward counts them from the 2D mask
         (cumsum(mask) * mask - 1: a left-padded row starts at 0 where its tokens start), for its positions and
-        its layers; every other family's are the engine's (0, 1, ... or the batch's own)."""
+        its layers; every other family's are the engine's (0, 1, ... or the batch's own). Token type ids, which
+        GPT-2's and CTRL's forwards embed and add, are refused rather than left out."""
+        if self.spec.positions and batch.get("token_type_ids") is not None:
+            raise MegaTrainError(f"the batch has token_type_ids, whose embeddings {self.spec.model_type}'s model "
+                                 "forward adds to the hidden states, which the engine does not; leave them out.")
         if not self.spec.positions_from_mask or batch.get("position_ids") is not None or prep.mask is None:
             return prep
         pos = torch.cumsum(prep.mask, dim=1)
@@ -945,6 +954,11 @@ class _BatchContext:
             self.masks = engine.spec.build_masks(cfg, embeds, mask, pos)
         self.pos = pos
         self.raw_mask = mask  # the 2D mask as given: what Mamba's model forward hands its layers
+        self.alibi = None
+        if engine.spec.alibi:  # BLOOM's ALiBi, from the 2D mask (all ones without one), as its model forward makes it
+            module, heads = engine.spec.alibi
+            ones = mask if mask is not None else torch.ones(embeds.shape[:2], device=embeds.device, dtype=torch.long)
+            self.alibi = sys.modules[module].build_alibi_tensor(ones, getattr(cfg, heads), dtype=embeds.dtype)
         if engine.rotary is None:
             self.pos_emb = None
         elif engine.rotary_per_kind:  # Gemma 3: one rotary base per attention kind, as its model forward does
@@ -981,6 +995,8 @@ class _BatchContext:
                 kw[name] = self.pos
             elif what == "raw_mask":
                 kw[name] = self.raw_mask
+            elif what == "alibi":
+                kw[name] = self.alibi
         return kw
 
     def attention(self):

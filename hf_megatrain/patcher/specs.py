@@ -130,6 +130,12 @@ class ArchSpec:
     positions_from_mask: bool = False
     project_in: str | None = None
     project_out: str | None = None
+    # A norm the base model applies to the token embeddings before its first layer (BLOOM's
+    # word_embeddings_layernorm), part of the embedding unit.
+    embed_norm: str | None = None
+    # ALiBi (BLOOM): its model forward hands each layer `build_alibi_tensor(mask, heads, dtype)` of its modeling
+    # module, made from the 2D mask (all ones without one): (that module's name, the config attribute of heads).
+    alibi: tuple | None = None
     # (config) -> what the token embeddings are multiplied by before the positions are added (CTRL's
     # sqrt(n_embd)); and where the base model keeps the embedding dropout it applies to their sum: the name of a
     # Dropout child, or of a float attribute it hands nn.functional.dropout (BioGPT's, XGLM's `dropout`).
@@ -145,7 +151,8 @@ class ArchSpec:
         """(name in the embedding unit, module path) of what the embedding unit holds beside the token embedding:
         how the host store lays their parameters out (engine/store.py)."""
         return tuple((part, path) for part, path in (("positions", self.positions if self.positions_learned else None),
-                                                     ("project_in", self.project_in)) if path)
+                                                     ("project_in", self.project_in),
+                                                     ("embed_norm", self.embed_norm)) if path)
 
     @property
     def head_parts(self) -> tuple[tuple[str, str], ...]:
@@ -571,11 +578,16 @@ def _layer_plan(model, paths: dict, layers) -> dict | str:
     except (OSError, TypeError, SyntaxError, IndexError):
         return f"the source of its model forward ({name}), which says what each of its hybrid layers gets, cannot be read"
     aliases, bound, mapping, mapping_name = {}, {}, {}, None
+    alibi = None  # (the name its forward binds BLOOM's ALiBi tensor to, the plan's alibi field)
     assigns = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1
                       and isinstance(n.targets[0], ast.Name)), key=lambda n: n.lineno)
     for node in assigns:
         target, value = node.targets[0].id, node.value
-        if _maker(value, aliases) is not None:
+        if isinstance(value, ast.Call) and ast.unparse(value.func) in ("build_alibi_tensor", "self.build_alibi_tensor"):
+            alibi = _alibi(base, value, target)
+            if isinstance(alibi, str):
+                return alibi
+        elif _maker(value, aliases) is not None:
             aliases[target] = _maker(value, aliases)  # MiniMax's mask_function
         elif isinstance(value, ast.Call) and _maker(value.func, aliases) is not None:
             bound[target] = _maker(value.func, aliases)  # Mamba-2's attention_mask = create_recurrent_attention_mask(..)
@@ -640,6 +652,8 @@ def _layer_plan(model, paths: dict, layers) -> dict | str:
                 src = ("mask", f"@{v.id}")
             elif v.id == "attention_mask":
                 src = ("raw_mask",)
+            elif alibi and v.id == alibi[0]:
+                src = ("alibi",)
         elif isinstance(v, ast.Subscript) and isinstance(v.value, ast.Name) and v.value.id == mapping_name:
             if isinstance(v.slice, ast.Constant) and v.slice.value in mapping:
                 src = ("mask", v.slice.value)
@@ -673,7 +687,30 @@ def _layer_plan(model, paths: dict, layers) -> dict | str:
         return (f"its model forward makes no mask the engine can read for its "
                 f"{', '.join(sorted(kinds - set(makers)))} layers")
     plan = dict(kind_attr=kind_attr, mask_makers=tuple(makers.items()), layer_inputs=tuple(inputs))
+    if alibi and any(src == ("alibi",) for _, src in inputs):
+        plan["alibi"] = alibi[1]
     return dict(plan, rotary_rows=rows) if rows else plan
+
+
+def _alibi(base, call: ast.Call, target: str) -> tuple | str:
+    """BLOOM's `alibi = self.build_alibi_tensor(attention_mask, self.num_heads, dtype=...)`: (target, (the modeling
+    module, the config attribute of the head count)) where it is made from the 2D mask by the modeling module's own
+    function (the method hands its arguments on to it); the reason otherwise."""
+    module = sys.modules[type(base).__module__]
+    why = f"its model forward makes ALiBi ({ast.unparse(call)}) in a way the engine does not repeat"
+    args = [ast.unparse(a) for a in call.args]
+    if not callable(getattr(module, "build_alibi_tensor", None)) or args[:2] != ["attention_mask", "self.num_heads"]:
+        return why
+    try:
+        init = inspect.getsource(type(base).__init__)
+        method = inspect.getsource(type(base).build_alibi_tensor) if call.func.__class__ is ast.Attribute else ""
+    except (OSError, TypeError, AttributeError):
+        return why
+    heads = re.search(r"self\.num_heads\s*=\s*config\.(\w+)\s*$", init, re.M)
+    if heads is None or (method and not re.search(r"return\s+build_alibi_tensor\(attention_mask,\s*num_heads,\s*dtype\)",
+                                                  method)):
+        return why
+    return target, (module.__name__, heads.group(1))
 
 
 def _mrope_rows(forward: str) -> int | None:
@@ -775,7 +812,7 @@ def _layout(model) -> dict | str:
     parts = _embedding_parts(base, prefix, layers[0], [n for n, _ in rest]) if rotary is None else {}
     if isinstance(parts, str):
         return parts
-    taken |= {v for k, v in parts.items() if k in ("positions", "project_in", "project_out")}
+    taken |= {v for k, v in parts.items() if k in ("positions", "project_in", "project_out", "embed_norm")}
     rest = [(n, m) for n, m in rest if n not in taken]
     if len(rest) > 1:  # a final norm without parameters (OLMo's) beside modules with some is not the norm
         rest = [(n, m) for n, m in rest if any(True for _ in m.parameters())] or rest
@@ -823,6 +860,9 @@ def _embedding_parts(base, prefix: str, layers: str, rest: list[str]) -> dict | 
                 return f"its model forward makes absolute positions with two modules ({out['positions']}, {path})"
             out["positions"] = path
             out["positions_learned"] = any(True for _ in base.get_submodule(attr).parameters())
+    norm = re.search(r"hidden_states\s*=\s*self\.(\w+)\(inputs_embeds\)", before)
+    if norm and norm.group(1) in attrs:
+        out["embed_norm"] = attrs[norm.group(1)]
     # Projections, read from the source whether this config builds them or not (OPT's are None where
     # word_embed_proj_dim equals the width): the spec of a family is one for all its configs.
     proj = re.search(r"inputs_embeds\s*=\s*self\.(\w+)\(inputs_embeds\)", before)
@@ -846,9 +886,9 @@ def _embedding_parts(base, prefix: str, layers: str, rest: list[str]) -> dict | 
         if attr is None:
             return "its model forward scales the embeddings by something other than the root of a config attribute"
         out["embed_scale"] = functools.partial(_sqrt_of, attr.group(1))
-    drop = re.search(r"hidden_states\s*=\s*self\.(\w+)\(hidden_states\)", before)
-    if drop and isinstance(getattr(base, drop.group(1), None), torch.nn.Dropout):
-        out["embed_dropout"] = drop.group(1)
+    for attr in re.findall(r"hidden_states\s*=\s*self\.(\w+)\(hidden_states\)", before):
+        if isinstance(getattr(base, attr, None), torch.nn.Dropout):
+            out["embed_dropout"] = attr
     drop = re.search(r"hidden_states\s*=\s*nn\.functional\.dropout\(hidden_states,\s*p=(?:float\()?self\.(\w+)\b",
                      before)
     if drop:

@@ -585,8 +585,9 @@ def test_long_packed_rows_by_document_match_stock_on_gpu(monkeypatch):
 HYBRID_GPU = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "minimax", "jamba",
               "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2", "lfm2_moe", "mamba", "mamba2",
               "falcon_mamba", "gptj", "codegen",
-              # absolute positions at the embedding (learned tables, OPT's projections, XGLM's and CTRL's sinusoids)
-              "xglm", "ctrl", "gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt"]
+              # absolute positions at the embedding (learned tables, OPT's projections, XGLM's and CTRL's sinusoids),
+              # BLOOM's ALiBi and embedding norm
+              "xglm", "ctrl", "gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt", "bloom"]
 
 
 def _hybrid_gpu_model(model_type):

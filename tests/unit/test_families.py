@@ -16,6 +16,7 @@ from hf_megatrain.checkpoint.stream_load import engine_from_checkpoint
 from hf_megatrain.planner.estimator import model_sizes
 from hf_megatrain.patcher.specs import supported_model_types
 from tests.support.tiny import FAMILIES, make_batch, make_model, refuses_sdpa
+from tests.support.zoo import store_lays_out_parts
 
 MOE = [k for k, v in FAMILIES.items() if "num_experts_per_tok" in v]
 
@@ -107,7 +108,7 @@ def assert_saved_files_load_back(src, tmp_path):
 
 @pytest.mark.parametrize("model_type, reason", [
     ("t5", "an encoder-decoder model"), ("zamba", "positional arguments beyond the hidden states"),
-    ("llava", "a wrapper around a text model"), ("bloom", "positions made outside the layers"),
+    ("llava", "a wrapper around a text model"), ("trocr", "positions made outside the layers"),
     ("nanochat", "applies its final norm (model.norm) before the first decoder layer too"),
 ])
 def test_what_is_not_a_decoder_stack_is_refused_with_its_reason(model_type, reason, tmp_path, capsys):
@@ -126,10 +127,10 @@ def test_what_is_not_a_decoder_stack_is_refused_with_its_reason(model_type, reas
 
 
 def test_an_architecture_outside_the_registry_is_refused_by_name():
-    from transformers import BloomConfig
+    from transformers import AutoConfig
 
-    with pytest.raises(MegaTrainError, match="bloom.*Supported decoder-only families: .*gemma2.*qwen3_moe"):
-        model_sizes(BloomConfig(n_layer=2, hidden_size=64, n_head=4))
+    with pytest.raises(MegaTrainError, match="mpt.*Supported decoder-only families: .*gemma2.*qwen3_moe"):
+        model_sizes(AutoConfig.for_model("mpt", n_layers=2, d_model=64, n_heads=4))
 
 
 def test_a_standard_architecture_outside_the_registry_is_verified_then_trained(caplog):
@@ -463,25 +464,14 @@ def test_the_planner_sizes_every_hybrid_stack(model_type):
 # arguments named by the layer's signature). A learned table is a parameter of the embedding unit, which the host
 # store lays out only once engine/store.py places spec.embed_parts there; until then those families are refused by
 # name before a weight is read, and their tests here are strict xfails that fail the day the store does.
-ABSOLUTE = ["gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt", "xglm", "ctrl"]
-LEARNED = {"gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt"}
+# BLOOM beside them: ALiBi made from the 2D mask by its modeling module's build_alibi_tensor and handed to every layer,
+# and a norm of the embeddings (its word_embeddings_layernorm, part of the embedding unit).
+ABSOLUTE = ["gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt", "xglm", "ctrl", "bloom"]
+# parameters in the embedding unit beside the token embedding: what waits for the store
+LEARNED = {"gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt", "bloom"}
 
 
-def _store_lays_out_positions() -> bool:
-    from transformers import AutoConfig
-
-    from hf_megatrain.patcher.specs import spec_for
-
-    try:
-        spec_for(AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
-    except MegaTrainError as e:
-        if "host store does not lay out" in str(e):
-            return False
-        raise
-    return True
-
-
-STORE_PARTS = _store_lays_out_positions()
+STORE_PARTS = store_lays_out_parts()
 
 
 def _needs_store(model_type):
@@ -489,7 +479,8 @@ def _needs_store(model_type):
     waits = model_type in LEARNED and not STORE_PARTS
     return pytest.param(model_type, marks=pytest.mark.xfail(
         waits, raises=MegaTrainError, strict=True,
-        reason="a learned position table: refused until engine/store.py lays out spec.embed_parts"))
+        reason="parameters beside the token embedding (a learned table, BLOOM's norm, OPT's projections): refused "
+               "until engine/store.py lays out spec.embed_parts and head_parts"))
 
 
 def _absolute_model(model_type, attn="sdpa", tied=True, **overrides):
@@ -519,7 +510,7 @@ def test_absolute_positions_match_stock(model_type, attn, tied):
     model = _absolute_model(model_type, attn, tied)
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
     spec = spec_for(model.config)
-    assert spec.generic and spec.positions and spec.rotary is None
+    assert spec.generic and spec.rotary is None and (spec.positions or (spec.alibi and spec.embed_norm))
     assert_engine_matches_stock(model)
 
 
@@ -574,7 +565,7 @@ def test_layerdrop_is_refused_before_a_weight_is_read():
 
 
 @pytest.mark.parametrize("model_type", ["ctrl", "xglm", _needs_store("gpt2"), _needs_store("gpt_neo"),
-                                        _needs_store("gpt_bigcode")])
+                                        _needs_store("gpt_bigcode"), _needs_store("bloom")])
 def test_absolute_positions_count_stream_in_and_load_back(model_type, tmp_path):
     """The layout's count; a saved folder streamed into the store, the buffers its model computes when built
     (CTRL's and XGLM's sinusoids, GPT-Neo's and GPT-BigCode's causal masks) rebuilt on the host by its own
