@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, defau
 
 from hf_megatrain import MegaTrainArguments, MegaTrainTrainer
 from hf_megatrain.checkpoint.manifest import write_manifest
+from hf_megatrain.engine.host_optim import HostParamOptimizer
 from hf_megatrain.errors import MegaTrainError
 from tests.support.tiny import make_model, make_rows as rows
 
@@ -189,6 +190,53 @@ def test_on_the_cuda_path_matches_stock(optim, tmp_path):
     for x, y in zip(a, b):
         for k in KEYS:
             assert abs(x[k] - y[k]) <= 1e-5 * max(1.0, abs(x[k])), (k, x, y)
+    masters = dict(mega.engine.named_master_params())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(masters[name].cpu(), p.detach().cpu(), atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("optim", list(OPTIMS))
+@pytest.mark.parametrize("transient,clip", [(True, 0.5), (True, 0.0), (False, 0.0)])
+def test_on_the_cuda_path_stepping_during_the_backward_matches_stock(optim, transient, clip, tmp_path, monkeypatch):
+    """On the GPU in fp32 (TF32 off), each unit's stock instance stepped during the backward: a resident layer's
+    on the compute stream as its gradient is final (with transient_grads from the one shared device buffer, which
+    the next layer's backward then overwrites), the streamed ones on the host worker as their gradients land
+    (with transient_grads in the shared pinned buffers); with clipping after a norm pass. GA 2 through each layer
+    together. Losses, grad norms and final weights against stock Trainer on the GPU, to fp32 tolerance."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        train = rows(16, 0)
+        kw = dict(COMMON, optim=optim, optim_args=OPTIMS[optim], use_cpu=False, max_grad_norm=clip)
+        model = make_model("llama_tied")
+        ref = copy.deepcopy(model)
+        stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **kw),
+                        train_dataset=train, data_collator=default_data_collator)
+        stock.train()
+        mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "mega"), compute_dtype="float32",
+                                                          gpu_resident_layers="1", layer_major_accumulation="true",
+                                                          transient_grads=str(transient).lower(), **kw),
+                                train_dataset=train, data_collator=default_data_collator)
+        armed = []
+        arm = HostParamOptimizer.step_during_backward
+        monkeypatch.setattr(HostParamOptimizer, "step_during_backward",
+                            lambda self, *a, **k: armed.append(arm(self, *a, **k)) or armed[-1])
+        mega.train()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    assert armed == [True] * COMMON["max_steps"]  # every step ran during its backward
+    assert mega.engine.store.transient == transient
+    assert sum(u.resident and u.kind == "layer" for u in mega.engine.units) == 1
+    a, b = logs(stock), logs(mega)
+    assert len(a) == len(b) == COMMON["max_steps"]
+    for x, y in zip(a, b):
+        for k in KEYS:
+            if k in x:
+                assert abs(x[k] - y[k]) <= 1e-5 * max(1.0, abs(x[k])), (k, x, y)
+    if clip:
+        assert min(h["grad_norm"] for h in a) > clip  # clipping active at every step
     masters = dict(mega.engine.named_master_params())
     for name, p in ref.named_parameters():
         torch.testing.assert_close(masters[name].cpu(), p.detach().cpu(), atol=1e-5, rtol=1e-4, msg=name)
