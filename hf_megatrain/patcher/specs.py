@@ -817,8 +817,11 @@ def _layout(model) -> dict | str:
     if len(rest) > 1:  # a final norm without parameters (OLMo's) beside modules with some is not the norm
         rest = [(n, m) for n, m in rest if any(True for _ in m.parameters())] or rest
     rest = [n for n, _ in rest]
+    if not rest:
+        return (f"its base model ({type(base).__name__}) has no final norm (OpenAI GPT's; OPT's with "
+                "do_layer_norm_before=False), where the engine's head unit begins with one")
     if len(rest) != 1:
-        extra = ", ".join(rest) if rest else "no final norm"
+        extra = ", ".join(rest)
         if rotary is None and len(rest) > 1:
             return (f"its base model ({type(base).__name__}) has no rotary module, and modules outside the embedding, "
                     f"the decoder layers and one final norm ({extra}): positions made outside the layers, which the "

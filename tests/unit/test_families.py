@@ -584,3 +584,14 @@ def test_absolute_positions_count_stream_in_and_load_back(model_type, tmp_path):
     for name, p in src.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
     assert_saved_files_load_back(_absolute_model(model_type, "eager", tied=True), tmp_path / "again")
+
+
+def test_token_type_ids_are_refused_where_the_forward_adds_their_embeddings():
+    """CTRL's (and GPT-2's) model forward embeds token_type_ids and adds them to the hidden states: a batch that
+    has them is refused in one line, not trained without them."""
+    engine = StreamingEngine(_absolute_model("ctrl", "eager"), compute_dtype=torch.float32).train()
+    batch = make_batch(batch=2, seq=8)
+    batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+    with pytest.raises(MegaTrainError, match="token_type_ids") as refused:
+        engine.forward_backward(batch)
+    assert "\n" not in str(refused.value)
