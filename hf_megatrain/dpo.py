@@ -21,7 +21,9 @@ The reference is the starting policy, as in stock DPOTrainer without a ref_model
 computes its log-probabilities in a forward-only pass over the data before the first step (TRL's
 precompute_ref_log_probs path, taken whether or not the config asks for it): no second model and
 no second copy of the weights. Under LoRA the reference is the model with its adapters disabled,
-as in TRL. The metrics are TRL's (rewards/*, logps/*, logits/*, entropy, mean_token_accuracy,
+as in TRL. A ref_model that differs (a loaded CPU model, or a hub id or folder, which is streamed
+from disk) runs through a second, forward-only engine (hf_megatrain.preference): its weights
+frozen, its store holds one compute copy and nothing else. The metrics are TRL's (rewards/*, logps/*, logits/*, entropy, mean_token_accuracy,
 num_tokens, a MoE's aux_loss), in training and, as eval_*, in evaluation.
 """
 
@@ -105,8 +107,9 @@ class MegaTrainDPOTrainer(EnginePreference, DPOTrainer, MegaTrainTrainer):
 
     Takes what DPOTrainer takes; `args` may be a DPOConfig (the engine's options at their defaults)
     or a MegaTrainDPOConfig. `model` is a hub id, a folder (its weights are streamed into host RAM,
-    never loaded whole) or a CPU model; `peft_config` trains LoRA adapters. `ref_model` is refused:
-    the reference is the starting policy (see the module docstring)."""
+    never loaded whole) or a CPU model; `peft_config` trains LoRA adapters. Without `ref_model` the
+    reference is the starting policy; a `ref_model` (a CPU model, or a hub id or folder) streams
+    through a forward-only engine (see the module docstring)."""
 
     rows_per_example = 2  # each micro-batch is its pairs' chosen rows over their rejected rows
     trl_name = "DPO"

@@ -17,8 +17,8 @@ micro-batch of the policy's minus the reference's summed log-probabilities of th
 forward-only pass of each micro-batch's KL rows before its training pass, with the step's
 weights, as stock's no-grad forward does; the loss then goes through engine/loss.py RowLoss as
 DPO's does. The reference (of the rows and of the KL rows) is the starting policy, computed in a
-forward-only pass before the first step, or the adapter-disabled model under LoRA (see
-hf_megatrain.preference). The metrics are TRL's (kl, rewards/*, logps/*, logits/*, entropy,
+forward-only pass before the first step, or the adapter-disabled model under LoRA, or a ref_model
+streamed through a second, forward-only engine (see hf_megatrain.preference). The metrics are TRL's (kl, rewards/*, logps/*, logits/*, entropy,
 num_tokens, a MoE's aux_loss), each appended only where stock appends it.
 """
 
@@ -87,8 +87,8 @@ class MegaTrainKTOTrainer(EnginePreference, KTOTrainer, MegaTrainTrainer):
 
     Takes what KTOTrainer takes; `args` may be a KTOConfig (the engine's options at their defaults)
     or a MegaTrainKTOConfig. `model` is a hub id, a folder (its weights are streamed into host RAM,
-    never loaded whole) or a CPU model; `peft_config` trains LoRA adapters. `ref_model` is refused:
-    the reference is the starting policy (see the module docstring)."""
+    never loaded whole) or a CPU model; `peft_config` trains LoRA adapters; `ref_model` (a CPU
+    model, or a hub id or folder) streams through a forward-only engine (see the module docstring)."""
 
     trl_name = "KTO"
 

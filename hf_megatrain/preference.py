@@ -5,12 +5,20 @@ TRL prepares the data (prompts, tokenization, truncation, its collator); the eng
 the reference's, forward only, over the whole dataset before the first step (TRL's precompute path,
 taken whether or not the config asks for it: the reference is the starting policy, or the
 adapter-disabled model under LoRA, so no second model is kept), and the policy's, whose loss is a
-function of per-row sums of token log-probabilities (engine/loss.py RowLoss)."""
+function of per-row sums of token log-probabilities (engine/loss.py RowLoss).
+
+A ref_model that differs from the policy runs through a second engine, forward only: every weight
+frozen, so its host store is one compute copy (bf16 by default; no fp32 master, gradient or
+optimizer state), filled straight from the checkpoint for a hub id or folder. It is built at the
+first reference pass (before the first step), with the policy engine's settings but nothing
+resident on the GPU, and kept for a dataset evaluated later (as TRL keeps its ref_model). Its
+passes stream each layer once per batch, as the policy's forward does."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import random
 
 import numpy as np
@@ -30,9 +38,12 @@ def check_preference(args, model, ref_model, train_dataset, peft_config, quantiz
                              "adapter as the reference. Pass the base model with peft_config for new adapters, or "
                              "merge the adapter into the base first (merge_and_unload, save_pretrained) and train that.")
     if ref_model is not None:
-        raise MegaTrainError("ref_model is not supported: the reference is the starting policy, whose log-probabilities "
-                             "the engine computes in a forward-only pass before the first step (the adapter-disabled "
-                             "model under LoRA). Omit ref_model, or start from the reference's weights.")
+        if ref_model is model:
+            raise MegaTrainError("model and ref_model are the same object; omit ref_model (the reference is then the "
+                                 "starting policy, computed in a forward-only pass before the first step).")
+        if is_peft_model(ref_model):
+            raise MegaTrainError("a PeftModel as ref_model is not supported: merge its adapter into the base first "
+                                 "(merge_and_unload, save_pretrained) and pass that.")
     if args.sync_ref_model:
         raise MegaTrainError("sync_ref_model is not supported: it keeps a second model that follows the policy, while "
                              "the engine's reference is computed once, before the first step; leave it False.")
@@ -94,6 +105,11 @@ class EnginePreference:
         self._asked_precompute = args.precompute_ref_log_probs
         args.precompute_ref_log_probs = True
         self._rows: dict[int, dict] = {}
+        self._ref_source, self._ref_engine = None, None  # a different reference: streamed at the first pass
+        if ref_model is not None:  # its config and architecture read now (no weights): refused before tokenizing
+            from .checkpoint.loading import load_model_and_tokenizer
+
+            self._ref_source = load_model_and_tokenizer(ref_model, trust_remote_code=args.trust_remote_code)
         return skeleton, processing_class
 
     # -- what MegaTrainTrainer.__init__ calls before the engine exists ---------------------------------
@@ -116,6 +132,7 @@ class EnginePreference:
 
     def _build_engine(self, model, weights_from, args, engine_config):
         model = super()._build_engine(model, weights_from, args, engine_config)
+        self._engine_config = engine_config  # a reference engine's settings start from these
         self.engine.head_stats = []  # the MoE load-balancing loss of each micro-batch, for TRL's aux_loss metric
         if args.disable_dropout:  # what the TRL trainer does to the model, done to the engine's copies of its modules
             from trl.trainer.utils import disable_dropout_in_model
@@ -134,6 +151,8 @@ class EnginePreference:
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
         self._post_init_engine()  # the first thing after the TRL trainer's settings; before any forward
+        if self._ref_source is not None and self._ref_engine is None:
+            self._ref_engine = self._reference_engine()
         if self._asked_precompute:
             return super()._precompute_ref_logps(dataset, name, batch_size)
         # Stock computes the reference batch by batch, from a second model; the engine computes it here, before
@@ -149,22 +168,57 @@ class EnginePreference:
             if states[3] is not None:
                 torch.cuda.set_rng_state_all(states[3])
 
+    def _reference_engine(self):
+        """A second engine over ref_model, forward only: every weight frozen, so its store holds only the compute
+        copy that streams (no fp32 master, no gradient, no optimizer state), with the policy engine's settings. A
+        hub id or folder is streamed in from disk (never loaded whole); a loaded CPU model's weights move into the
+        store. TRL's cache key for the precomputed log-probabilities names its weights (stock hashes ref_model)."""
+        from trl.trainer.utils import disable_dropout_in_model, hash_module
+
+        from .checkpoint.stream_load import engine_from_checkpoint
+        from .engine.schedule import StreamingEngine
+
+        skeleton, _, weights_from = self._ref_source
+        skeleton.requires_grad_(False)
+        # nothing resident on the GPU beside the policy's, no fp32 state to keep lean: a forward-only stream
+        config = dataclasses.replace(self._engine_config, resident_layers=0, offload_activations=0,
+                                     lean_resident=False, lean_streamed=False, transient_grads=False,
+                                     gpu_grad_layers=0)
+        build = dict(config=config, decay_names=set(), sharding=None)
+        if weights_from is None:
+            engine = StreamingEngine(skeleton, **build)
+        else:
+            engine = engine_from_checkpoint(skeleton, weights_from, progress=not self.args.disable_tqdm, **build)
+        engine.eval()
+        if self.args.disable_dropout:
+            for tmpl in engine._templates.values():
+                disable_dropout_in_model(tmpl.module)
+        if self._precompute_model_hash is not None:
+            self._precompute_model_hash = hash_module(skeleton)
+        # what TRL reads as "a reference model is kept" (evaluate() on a new dataset after training); the engine
+        # above runs its forwards
+        self.ref_model = skeleton
+        return engine
+
     def _engine_logps(self, input_ids, attention_mask, completion_mask, reference: bool) -> torch.Tensor:
-        """Each row's summed log-probabilities of its completion tokens, from a forward-only pass of the engine:
-        the reference's (eval mode, LoRA adapters disabled) or the policy's as it is now (its mode kept)."""
+        """Each row's summed log-probabilities of its completion tokens, from a forward-only pass of an engine:
+        the reference's (ref_model's engine, or the policy's in eval mode with its LoRA adapters disabled) or
+        the policy's as it is now (its mode kept)."""
         logps = {}
 
         def keep(per_row):
             logps["rows"] = per_row["logps"].detach()
             return per_row["logps"].sum().detach()
 
-        engine, training = self.engine, self.engine.training
+        engine = self._ref_engine if reference and self._ref_engine is not None else self.engine
+        training = engine.training
         if reference:
             engine.eval()
         labels = completion_labels({"input_ids": input_ids, "completion_mask": completion_mask})
+        own = engine is self.engine
         try:
-            with torch.no_grad(), adapters_disabled(engine) if reference else contextlib.nullcontext(), \
-                    self._no_head_stats():
+            with torch.no_grad(), adapters_disabled(engine) if reference and own else contextlib.nullcontext(), \
+                    self._no_head_stats() if own else contextlib.nullcontext():
                 engine(input_ids=input_ids, attention_mask=attention_mask, labels=labels, return_logits=False,
                        row_loss=keep)
         finally:
@@ -181,7 +235,7 @@ class EnginePreference:
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         if (eval_dataset is not None and not isinstance(eval_dataset, str) and self.engine.peft_model is None
-                and not self._asked_precompute and self.state.global_step > 0):
+                and self._ref_engine is None and not self._asked_precompute and self.state.global_step > 0):
             raise MegaTrainError(
                 "evaluate() was given a new dataset after training started: its reference log-probabilities are "
                 "those of the starting policy, which the engine computes before the first step (no second model is "

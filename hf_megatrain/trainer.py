@@ -714,6 +714,10 @@ def refuse_other_trl_config(args, trainer: str) -> None:
         raise MegaTrainError(f"args is TRL's {name}, which {trainer} does not take: TRL's trainers run on the engine "
                              "as hf_megatrain.sft.MegaTrainSFTTrainer (SFTConfig), hf_megatrain.dpo."
                              "MegaTrainDPOTrainer (DPOConfig) and hf_megatrain.kto.MegaTrainKTOTrainer (KTOConfig).")
+    if kind in ("ORPO", "CPO"):  # trl.experimental's; losses of per-row sums too, not built on the engine yet
+        raise MegaTrainError(f"args is TRL's {name}: TRL's experimental {kind} trainer is not supported by hf_megatrain "
+                             "yet; SFT, DPO and KTO are (hf_megatrain.sft.MegaTrainSFTTrainer, hf_megatrain.dpo."
+                             "MegaTrainDPOTrainer, hf_megatrain.kto.MegaTrainKTOTrainer).")
     raise MegaTrainError(f"args is TRL's {name}: TRL's {kind} trainer is not supported by hf_megatrain (its loss "
                          "needs forwards the engine does not run); SFT, DPO and KTO are (hf_megatrain.sft."
                          "MegaTrainSFTTrainer, hf_megatrain.dpo.MegaTrainDPOTrainer, hf_megatrain.kto."

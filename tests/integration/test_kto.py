@@ -16,7 +16,7 @@ from trl import KTOConfig, KTOTrainer  # noqa: E402
 from hf_megatrain import MegaTrainError, MegaTrainTrainer  # noqa: E402
 from hf_megatrain.kto import MegaTrainKTOConfig, MegaTrainKTOTrainer  # noqa: E402
 from tests.support.preference import (  # noqa: E402,F401  (fresh_datasets: an autouse fixture)
-    KW, LORA, WORDS, assert_same_weights, fresh_datasets, model_folder, pairs, unpaired)
+    KW, LORA, WORDS, as_folder, assert_same_weights, fresh_datasets, model_folder, pairs, unpaired)
 from tests.support.preference import run as run_trainer  # noqa: E402
 from tests.support.tiny import make_model  # noqa: E402
 
@@ -74,6 +74,20 @@ def test_kto_equals_stock_ktotrainer(case, tmp_path):
     assert_same_run(logs, stock_logs, weights, stock_weights)
 
 
+@pytest.mark.parametrize("as_path", [True, False], ids=["folder", "loaded"])
+def test_a_separate_ref_model_equals_stock(as_path, tmp_path):
+    """A ref_model that differs from the policy (another seed): its rows' and KL rows' log-probabilities from a second,
+    forward-only engine before the first step (its store: the compute copy only); a late dataset's too."""
+    folder, ref = model_folder(tmp_path, "llama"), model_folder(tmp_path, "llama", name="reference", seed=1)
+    after = unpaired(WORDS[30:38])
+    _, stock_logs, stock_weights = run(KTOTrainer, folder, tmp_path / "stock", None, after, ref_model=ref)
+    trainer, logs, weights = run(MegaTrainKTOTrainer, folder, tmp_path / "mega", None, after,
+                                 ref_model=as_folder(ref) if as_path else ref)
+    assert all(m.numel() == 0 for m in trainer._ref_engine.store.master)
+    assert any("after_loss" in h for h in logs) and logs[0]["rewards/chosen"] != 0
+    assert_same_run(logs, stock_logs, weights, stock_weights)
+
+
 # The engine's step placements (engine/step.py) with the KL term's forward-only pass before each micro-batch's
 # training pass: the step's micro-batches through each layer together (the KL passes of all of them first); the
 # host optimizer stepping each unit during the backward (after the last micro-batch's KL pass, no clipping);
@@ -108,7 +122,7 @@ def test_kto_config_elsewhere_names_the_kto_trainer(tmp_path):
     (dict(sync_ref_model=True), "sync_ref_model"),
     (dict(activation_offloading=True), "activation_offloading"),
     (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
-    (dict(ref_model=True), "ref_model"),
+    (dict(ref_peft=True), "a PeftModel as ref_model"),
     (dict(peft_model=True), "a PeftModel as model is not supported: KTOTrainer"),
     (dict(iterable=True), "IterableDataset"),
 ])
@@ -119,10 +133,11 @@ def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tm
         raise AssertionError("the data was prepared before the refusal")
 
     monkeypatch.setattr(KTOTrainer, "_prepare_dataset", no_tokenizing)
-    ref = make_model("llama", num_hidden_layers=2) if extra.pop("ref_model", None) else None
-    if extra.pop("peft_model", None):
-        from peft import get_peft_model
+    from peft import get_peft_model
 
+    ref = get_peft_model(make_model("llama", num_hidden_layers=2), LoraConfig(**LORA)) if extra.pop("ref_peft", None) \
+        else None
+    if extra.pop("peft_model", None):
         folder = get_peft_model(make_model("llama", num_hidden_layers=2), LoraConfig(**LORA))
     data = unpaired().to_iterable_dataset() if extra.pop("iterable", None) else unpaired()
     with pytest.raises(MegaTrainError, match=match) as e:

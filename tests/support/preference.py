@@ -62,12 +62,19 @@ LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout
             init_lora_weights=False)  # random B: the adapter-enabled model is not the reference
 
 
-def run(cls, config_cls, folder, out, train, evaluation, lora=None, evaluate_after=None, **extra):
-    """Train `cls` (stock or ours) for KW's steps, evaluate, save: (trainer, logs without timings, saved weights)."""
+def run(cls, config_cls, folder, out, train, evaluation, lora=None, evaluate_after=None, ref_model=None, **extra):
+    """Train `cls` (stock or ours) for KW's steps, evaluate, save: (trainer, logs without timings, saved weights).
+    ref_model: a folder, loaded here for a stock trainer (which takes a model object), or as_folder(folder) to hand
+    ours the folder itself."""
     from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
 
-    trainer = cls(model=folder, args=config_cls(output_dir=str(out), **{**KW, **extra}), train_dataset=train,
-                  eval_dataset=evaluation, peft_config=LoraConfig(**lora) if lora else None)
+    if isinstance(ref_model, str):
+        ref_model = AutoModelForCausalLM.from_pretrained(ref_model)
+    elif isinstance(ref_model, as_folder):
+        ref_model = str(ref_model)
+    trainer = cls(model=folder, ref_model=ref_model, args=config_cls(output_dir=str(out), **{**KW, **extra}),
+                  train_dataset=train, eval_dataset=evaluation, peft_config=LoraConfig(**lora) if lora else None)
     trainer.train()
     trainer.evaluate()
     if evaluate_after is not None:  # a dataset first seen after training: its reference computed then
@@ -78,7 +85,11 @@ def run(cls, config_cls, folder, out, train, evaluation, lora=None, evaluate_aft
     return trainer, logs, load_file(os.path.join(out, name))
 
 
+class as_folder(str):
+    """A ref_model folder that `run` hands over as the folder (a hub id or path), not as a loaded model."""
+
+
 def assert_same_weights(weights, stock_weights):
     assert weights.keys() == stock_weights.keys()
     for k in weights:
-        torch.testing.assert_close(weights[k], stock_weights[k], atol=1e-5, rtol=1e-5, msg=k)
+        torch.testing.assert_close(weights[k], stock_weights[k], atol=1e-5, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
