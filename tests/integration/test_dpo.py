@@ -216,23 +216,25 @@ def test_a_new_dataset_after_full_fine_tuning_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kind", ["llama", "mixtral"])
-def test_dpo_on_the_cuda_path_equals_stock_in_fp32(kind, tmp_path):
+@pytest.mark.parametrize("kind, separate_ref", [("llama", False), ("mixtral", False), ("llama", True)])
+def test_dpo_on_the_cuda_path_equals_stock_in_fp32(kind, separate_ref, tmp_path):
     """The CUDA pipeline (streamed layers, the head's two passes on the device) in fp32 compute against stock
-    DPOTrainer on the GPU, TF32 off."""
+    DPOTrainer on the GPU, TF32 off; with separate_ref, a ref_model folder streamed by a second, forward-only engine
+    beside the policy's (stock gets the loaded model, on the GPU as its trainer places it)."""
     old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
         folder = model_folder(tmp_path, kind)
         gpu = dict(use_cpu=False)
-        _, stock_logs, stock_weights = run(DPOTrainer, folder, tmp_path / "stock", **gpu)
+        ref = model_folder(tmp_path, kind, name="reference", seed=1) if separate_ref else None
+        _, stock_logs, stock_weights = run(DPOTrainer, folder, tmp_path / "stock", ref_model=ref, **gpu)
         _, logs, weights = run(MegaTrainDPOTrainer, folder, tmp_path / "mega", config_cls=MegaTrainDPOConfig,
-                               compute_dtype="float32", **gpu)
+                               compute_dtype="float32", ref_model=as_folder(ref) if ref else None, **gpu)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
     # the reference pass and the training pass run other kernels for other batch shapes: the step-1 rewards
     # (0 in exact arithmetic) carry beta times the logps' last bits, about 1e-6
-    assert_same_run(logs, stock_logs, weights, stock_weights, abs_tol=2e-5)
+    assert_same_run(logs, stock_logs, weights, stock_weights, starts_at_reference=not separate_ref, abs_tol=2e-5)
 
 
 # TRL's default precision (DPOConfig and KTOConfig default bf16=True, gradient_checkpointing=True): what stock does
