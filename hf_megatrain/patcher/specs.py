@@ -353,6 +353,9 @@ def _generic(config) -> ArchSpec | str:
     if said != {len(layers)}:
         return (f"its causal LM has {len(layers)} decoder layers where its config's num_hidden_layers says "
                 f"{max(said - {len(layers)})}, which the engine's one-unit-per-layer layout does not take")
+    shared = _shared_across_layers(layers)
+    if shared:
+        return shared
     params = inspect.signature(type(layers[0]).forward).parameters
     plan = {}
     # A hybrid stack (layers that are not all attention), or one without rotary embeddings: what each layer gets is
@@ -434,6 +437,19 @@ _EMBED_MULTIPLIER = re.compile(r"inputs_embeds\s*=\s*(inputs_embeds|self\.embed_
 _LAYER_KWARGS = {"hidden_states", "attention_mask", "position_ids", "position_embeddings", "past_key_values", "cache",
                  "past_key_value", "layer_past", "use_cache", "cache_position", "output_attentions",
                  "output_router_logits", "alibi"}
+
+
+def _shared_across_layers(layers) -> str | None:
+    """The reason where two decoder layers hold one weight (Zamba's and Zamba2's shared attention blocks, tied
+    across layers): it would belong to several units, and the engine keeps each weight in one."""
+    owner = {}
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            first = owner.setdefault(id(p), (i, name))
+            if first[0] != i:
+                return (f"its decoder layers {first[0]} and {i} share weights ({name.rpartition('.')[0]}: a block "
+                        "shared across layers), where the engine streams every weight with one layer")
+    return None
 
 
 def _layers_loop(base_forward: str, layers: str):

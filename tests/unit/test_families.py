@@ -107,7 +107,7 @@ def assert_saved_files_load_back(src, tmp_path):
 
 
 @pytest.mark.parametrize("model_type, reason", [
-    ("t5", "an encoder-decoder model"), ("zamba", "positional arguments beyond the hidden states"),
+    ("t5", "an encoder-decoder model"), ("zamba", "share weights (shared_transf.self_attn.q_proj: a block shared across layers)"),
     ("llava", "a wrapper around a text model"), ("trocr", "positions made outside the layers"),
     ("nanochat", "applies its final norm (model.norm) before the first decoder layer too"),
 ])
