@@ -101,7 +101,8 @@ class EnginePreference:
         if args.device.type == "cuda":
             args._n_gpu = 1  # one GPU per process: TRL would refuse nn.DataParallel on a multi-GPU host
         # The reference's log-probabilities are computed before the first step whatever the config says (the
-        # only reference the engine has is the starting policy): TRL's precompute path, with no ref_model built.
+        # engine keeps no reference model to run beside each step: the reference is the starting policy, or a
+        # ref_model streamed once by a forward-only engine): TRL's precompute path, with no ref_model built.
         self._asked_precompute = args.precompute_ref_log_probs
         args.precompute_ref_log_probs = True
         self._rows: dict[int, dict] = {}
