@@ -90,12 +90,16 @@ class Unit:
 
 def _unit_of(name: str, spec: ArchSpec) -> tuple[str, int | None, str]:
     """Which unit a parameter belongs to, and its name inside that unit's template."""
-    if name.startswith(spec.embed + "."):
-        return "embed", None, "embed." + name[len(spec.embed) + 1 :]
+    # what the base model runs beside the token embedding before the first layer (a position table, BLOOM's
+    # embedding norm, OPT's project_in) and beside the final norm after the last (OPT's project_out) belong to
+    # the embedding and head units, under the part names their templates give them (spec.embed_parts/head_parts)
+    for part, prefix in (("embed", spec.embed),) + tuple(spec.embed_parts):
+        if name.startswith(prefix + "."):
+            return "embed", None, f"{part}." + name[len(prefix) + 1 :]
     m = re.match(re.escape(spec.layers) + r"\.(\d+)\.(.+)", name)
     if m:
         return "layer", int(m.group(1)), m.group(2)
-    for part, prefix in (("norm", spec.norm), ("lm_head", spec.lm_head)):
+    for part, prefix in (("norm", spec.norm), ("lm_head", spec.lm_head)) + tuple(spec.head_parts):
         if name.startswith(prefix + "."):
             return "head", None, part + "." + name[len(prefix) + 1 :]
     raise ValueError(f"parameter {name!r} is not in the embedding, a decoder layer or the head")

@@ -311,11 +311,6 @@ def spec_for(config) -> ArchSpec:
 
 def _config_refusal(spec: ArchSpec, config) -> str | None:
     """What this config sets that its family's spec does not repeat, in a few words; None where nothing."""
-    unplaced = _not_laid_out(spec)
-    if unplaced:
-        return (f"{', '.join(unplaced)} {'holds' if len(unplaced) == 1 else 'hold'} parameters beside the token "
-                "embedding, the final norm and lm_head, which the host store does not lay out in the embedding or "
-                "head unit yet (engine/store.py)")
     if spec.layer_draws and float(getattr(config, "layerdrop", 0.0) or 0.0) > 0:
         return (f"layerdrop={config.layerdrop} skips random decoder layers in training, which the engine's "
                 "one-unit-per-layer schedule does not repeat; set config.layerdrop = 0")
@@ -394,27 +389,6 @@ def _generic(config) -> ArchSpec | str:
     spec = ArchSpec(model_type, kind, mlp=mlp, generic=True, **paths, **outside, **fields, **plan)
     _GENERIC[model_type] = spec
     return spec
-
-
-def _not_laid_out(spec: ArchSpec) -> list[str]:
-    """The parts of the embedding and head units beyond the token embedding, final norm and lm_head
-    (ArchSpec.embed_parts, head_parts: a learned position table, OPT's projections) whose parameters the host
-    store does not place in their unit under their part's name (engine/store.py's _unit_of, asked directly: it is
-    the store's placement rule, and a family must be refused before the store meets a parameter it cannot place)."""
-    if not spec.embed_parts and not spec.head_parts:
-        return []
-    from ..engine.store import _unit_of
-
-    unplaced = []
-    for kind, parts in (("embed", spec.embed_parts), ("head", spec.head_parts)):
-        for part, path in parts:
-            try:
-                placed = _unit_of(f"{path}.weight", spec)
-            except ValueError:
-                placed = None
-            if placed != (kind, None, f"{part}.weight"):
-                unplaced.append(path)
-    return unplaced
 
 
 # What a generic family's forwards may do outside the layers that the engine does as they do (spec.logits and

@@ -12,24 +12,24 @@ import transformers
 from packaging.version import Version
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from tests.support.zoo import classify, store_lays_out_parts
+from tests.support.zoo import classify
 
 EXACT = set("""
-afmoe apertus apertus1p5_text arcee aria_text axk1 bamba bitnet codegen cohere cohere2 cohere2_moe ctrl cwm
-deepseek_v2 deepseek_v3 diffllama ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe falcon falcon_h1 falcon_mamba
-flex_olmo flint gemma gemma2 gemma3_text glm glm4 glm4_moe glm4_moe_lite gpt_neox gpt_neox_japanese gpt_oss gptj
-granite granitemoe granitemoehybrid granitemoeshared helium hunyuan_v1_dense hunyuan_v1_moe hy_v3 hyperclovax
-internlm3 iquestcoder jais2 jamba jetmoe kimi_linear kolibri1 laguna lfm2 lfm2_moe llama llama4_text mamba mamba2
-mellum mimo_v2_flash minicpm3 minicpm5_moe minimax minimax_m2 minimax_m3_vl_text ministral ministral3 mistral
-mixtral nemotron nemotron_h olmo olmo2 olmo3 olmo_hybrid olmoe param2moe persimmon phi phi3 phimoe qwen2 qwen2_moe
-qwen3 qwen3_5_moe_text qwen3_5_text qwen3_moe qwen3_next sarvam_mla sarvam_moe seed_oss smollm3 solar_open stablelm
-starcoder2 vaultgemma xglm youtu
+afmoe apertus apertus1p5_text arcee aria_text axk1 bamba biogpt bitnet bloom codegen cohere cohere2 cohere2_moe ctrl
+cwm deepseek_v2 deepseek_v3 diffllama ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe falcon falcon_h1 falcon_mamba
+flex_olmo flint gemma gemma2 gemma3_text glm glm4 glm4_moe glm4_moe_lite gpt-sw3 gpt2 gpt_bigcode gpt_neo gpt_neox
+gpt_neox_japanese gpt_oss gptj granite granitemoe granitemoehybrid granitemoeshared helium hunyuan_v1_dense
+hunyuan_v1_moe hy_v3 hyperclovax internlm3 iquestcoder jais2 jamba jetmoe kimi_linear kolibri1 laguna lfm2 lfm2_moe
+llama llama4_text mamba mamba2 mellum mimo_v2_flash minicpm3 minicpm5_moe minimax minimax_m2 minimax_m3_vl_text
+ministral ministral3 mistral mixtral nemotron nemotron_h olmo olmo2 olmo3 olmo_hybrid olmoe opt param2moe persimmon
+phi phi3 phimoe qwen2 qwen2_moe qwen3 qwen3_5_moe_text qwen3_5_text qwen3_moe qwen3_next sarvam_mla sarvam_moe
+seed_oss smollm3 solar_open stablelm starcoder2 vaultgemma xglm youtu
 """.split())
 # Refused from the config with a reason: encoder models, positions made outside the layers in a way the engine does
 # not repeat (TrOCR's embedding norm after its positions, MPT's ALiBi and bool mask, OpenAI GPT without a final
 # norm), per-layer embeddings or configs, layers called with more than the hidden states (Zamba's shared blocks),
-# families whose self-check differs from stock. Absolute positions at the embedding (GPT-2 and the others of
-# BY_STORE below, XGLM's and CTRL's sinusoids) and BLOOM's ALiBi train through the generic spec
+# families whose self-check differs from stock. Absolute positions at the embedding (GPT-2 and the others with
+# learned tables, XGLM's and CTRL's sinusoids) and BLOOM's ALiBi train through the generic spec
 # (patcher/specs.py _embedding_parts).
 # Hybrid stacks (linear attention, gated delta nets, Mamba/Mamba-2, short conv beside or instead of attention) train
 # through the generic spec, which reads what each layer gets (its kind's mask, rotary embeddings or none) from the
@@ -57,18 +57,9 @@ prophetnet qwen3_5 qwen3_5_moe qwen4_exp whisper
 # finds its loss differs from stock's and refuses it.
 BY_VERSION = {"doge": ("exact", "refused")}
 PINNED = Version(transformers.__version__) < Version("5.18")
-# Exact once the host store lays out what the embedding unit and head hold beside the token embedding, the final norm
-# and lm_head (learned position tables, BLOOM's embedding norm, OPT's projections: engine/store.py), refused by name
-# until then (tests/support/zoo.py store_lays_out_parts).
-BY_STORE = set("""
-biogpt bloom gpt-sw3 gpt2 gpt_bigcode gpt_neo opt
-""".split())
-STORE_PARTS = store_lays_out_parts()
 
 
 def expected(model_type: str) -> str | None:
-    if model_type in BY_STORE:
-        return "exact" if STORE_PARTS else "refused"
     if model_type in BY_VERSION:
         return BY_VERSION[model_type][0 if PINNED else 1]
     for cls, names in (("exact", EXACT), ("refused", REFUSED), ("skipped", SKIPPED)):
@@ -87,8 +78,7 @@ def one_thread():
 
 
 def test_the_tables_do_not_overlap():
-    assert not (EXACT & REFUSED or EXACT & SKIPPED or REFUSED & SKIPPED or set(BY_VERSION) & (EXACT | REFUSED | SKIPPED)
-                or BY_STORE & (EXACT | REFUSED | SKIPPED | set(BY_VERSION)))
+    assert not (EXACT & REFUSED or EXACT & SKIPPED or REFUSED & SKIPPED or set(BY_VERSION) & (EXACT | REFUSED | SKIPPED))
 
 
 @pytest.mark.parametrize("model_type", sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))

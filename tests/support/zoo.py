@@ -187,25 +187,6 @@ def tiny_config(model_type: str):
     raise Skip(f"stock cannot build it tiny ({type(error).__name__}: {first_line(error)})") from error
 
 
-def store_lays_out_parts() -> bool:
-    """Whether the host store places what a spec puts in the embedding unit beside the token embedding (a learned
-    position table, BLOOM's embedding norm, OPT's projections: ArchSpec.embed_parts, head_parts) in that unit
-    (engine/store.py); until it does, those families are refused by name before a weight is read."""
-    from transformers import AutoConfig
-
-    from hf_megatrain import MegaTrainError
-    from hf_megatrain.patcher.specs import spec_for
-
-    try:
-        spec_for(AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16,
-                                      bos_token_id=0, eos_token_id=0))
-    except MegaTrainError as e:
-        if "host store does not lay out" in str(e):
-            return False
-        raise
-    return True
-
-
 def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__

@@ -16,7 +16,6 @@ from hf_megatrain.checkpoint.stream_load import engine_from_checkpoint
 from hf_megatrain.planner.estimator import model_sizes
 from hf_megatrain.patcher.specs import supported_model_types
 from tests.support.tiny import FAMILIES, make_batch, make_model, refuses_sdpa
-from tests.support.zoo import store_lays_out_parts
 
 MOE = [k for k, v in FAMILIES.items() if "num_experts_per_tok" in v]
 
@@ -461,26 +460,11 @@ def test_the_planner_sizes_every_hybrid_stack(model_type):
 # sqrt(n_embd) scale). The generic spec reads from the base model's forward what it does before the first layer
 # (ArchSpec.positions, project_in, embed_scale, embed_dropout, LayerDrop's draws) and after the last (project_out);
 # the embedding unit repeats it, and the layers get what the forward hands them (GPT-2's and XGLM's positional
-# arguments named by the layer's signature). A learned table is a parameter of the embedding unit, which the host
-# store lays out only once engine/store.py places spec.embed_parts there; until then those families are refused by
-# name before a weight is read, and their tests here are strict xfails that fail the day the store does.
+# arguments named by the layer's signature). A learned table is a parameter of the embedding unit (the host store
+# places spec.embed_parts and head_parts in their units).
 # BLOOM beside them: ALiBi made from the 2D mask by its modeling module's build_alibi_tensor and handed to every layer,
 # and a norm of the embeddings (its word_embeddings_layernorm, part of the embedding unit).
 ABSOLUTE = ["gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt", "xglm", "ctrl", "bloom"]
-# parameters in the embedding unit beside the token embedding: what waits for the store
-LEARNED = {"gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt", "bloom"}
-
-
-STORE_PARTS = store_lays_out_parts()
-
-
-def _needs_store(model_type):
-    """`model_type` as a parameter, a strict xfail (refused by name) where its table waits for the store."""
-    waits = model_type in LEARNED and not STORE_PARTS
-    return pytest.param(model_type, marks=pytest.mark.xfail(
-        waits, raises=MegaTrainError, strict=True,
-        reason="parameters beside the token embedding (a learned table, BLOOM's norm, OPT's projections): refused "
-               "until engine/store.py lays out spec.embed_parts and head_parts"))
 
 
 def _absolute_model(model_type, attn="sdpa", tied=True, **overrides):
@@ -501,7 +485,7 @@ def _absolute_model(model_type, attn="sdpa", tied=True, **overrides):
 
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("model_type", [_needs_store(t) for t in ABSOLUTE])
+@pytest.mark.parametrize("model_type", ABSOLUTE)
 def test_absolute_positions_match_stock(model_type, attn, tied):
     """Loss and every gradient equal stock's (one right-padded row), the head tied to the embedding or not (CTRL's
     tied lm_head keeps a bias of its own), the positions part of the embedding unit."""
@@ -514,7 +498,7 @@ def test_absolute_positions_match_stock(model_type, attn, tied):
     assert_engine_matches_stock(model)
 
 
-@pytest.mark.parametrize("model_type", ["xglm", "ctrl", _needs_store("gpt2"), _needs_store("biogpt")])
+@pytest.mark.parametrize("model_type", ["xglm", "ctrl", "gpt2", "biogpt"])
 def test_embedding_dropout_and_layerdrop_draws_are_stock(model_type):
     """Dropout on: the embedding dropout (GPT-2's and CTRL's Dropout module, XGLM's and BioGPT's functional one)
     draws its numbers in the embedding unit's forward and again in its recompute, each layer's dropout in its own,
@@ -528,7 +512,7 @@ def test_embedding_dropout_and_layerdrop_draws_are_stock(model_type):
 
 @pytest.mark.parametrize("padding", ["left", "right"])
 @pytest.mark.parametrize("proj", [None, 32])
-@pytest.mark.parametrize("model_type", [_needs_store("opt")])
+@pytest.mark.parametrize("model_type", ["opt"])
 def test_opt_positions_and_projections_are_stock(model_type, proj, padding):
     """OPT without position ids counts them from the 2D mask (a left-padded row's tokens start at 0, offset 2 into
     its table), for its table and its layers; with word_embed_proj_dim below the width its project_in (embedding
@@ -564,8 +548,8 @@ def test_layerdrop_is_refused_before_a_weight_is_read():
         spec_for(cfg)
 
 
-@pytest.mark.parametrize("model_type", ["ctrl", "xglm", _needs_store("gpt2"), _needs_store("gpt_neo"),
-                                        _needs_store("gpt_bigcode"), _needs_store("bloom")])
+@pytest.mark.parametrize("model_type", ["ctrl", "xglm", "gpt2", "gpt_neo",
+                                        "gpt_bigcode", "bloom"])
 def test_absolute_positions_count_stream_in_and_load_back(model_type, tmp_path):
     """The layout's count; a saved folder streamed into the store, the buffers its model computes when built
     (CTRL's and XGLM's sinusoids, GPT-Neo's and GPT-BigCode's causal masks) rebuilt on the host by its own
