@@ -252,8 +252,8 @@ def _estimate_parser():
                         "bytes per parameter, twice the PCIe bytes): true (the bare flag), false or auto; default "
                         "false, or auto with --gpu_gib and --host_gib")
     p.add_argument("--transient_grads", nargs="?", const="true", default=None,
-                   help="decoder layers keep no persistent fp32 gradient; each is stepped as it lands (needs "
-                        "--max_grad_norm 0): true (the bare flag), false or auto; default false, or auto with "
+                   help="decoder layers keep no persistent fp32 gradient; each is stepped as it lands (with "
+                        "clipping, after a norm pass: one more forward and backward): true (the bare flag), false or auto; default false, or auto with "
                         "--max_grad_norm 0, --gpu_gib and --host_gib")
     p.add_argument("--gpu_grad_layers", default=None,
                    help="the last N streamed layers keep their fp32 gradient on the GPU (4 bytes per parameter "

@@ -115,7 +115,7 @@ class _Head(nn.Module):
 
 
 class GradListener(Protocol):
-    """Told about one backward's gradients (HostAdamW.step_during_backward registers itself)."""
+    """Told about one backward's gradients (a host optimizer's step_during_backward registers itself)."""
 
     def final_grad(self, index: int, landed: Callable[[], None]) -> None:
         """Unit `index` got its last gradient of the step; `landed()` blocks until it is in the
@@ -678,7 +678,7 @@ class StreamingEngine(nn.Module):
         draws the same numbers (dropout).
 
         For exact clipping with transient_grads: the norm is known before the backward that steps
-        each unit as it finishes (HostAdamW.step_during_backward(clip_norm=...)). The gradients of
+        each unit as it finishes (the host optimizer's step_during_backward(clip_norm=...)). The gradients of
         that backward are this pass's only as far as the kernels are deterministic: bit for bit on
         the CPU. It costs one more forward and backward per step, with no gradient crossing PCIe."""
         if self.store.sharding is not None:
@@ -704,7 +704,7 @@ class StreamingEngine(nn.Module):
                           aux_scale: float, head_loss=None) -> list[torch.Tensor]:
         if self.store.transient and self.training and self._listener is None and not self.pipeline.measure_only:
             raise MegaTrainError("transient_grads keeps each gradient only until its step, so every backward must "
-                                 "step its units as they finish: call HostAdamW.step_during_backward() before it "
+                                 "step its units as they finish: call the host optimizer's step_during_backward() before it "
                                  "(to clip, with clip_norm=(gradient_norm(...), max_norm)), with the step's "
                                  "micro-batches together in one call.")
         preps = [self._positions(self._inputs.prepare(b), b) for b in batches]
