@@ -107,7 +107,8 @@ G)
   if [ "${2:-all}" != bench ]; then
     part 400 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
       tests/integration/test_failures.py tests/integration/test_checkpoints.py tests/unit/test_contracts.py \
-      tests/integration/test_model_state.py tests/integration/test_dpo.py tests/integration/test_optimizers.py
+      tests/integration/test_model_state.py tests/integration/test_dpo.py tests/integration/test_kto.py \
+      tests/integration/test_optimizers.py
   fi
   if [ "${2:-all}" != tests ]; then
     part 480 bench_3b_16k python3 benchmarks/bench.py --shape llama-3.2-3b --tokens 16384 --clip ${CLIPS:-1.0} \
