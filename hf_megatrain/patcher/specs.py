@@ -141,9 +141,11 @@ class ArchSpec:
     # Dropout child, or of a float attribute it hands nn.functional.dropout (BioGPT's, XGLM's `dropout`).
     embed_scale: Callable | None = None
     embed_dropout: str | None = None
-    # LayerDrop (OPT, BioGPT, XGLM): in training the base model draws one random number before each layer (and
-    # skips the layer below config.layerdrop, which the engine refuses): the engine draws it too, so that the
-    # layers' dropout sees the numbers stock's does.
+    # LayerDrop (OPT, BioGPT, XGLM): in training the base model skips a layer where a random number falls below
+    # config.layerdrop, which the engine refuses (`layerdrop`: the forward reads it). Up to transformers 5.17 it
+    # draws that number before each layer even at layerdrop 0 (later ones only where layerdrop > 0):
+    # `layer_draws`, and the engine draws it too, so that the layers' dropout sees the numbers stock's does.
+    layerdrop: bool = False
     layer_draws: bool = False
 
     @property
@@ -311,7 +313,7 @@ def spec_for(config) -> ArchSpec:
 
 def _config_refusal(spec: ArchSpec, config) -> str | None:
     """What this config sets that its family's spec does not repeat, in a few words; None where nothing."""
-    if spec.layer_draws and float(getattr(config, "layerdrop", 0.0) or 0.0) > 0:
+    if spec.layerdrop and float(getattr(config, "layerdrop", 0.0) or 0.0) > 0:
         return (f"layerdrop={config.layerdrop} skips random decoder layers in training, which the engine's "
                 "one-unit-per-layer schedule does not repeat; set config.layerdrop = 0")
     return None
@@ -887,8 +889,12 @@ def _embedding_parts(base, prefix: str, layers: str, rest: list[str]) -> dict | 
     if drop:
         out["embed_dropout"] = drop.group(1)
     if re.search(r"\bself\.layerdrop\b", forward[loop.start():]):
-        out["layer_draws"] = True
-    if re.search(r"position_ids\s*=\s*torch\.cumsum\(attention_mask\b", before):
+        out["layerdrop"] = True
+        # a draw guarded by the rate (`if self.training and self.layerdrop > 0.0:`) never runs at the only
+        # rate the engine takes
+        out["layer_draws"] = not re.search(r"\bself\.layerdrop\s*>\s*0", forward[loop.start():])
+    # the mask it counts from is the 2D attention mask (named position_attention_mask after 5.17)
+    if re.search(r"position_ids\s*=\s*torch\.cumsum\((?:position_)?attention_mask\b", before):
         out["positions_from_mask"] = True
     return out
 
