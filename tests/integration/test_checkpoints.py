@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config
+from transformers import AutoModelForCausalLM, MptConfig
 
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
 from hf_megatrain.checkpoint.hf_format import save_hf_model
@@ -253,6 +253,6 @@ def test_shape_mismatch(saved):
 
 
 def test_unsupported_architecture_folder(tmp_path):
-    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50).save_pretrained(tmp_path)
-    with pytest.raises(MegaTrainError, match="gpt2.*Supported"):
+    MptConfig(n_layers=1, d_model=32, n_heads=2, vocab_size=50).save_pretrained(tmp_path)
+    with pytest.raises(MegaTrainError, match="mpt.*Supported"):
         MegaTrainTrainer(str(tmp_path), MegaTrainArguments(output_dir=str(tmp_path / "o"), report_to=[]))
