@@ -57,6 +57,9 @@ def _always_full(config, index: int) -> str:
 def _kind_by_attr(attr: str, config, index: int) -> str:
     # Hybrid stacks: the config list the model forward picks each layer's mask by (layer_types, or Bamba's and
     # Granite-4's layers_block_type).
+    if isinstance(attr, tuple):  # ("choice", list, value, kind if equal, kind otherwise): Inkling's attention_type
+        _, attr, value, equal, otherwise = attr
+        return equal if getattr(config, attr)[index] == value else otherwise
     return getattr(config, attr)[index]
 
 
@@ -147,6 +150,9 @@ class ArchSpec:
     # `layer_draws`, and the engine draws it too, so that the layers' dropout sees the numbers stock's does.
     layerdrop: bool = False
     layer_draws: bool = False
+    # The config attribute below which the causal LM cuts its logits (Inkling's unpadded_vocab_size), where the
+    # forward does: a config that sets it under the vocabulary is refused (_config_refusal).
+    vocab_cut: str | None = None
 
     @property
     def embed_parts(self) -> tuple[tuple[str, str], ...]:
@@ -253,6 +259,12 @@ def _multiplied_logits(config, logits):
     return logits * config.lm_head_multiplier  # FalconH1ForCausalLM
 
 
+def _mup_divided_logits(config, logits):
+    # InklingForCausalLM divides the last hidden state by logits_mup_width_multiplier before lm_head (no bias: the
+    # same as dividing the logits)
+    return logits / config.logits_mup_width_multiplier
+
+
 def _scaled_logits(config, logits):
     return logits * config.logit_scale  # CohereForCausalLM
 
@@ -316,6 +328,10 @@ def _config_refusal(spec: ArchSpec, config) -> str | None:
     if spec.layerdrop and float(getattr(config, "layerdrop", 0.0) or 0.0) > 0:
         return (f"layerdrop={config.layerdrop} skips random decoder layers in training, which the engine's "
                 "one-unit-per-layer schedule does not repeat; set config.layerdrop = 0")
+    cut = getattr(config, spec.vocab_cut, None) if spec.vocab_cut else None
+    if cut is not None and cut < config.vocab_size:
+        return (f"{spec.vocab_cut}={cut} cuts the logits below the vocabulary ({config.vocab_size}), which the "
+                f"engine's loss does not; train with {spec.vocab_cut} = None")
     return None
 
 
@@ -403,7 +419,12 @@ _LOGITS = (
     (re.compile(r"logits\s*=\s*logits\s*/\s*self\.config\.logits_scaling\b"), "_divided_logits"),
     (re.compile(r"logits\s*=\s*self\.lm_head\([^\n]*\)\s*\*\s*self\.model\.lm_head_multiplier\s*$", re.M),
      "_multiplied_logits"),  # Falcon-H1's µP head multiplier
+    (re.compile(r"hidden_states\s*=\s*outputs\.last_hidden_state\s*/\s*self\.config\.logits_mup_width_multiplier\s*$",
+                re.M), "_mup_divided_logits"),  # Inkling's
 )
+# Inkling's causal LM cuts the logits to config.unpadded_vocab_size where it is set below the vocabulary, which the
+# engine's loss does not: such a config is refused (ArchSpec.vocab_cut).
+_VOCAB_CUT = re.compile(r"unpadded_vocab_size\s*=\s*self\.config\.(\w+)\s*$", re.M)
 _EMBED_MULTIPLIER = re.compile(r"inputs_embeds\s*=\s*(inputs_embeds|self\.embed_tokens\(input_ids\))\s*\*\s*"
                                r"self\.embedding_multiplier\b")
 
@@ -461,8 +482,13 @@ def _outside_the_layers(model, paths: dict, planned: bool = False) -> dict | str
     if found == ["_multiplied_logits"] and not re.search(r"self\.lm_head_multiplier\s*=\s*config\.lm_head_multiplier\s*$",
                                                         base_init, re.M):
         return "its causal LM multiplies the logits by something other than config.lm_head_multiplier"
+    if found == ["_mup_divided_logits"] and getattr(model.get_output_embeddings(), "bias", None) is not None:
+        return "its causal LM divides the last hidden state before an lm_head with a bias"
     if found:
         out["logits"] = globals()[found[0]]
+    cut = _VOCAB_CUT.search(forward)
+    if cut:
+        out["vocab_cut"] = cut.group(1)
     if _EMBED_MULTIPLIER.search(base_forward):
         if not re.search(r"self\.embedding_multiplier\s*=\s*config\.embedding_multiplier\s*$", base_init, re.M):
             return "its model multiplies the embeddings by something other than config.embedding_multiplier"
@@ -474,8 +500,17 @@ def _outside_the_layers(model, paths: dict, planned: bool = False) -> dict | str
     norm = re.search(rf"self\.{re.escape(paths['norm'].rpartition('.')[2])}\(", base_forward)
     loop = _layers_loop(base_forward, paths["layers"].rpartition(".")[2])
     if norm and loop and norm.start() < loop.start():  # NanoChat
-        return (f"its model forward applies its final norm ({paths['norm']}) before the first decoder layer too, "
-                "where the engine's embedding unit applies none")
+        module = model.get_submodule(paths["norm"])
+        if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+            return (f"its model forward applies its final norm ({paths['norm']}) before the first decoder layer too, "
+                    "a weight the engine's embedding and head units cannot share")
+        if not re.search(rf"hidden_states\s*=\s*self\.{re.escape(paths['norm'].rpartition('.')[2])}\(hidden_states\)",
+                         base_forward[norm.start() - 40:loop.start()]):
+            return (f"its model forward applies its final norm ({paths['norm']}) before the first decoder layer to "
+                    "something other than the hidden states")
+        # NanoChat's norm holds nothing (x * rsqrt(mean(x^2) + eps)): the embedding unit applies a copy of it to the
+        # token embeddings (spec.embed_norm), as the forward does before the first layer
+        out["embed_norm"] = paths["norm"]
     return out
 
 
@@ -496,10 +531,47 @@ def _mask_function(maker, config):
     """The masking_utils function a maker (ArchSpec.mask_makers) names for this config."""
     import transformers.masking_utils as masking
 
+    if isinstance(maker, tuple) and maker[0] == "with":  # ("with", maker, ((keyword, constant), ...))
+        _, inner, extra = maker
+        return functools.partial(_mask_function(inner, config), **dict(extra))
     if isinstance(maker, tuple):  # ("if_none", attribute, if None, otherwise): MiniMax's sliding or full mask
         _, attr, if_none, otherwise = maker
         maker = if_none if getattr(config, attr, None) is None else otherwise
     return getattr(masking, maker)
+
+
+def _mask_extras(items, function_names) -> tuple | str:
+    """The arguments a model forward hands its mask makers beyond those the engine passes (_MASK_KWARGS), as
+    ((keyword, constant), ...): DeepSeek-V3.2's `allow_is_causal_skip: False` (its indexer needs the mask made
+    even where sdpa could skip it). Only constants that every named masking_utils function takes are repeated;
+    the reason otherwise."""
+    import transformers.masking_utils as masking
+
+    extra = []
+    for key, value in items:
+        if key in _MASK_KWARGS:
+            continue
+        takes = all(key in inspect.signature(getattr(masking, f)).parameters for f in function_names)
+        if not isinstance(value, ast.Constant) or not takes:
+            return key
+        extra.append((key, value.value))
+    return tuple(sorted(extra))
+
+
+class _Why(str):
+    """A refusal's reason where a maker (itself a str) could have been answered (_layer_plan's made_by)."""
+
+
+def _with_extras(maker, extra: tuple):
+    """A maker with the constant arguments its call adds (_mask_function reads ("with", maker, extra))."""
+    return ("with", maker, extra) if extra else maker
+
+
+def _maker_functions(maker) -> tuple:
+    """The masking_utils functions a maker may call."""
+    if isinstance(maker, tuple) and maker[0] == "if_none":
+        return maker[2], maker[3]
+    return (maker,)
 
 
 def _maker(node, aliases: dict):
@@ -569,7 +641,25 @@ def _layer_plan(model, paths: dict, layers) -> dict | str:
         fn = ast.parse(textwrap.dedent(inspect.getsource(type(base).forward))).body[0]
     except (OSError, TypeError, SyntaxError, IndexError):
         return f"the source of its model forward ({name}), which says what each of its hybrid layers gets, cannot be read"
-    aliases, bound, mapping, mapping_name = {}, {}, {}, None
+    aliases, bound, mapping, mapping_name, kwargs_dicts = {}, {}, {}, None, {}
+
+    def made_by(call: ast.Call):
+        """The maker of a call to a mask function, with the constant arguments it adds to the engine's, from its
+        own keywords and the dicts it unpacks; the reason where one is not a constant the function takes."""
+        maker = _maker(call.func, aliases)
+        items = []
+        for kw in call.keywords:
+            if kw.arg is not None:
+                items.append((kw.arg, kw.value))
+            elif isinstance(kw.value, ast.Name) and kw.value.id in kwargs_dicts:
+                items += kwargs_dicts[kw.value.id]
+            else:
+                return _Why(f"its model forward ({name}) makes its masks with arguments the engine cannot read")
+        extra = _mask_extras(items, _maker_functions(maker))
+        if isinstance(extra, str):
+            return _Why(f"its model forward ({name}) makes its masks with an argument the engine does not pass "
+                        f"({extra})")
+        return _with_extras(maker, extra)
     alibi = None  # (the name its forward binds BLOOM's ALiBi tensor to, the plan's alibi field)
     assigns = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1
                       and isinstance(n.targets[0], ast.Name)), key=lambda n: n.lineno)
@@ -582,17 +672,22 @@ def _layer_plan(model, paths: dict, layers) -> dict | str:
         elif _maker(value, aliases) is not None:
             aliases[target] = _maker(value, aliases)  # MiniMax's mask_function
         elif isinstance(value, ast.Call) and _maker(value.func, aliases) is not None:
-            bound[target] = _maker(value.func, aliases)  # Mamba-2's attention_mask = create_recurrent_attention_mask(..)
+            made = made_by(value)  # Mamba-2's attention_mask = create_recurrent_attention_mask(..)
+            if isinstance(made, _Why):
+                return str(made)
+            bound[target] = made
         elif isinstance(value, ast.Dict) and value.keys and all(
                 isinstance(k, ast.Constant) and isinstance(k.value, str) for k in value.keys) \
                 and {"config", "inputs_embeds"} <= {k.value for k in value.keys}:
-            extra = sorted({k.value for k in value.keys} - _MASK_KWARGS)  # DeepSeek-V3.2's allow_is_causal_skip
-            if extra:
-                return (f"its model forward ({name}) makes its masks with arguments the engine does not pass "
-                        f"({', '.join(extra)})")
+            # the mask_kwargs the makers get with **: what it holds beyond the engine's arguments is checked
+            # against the makers that use it (made_by)
+            kwargs_dicts[target] = [(k.value, v) for k, v in zip(value.keys, value.values)]
         elif isinstance(value, ast.Dict) and value.keys and all(
                 isinstance(k, ast.Constant) and isinstance(k.value, str) for k in value.keys):
-            made = [_maker(v.func, aliases) if isinstance(v, ast.Call) else None for v in value.values]
+            made = [made_by(v) if isinstance(v, ast.Call) and _maker(v.func, aliases) is not None else None
+                    for v in value.values]
+            if any(isinstance(m, _Why) for m in made):
+                return str(next(m for m in made if isinstance(m, _Why)))
             if all(m is not None for m in made):
                 mapping_name, mapping = target, dict(zip((k.value for k in value.keys), made))
     loops = [n for n in ast.walk(fn) if isinstance(n, ast.For) and f"self.{layers_attr}" in ast.unparse(n.iter)]
@@ -613,6 +708,17 @@ def _layer_plan(model, paths: dict, layers) -> dict | str:
         return (f"its model forward ({name}) hands each decoder layer positional arguments beyond the hidden states "
                 f"({', '.join(ast.unparse(a) for a in call.args[1:]) or ast.unparse(call.args[0])}), which the engine "
                 "does not pass")
+    # GLM-5's DSA layers return their indexer's top-k beside the hidden states, and the forward hands them to the next
+    # layer (prev_topk_indices): a state carried from layer to layer, where each of the engine's units gets only the
+    # hidden states (and what the forward makes before the loop).
+    carried = {e.id for n in ast.walk(loop) if isinstance(n, ast.Assign) and n.value is call
+               and isinstance(n.targets[0], ast.Tuple) for e in n.targets[0].elts
+               if isinstance(e, ast.Name) and e.id != "hidden_states"}
+    for kw in keywords:
+        if isinstance(kw.value, ast.Name) and kw.value.id in carried:
+            return (f"its decoder layers return {kw.value.id} beside the hidden states and its model forward ({name}) "
+                    f"hands each the previous one's ({kw.arg}), a state across layers the engine's units do not carry")
+    choices = {}  # the name bound to a per-layer choice of mask kind (_kind_by_attr's "choice")
     local = {}  # OLMo-hybrid: layer_position_embeddings = position_embeddings if self.config.layer_types[i] == K else None
     for node in ast.walk(loop):
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
@@ -623,6 +729,19 @@ def _layer_plan(model, paths: dict, layers) -> dict | str:
             attr = _per_layer_attr(node.value.test.left, index)
             if attr:
                 local[node.targets[0].id] = ("rotary", (attr, node.value.test.comparators[0].value))
+        # Inkling: attention_type = "full_attention" if self.config.layer_types[i] == "hybrid" else "sliding_attention",
+        # then causal_mask_mapping[attention_type]: the layer's kind is the mapping's key this picks
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and isinstance(node.value, ast.IfExp) and isinstance(node.value.test, ast.Compare) \
+                and len(node.value.test.ops) == 1 and isinstance(node.value.test.ops[0], (ast.Eq, ast.NotEq)) \
+                and all(isinstance(n, ast.Constant) and isinstance(n.value, str)
+                        for n in (node.value.test.comparators[0], node.value.body, node.value.orelse)):
+            attr = _per_layer_attr(node.value.test.left, index)
+            equal, otherwise = node.value.body.value, node.value.orelse.value
+            if isinstance(node.value.test.ops[0], ast.NotEq):
+                equal, otherwise = otherwise, equal
+            if attr:
+                choices[node.targets[0].id] = ("choice", attr, node.value.test.comparators[0].value, equal, otherwise)
     kind_attr, inputs, makers, strict = None, [], dict(mapping), False
     rows = _mrope_rows(ast.unparse(fn))
     layer_init = inspect.getsource(type(layers[0]).__init__) if layers else ""
@@ -654,6 +773,11 @@ def _layer_plan(model, paths: dict, layers) -> dict | str:
                 if kind_attr not in (None, attr):
                     return f"its model forward ({name}) picks its layers' masks by two config lists"
                 kind_attr = attr
+            elif isinstance(v.slice, ast.Name) and v.slice.id in choices:
+                src, strict = ("mask", None), True
+                if kind_attr not in (None, choices[v.slice.id]):
+                    return f"its model forward ({name}) picks its layers' masks in two ways"
+                kind_attr = choices[v.slice.id]
         elif isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "get" \
                 and isinstance(v.func.value, ast.Name) and v.func.value.id == mapping_name and len(v.args) == 1 \
                 and isinstance(v.args[0], ast.Attribute) and isinstance(v.args[0].value, ast.Name) \
@@ -674,7 +798,10 @@ def _layer_plan(model, paths: dict, layers) -> dict | str:
         absent = [k for k, _ in inputs if k not in params]
         if absent and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             return f"its decoder layer ({cls.__name__}) does not take {', '.join(absent)}, which its model forward passes"
-    kinds = set(getattr(model.config, kind_attr, None) or ()) if strict else set()
+    if isinstance(kind_attr, tuple):  # the kinds the choice picks for this config's layers
+        kinds = {_kind_by_attr(kind_attr, model.config, i) for i in range(len(getattr(model.config, kind_attr[1])))}
+    else:
+        kinds = set(getattr(model.config, kind_attr, None) or ()) if strict else set()
     if kinds - set(makers):
         return (f"its model forward makes no mask the engine can read for its "
                 f"{', '.join(sorted(kinds - set(makers)))} layers")
@@ -861,7 +988,14 @@ def _embedding_parts(base, prefix: str, layers: str, rest: list[str]) -> dict | 
     # Projections, read from the source whether this config builds them or not (OPT's are None where
     # word_embed_proj_dim equals the width): the spec of a family is one for all its configs.
     proj = re.search(r"inputs_embeds\s*=\s*self\.(\w+)\(inputs_embeds\)", before)
-    if proj:
+    module = getattr(base, proj.group(1), None) if proj else None
+    if proj and module is not None and not isinstance(module, torch.nn.Linear) and proj.group(1) in attrs:
+        # Inkling's embed_norm, applied to the token embeddings in place: a norm of the embeddings as BLOOM's
+        # (the embedding unit applies it with or without positions)
+        if "embed_norm" in out:
+            return f"its model forward applies two norms to the embeddings ({out['embed_norm']}, {attrs[proj.group(1)]})"
+        out["embed_norm"] = attrs[proj.group(1)]
+    elif proj:
         out["project_in"] = f"{prefix}.{proj.group(1)}"
     for name, buf in base.named_buffers(recurse=False):
         if buf is not None and re.search(rf"self\.{name}\[position_ids\b", before):

@@ -585,6 +585,12 @@ def test_long_packed_rows_by_document_match_stock_on_gpu(monkeypatch):
 HYBRID_GPU = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "minimax", "jamba",
               "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2", "lfm2_moe", "mamba", "mamba2",
               "falcon_mamba", "gptj", "codegen",
+              # DeepSeek-V3.2's sparse attention (MLA with a top-k indexer), AXK2 on it
+              "deepseek_v32", "axk2",
+              # Inkling's short convs, embedding norm and µP head
+              "inkling_text",
+              # NanoChat's weightless final norm, applied to the embeddings too
+              "nanochat",
               # absolute positions at the embedding (learned tables, OPT's projections, XGLM's and CTRL's sinusoids),
               # BLOOM's ALiBi and embedding norm
               "xglm", "ctrl", "gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt", "bloom"]

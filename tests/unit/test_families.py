@@ -40,6 +40,9 @@ def assert_engine_matches_stock(model):
     grads = dict(engine.named_grads())
     assert list(grads) == [n for n, _ in ref.named_parameters()]
     for name, p in ref.named_parameters():
+        if p.grad is None:  # stock gives it none (DeepSeek-V3.2's indexer runs without grad): the engine, exactly zero
+            assert not grads[name].any(), name
+            continue
         torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
     return out
 
@@ -108,7 +111,8 @@ def assert_saved_files_load_back(src, tmp_path):
 @pytest.mark.parametrize("model_type, reason", [
     ("t5", "an encoder-decoder model"), ("zamba", "share weights (shared_transf.self_attn.q_proj: a block shared across layers)"),
     ("llava", "a wrapper around a text model"), ("trocr", "positions made outside the layers"),
-    ("nanochat", "applies its final norm (model.norm) before the first decoder layer too"),
+    # (NanoChat, once here for its final norm before the first layer, trains: its norm holds no weight)
+    ("glm_moe_dsa", "hands each the previous one's (prev_topk_indices), a state across layers"),
 ])
 def test_what_is_not_a_decoder_stack_is_refused_with_its_reason(model_type, reason, tmp_path, capsys):
     """The trainer and `hf-megatrain estimate` refuse it with the same line: the reason and the families."""
@@ -317,7 +321,14 @@ def test_later_families_saved_files_load_back(family, tmp_path):
 # CPU their mixers run transformers' torch paths (no causal-conv1d, mamba-ssm or fla kernels installed); on a GPU
 # with those installed, the same calls run the kernels (tests/gpu/test_gpu.py checks them there).
 HYBRID = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "minimax", "jamba", "bamba",
-          "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2", "lfm2_moe", "mamba", "mamba2", "falcon_mamba"]
+          "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2", "lfm2_moe", "mamba", "mamba2", "falcon_mamba",
+          # DeepSeek-V3.2's sparse attention (MLA with a top-k indexer; AXK2 is built on it): its forward makes the
+          # causal mask with allow_is_causal_skip=False (the indexer needs it made even where sdpa could skip it),
+          # which the generic spec reads and repeats (patcher/specs.py _mask_extras)
+          "deepseek_v32", "axk2",
+          # Inkling: full or sliding attention by a choice on layer_types, short convs beside attention and MLP (the
+          # recurrent mask), an embedding norm, the last hidden state divided by its µP multiplier
+          "inkling_text"]
 
 
 def _hybrid_model(model_type, attn="sdpa"):
@@ -579,3 +590,19 @@ def test_token_type_ids_are_refused_where_the_forward_adds_their_embeddings():
     with pytest.raises(MegaTrainError, match="token_type_ids") as refused:
         engine.forward_backward(batch)
     assert "\n" not in str(refused.value)
+
+
+# NanoChat (issue 35): its model forward applies its final norm to the embeddings too, before the first layer. That
+# norm holds no weight (x * rsqrt(mean(x^2) + eps)), so the generic spec names it the embedding's norm as well
+# (spec.embed_norm, patcher/specs.py _outside_the_layers) and the embedding unit applies a copy of it.
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_nanochat_norms_its_embeddings_with_its_final_norm(attn):
+    from hf_megatrain.patcher.specs import spec_for
+    from tests.support.zoo import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("nanochat"), attn_implementation=attn,
+                                             dtype=torch.float32).train()
+    spec = spec_for(model.config)
+    assert spec.generic and spec.embed_norm == spec.norm and not any(True for _ in model.model.norm.parameters())
+    assert_engine_matches_stock(model)
