@@ -2,6 +2,7 @@
 Trainer with the same `optim` and `optim_args` (fp32, CPU, clipping, GA 2), save and resume, the refusals, and
 one through the CLI."""
 
+import contextlib
 import copy
 import json
 import os
@@ -36,30 +37,55 @@ def logs(trainer):
     return [{k: h[k] for k in KEYS if k in h} for h in trainer.state.log_history if "loss" in h]
 
 
-def assert_same_run(stock, mega, ref):
-    a, b = logs(stock), logs(mega)
+def assert_same_logs(a, b, tol=1e-6):
+    """Losses, grad norms and learning rates of two runs' logs, step by step, to `tol` relative."""
     assert len(a) == len(b) == COMMON["max_steps"]
     for x, y in zip(a, b):
         for k in KEYS:
-            assert abs(x[k] - y[k]) <= 1e-6 * max(1.0, abs(x[k])), (k, x, y)
+            if k in x:
+                assert abs(x[k] - y[k]) <= tol * max(1.0, abs(x[k])), (k, x, y)
+
+
+def assert_same_run(stock, mega, ref, tol=1e-6, trained=None):
+    """Stock's and the engine's logs, and the engine's masters against stock's final weights (`trained`: those
+    weights by the engine's names, default every parameter of `ref`), all to `tol` (on the GPU: the two runs'
+    kernels differ, so fp32 tolerance)."""
+    assert_same_logs(logs(stock), logs(mega), tol)
     masters = dict(mega.engine.named_master_params())
-    for name, p in ref.named_parameters():
-        d = (masters[name] - p.detach()).abs().max().item()
-        assert d <= 1e-6, (name, d, p.detach().abs().max().item())
+    trained = trained if trained is not None else {n: p.detach() for n, p in ref.named_parameters()}
+    for name, p in trained.items():
+        torch.testing.assert_close(masters[name].cpu(), p.cpu(), atol=tol, rtol=0 if tol <= 1e-6 else 10 * tol,
+                                   msg=name)
+
+
+def stock_and_mega(model, tmp_path, kw, **mega_kw):
+    """Stock Trainer trained on a copy of `model` (its copy is returned as `ref`), and a MegaTrainTrainer over
+    `model` with the same arguments plus the engine's `mega_kw`, built, not yet trained."""
+    train = rows(16, 0)
+    ref = copy.deepcopy(model)
+    stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **kw),
+                    train_dataset=train, data_collator=default_data_collator)
+    stock.train()
+    mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "mega"), **kw, **mega_kw),
+                            train_dataset=train, data_collator=default_data_collator)
+    return stock, mega, ref
+
+
+@contextlib.contextmanager
+def no_tf32():
+    """fp32 matmuls on the GPU really fp32, for both runs."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 @pytest.mark.parametrize("optim", list(OPTIMS))
 @pytest.mark.parametrize("kind", ["llama", "llama_tied", "mixtral"])
 def test_matches_stock(kind, optim, tmp_path):
-    train = rows(16, 0)
-    kw = dict(COMMON, optim=optim, optim_args=OPTIMS[optim])
-    model = make_model(kind)
-    ref = copy.deepcopy(model)
-    stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **kw),
-                    train_dataset=train, data_collator=default_data_collator)
-    stock.train()
-    mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "mega"), **kw),
-                            train_dataset=train, data_collator=default_data_collator)
+    stock, mega, ref = stock_and_mega(make_model(kind), tmp_path, dict(COMMON, optim=optim, optim_args=OPTIMS[optim]))
     mega.train()
     assert mega.host_optimizer.stock_cls is type(stock.optimizer.optimizer)  # the very class stock built
     assert_same_run(stock, mega, ref)
@@ -71,6 +97,9 @@ def in_shared_buffers(store):
     return lambda g: g is None or any(lo <= g.data_ptr() < hi for lo, hi in spans)
 
 
+TRANSIENT = dict(transient_grads="true", background_host_jobs=True, layer_major_accumulation="true")
+
+
 @pytest.mark.parametrize("optim", list(OPTIMS))
 @pytest.mark.parametrize("kind", ["llama", "llama_tied", "mixtral"])
 def test_transient_grads_match_stock(kind, optim, tmp_path):
@@ -78,16 +107,8 @@ def test_transient_grads_match_stock(kind, optim, tmp_path):
     (a norm pass), then the backward steps each unit's stock instance on the host worker as its gradient lands
     in a shared buffer, clipped by that norm (GA 2 through each layer together, as transient_grads needs).
     Losses, grad norms (the norm pass's) and final masters are stock Trainer's."""
-    train = rows(16, 0)
-    kw = dict(COMMON, optim=optim, optim_args=OPTIMS[optim])
-    model = make_model(kind)
-    ref = copy.deepcopy(model)
-    stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **kw),
-                    train_dataset=train, data_collator=default_data_collator)
-    stock.train()
-    mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "mega"), transient_grads="true",
-                                                      background_host_jobs=True, layer_major_accumulation="true", **kw),
-                            train_dataset=train, data_collator=default_data_collator)
+    stock, mega, ref = stock_and_mega(make_model(kind), tmp_path, dict(COMMON, optim=optim, optim_args=OPTIMS[optim]),
+                                      **TRANSIENT)
     passes = []
     norm_pass = mega.engine.gradient_norm
     mega.engine.gradient_norm = lambda *a, **k: passes.append(1) or norm_pass(*a, **k)
@@ -103,28 +124,12 @@ def test_transient_grads_match_stock(kind, optim, tmp_path):
 def test_transient_grads_without_clipping_match_stock(optim, tmp_path):
     """Without clipping no norm pass runs: each unit steps as its gradient lands, on Mixtral with a resident
     layer (on the CPU its gradient is in the shared host buffers too)."""
-    train = rows(16, 0)
     kw = dict(COMMON, optim=optim, optim_args=OPTIMS[optim], max_grad_norm=0.0)
-    model = make_model("mixtral")
-    ref = copy.deepcopy(model)
-    stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **kw),
-                    train_dataset=train, data_collator=default_data_collator)
-    stock.train()
-    mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "mega"), transient_grads="true",
-                                                      background_host_jobs=True, layer_major_accumulation="true",
-                                                      gpu_resident_layers="1", **kw),
-                            train_dataset=train, data_collator=default_data_collator)
+    stock, mega, ref = stock_and_mega(make_model("mixtral"), tmp_path, kw, gpu_resident_layers="1", **TRANSIENT)
     mega.engine.gradient_norm = None  # never called without clipping
     mega.train()
     assert mega.engine.store.transient and sum(u.resident and u.kind == "layer" for u in mega.engine.units) == 1
-    a, b = logs(stock), logs(mega)
-    assert len(a) == len(b) == COMMON["max_steps"]
-    for x, y in zip(a, b):
-        for k in KEYS:
-            assert abs(x[k] - y[k]) <= 1e-6 * max(1.0, abs(x[k])), (k, x, y)
-    masters = dict(mega.engine.named_master_params())
-    for name, p in ref.named_parameters():
-        assert (masters[name] - p.detach()).abs().max().item() <= 1e-6, name
+    assert_same_run(stock, mega, ref)
 
 
 @pytest.mark.parametrize("optim", ["adagrad", "adafactor"])
@@ -133,113 +138,49 @@ def test_lora_with_transient_grads_matches_stock(optim, tmp_path):
     shared buffers (clipping through the norm pass, GA 2 together), as stock Trainer steps the PEFT model."""
     from peft import LoraConfig, get_peft_model
 
-    train = rows(16, 0)
     kw = dict(COMMON, optim=optim, optim_args=OPTIMS[optim], max_grad_norm=0.1)  # adapters' norms are smaller
     torch.manual_seed(0)
     model = get_peft_model(make_model("llama_tied"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                                                  target_modules=["q_proj", "v_proj", "down_proj"],
                                                                  init_lora_weights=False))
-    ref = copy.deepcopy(model)
-    stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **kw),
-                    train_dataset=train, data_collator=default_data_collator)
-    stock.train()
-    mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "mega"), transient_grads="true",
-                                                      background_host_jobs=True, layer_major_accumulation="true", **kw),
-                            train_dataset=train, data_collator=default_data_collator)
+    stock, mega, ref = stock_and_mega(model, tmp_path, kw, **TRANSIENT)
     mega.train()
     assert mega.engine.store.transient
     assert min(h["grad_norm"] for h in logs(stock)) > kw["max_grad_norm"]  # clipping active at every step
-    a, b = logs(stock), logs(mega)
-    assert len(a) == len(b) == COMMON["max_steps"]
-    for x, y in zip(a, b):
-        for k in KEYS:
-            assert abs(x[k] - y[k]) <= 1e-6 * max(1.0, abs(x[k])), (k, x, y)
-    masters = dict(mega.engine.named_master_params())
     trained = {n.removeprefix("base_model.model."): p.detach() for n, p in ref.named_parameters() if p.requires_grad}
-    assert trained and set(trained) == set(masters) and all("lora_" in n for n in trained)
-    for name, p in trained.items():
-        assert (masters[name] - p).abs().max().item() <= 1e-6, name
+    assert trained and set(trained) == set(dict(mega.engine.named_master_params())) and all("lora_" in n for n in trained)
+    assert_same_run(stock, mega, ref, trained=trained)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("optim", list(OPTIMS))
-def test_on_the_cuda_path_matches_stock(optim, tmp_path):
-    """On the GPU in fp32 (TF32 off): one resident layer steps the optimizer on the device, the streamed ones
-    on the host; losses, grad norms and final weights against stock Trainer on the GPU, to fp32 tolerance (the
-    two runs' kernels differ)."""
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        train = rows(16, 0)
-        kw = dict(COMMON, optim=optim, optim_args=OPTIMS[optim], use_cpu=False)
-        model = make_model("llama_tied")
-        ref = copy.deepcopy(model)
-        stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **kw),
-                        train_dataset=train, data_collator=default_data_collator)
-        stock.train()
-        mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "mega"), compute_dtype="float32",
-                                                          gpu_resident_layers="1", **kw),
-                                train_dataset=train, data_collator=default_data_collator)
-        mega.train()
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-    assert any(u.resident for u in mega.engine.units) and not all(u.resident for u in mega.engine.units)
-    a, b = logs(stock), logs(mega)
-    assert len(a) == len(b) == COMMON["max_steps"]
-    for x, y in zip(a, b):
-        for k in KEYS:
-            assert abs(x[k] - y[k]) <= 1e-5 * max(1.0, abs(x[k])), (k, x, y)
-    masters = dict(mega.engine.named_master_params())
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(masters[name].cpu(), p.detach().cpu(), atol=1e-5, rtol=1e-4, msg=name)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("optim", list(OPTIMS))
-@pytest.mark.parametrize("transient,clip", [(True, 0.5), (True, 0.0), (False, 0.0)])
-def test_on_the_cuda_path_stepping_during_the_backward_matches_stock(optim, transient, clip, tmp_path, monkeypatch):
-    """On the GPU in fp32 (TF32 off), each unit's stock instance stepped during the backward: a resident layer's
-    on the compute stream as its gradient is final (with transient_grads from the one shared device buffer, which
-    the next layer's backward then overwrites), the streamed ones on the host worker as their gradients land
-    (with transient_grads in the shared pinned buffers); with clipping after a norm pass. GA 2 through each layer
-    together. Losses, grad norms and final weights against stock Trainer on the GPU, to fp32 tolerance."""
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        train = rows(16, 0)
-        kw = dict(COMMON, optim=optim, optim_args=OPTIMS[optim], use_cpu=False, max_grad_norm=clip)
-        model = make_model("llama_tied")
-        ref = copy.deepcopy(model)
-        stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **kw),
-                        train_dataset=train, data_collator=default_data_collator)
-        stock.train()
-        mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "mega"), compute_dtype="float32",
-                                                          gpu_resident_layers="1", layer_major_accumulation="true",
-                                                          transient_grads=str(transient).lower(), **kw),
-                                train_dataset=train, data_collator=default_data_collator)
+@pytest.mark.parametrize("transient,clip", [(True, 0.5), (True, 0.0), (False, 0.0), (False, 0.5)])
+def test_on_the_cuda_path_matches_stock(optim, transient, clip, tmp_path, monkeypatch):
+    """On the GPU in fp32 (TF32 off), one resident layer and the rest streamed, GA 2 through each layer together.
+    Where the step policy steps during the backward (without clipping, or with transient_grads after a norm
+    pass), each unit's stock instance steps as its gradient is final: the resident layer's on the compute stream
+    (with transient_grads from the one shared device buffer, which the next layer's backward then overwrites),
+    the streamed ones on the host worker (with transient_grads from the shared pinned buffers); with clipping
+    and kept gradients, all after the backward (the resident one on the device). Losses, grad norms and final
+    weights against stock Trainer on the GPU, to fp32 tolerance."""
+    kw = dict(COMMON, optim=optim, optim_args=OPTIMS[optim], use_cpu=False, max_grad_norm=clip)
+    with no_tf32():
+        stock, mega, ref = stock_and_mega(make_model("llama_tied"), tmp_path, kw, compute_dtype="float32",
+                                          gpu_resident_layers="1", layer_major_accumulation="true",
+                                          transient_grads=str(transient).lower())
         armed = []
         arm = HostParamOptimizer.step_during_backward
         monkeypatch.setattr(HostParamOptimizer, "step_during_backward",
                             lambda self, *a, **k: armed.append(arm(self, *a, **k)) or armed[-1])
         mega.train()
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-    assert armed == [True] * COMMON["max_steps"]  # every step ran during its backward
+    during = transient or not clip
+    assert armed == [True] * COMMON["max_steps"] if during else armed == []  # where each step ran
     assert mega.engine.store.transient == transient
     assert sum(u.resident and u.kind == "layer" for u in mega.engine.units) == 1
-    a, b = logs(stock), logs(mega)
-    assert len(a) == len(b) == COMMON["max_steps"]
-    for x, y in zip(a, b):
-        for k in KEYS:
-            if k in x:
-                assert abs(x[k] - y[k]) <= 1e-5 * max(1.0, abs(x[k])), (k, x, y)
     if clip:
-        assert min(h["grad_norm"] for h in a) > clip  # clipping active at every step
-    masters = dict(mega.engine.named_master_params())
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(masters[name].cpu(), p.detach().cpu(), atol=1e-5, rtol=1e-4, msg=name)
+        assert min(h["grad_norm"] for h in logs(stock)) > clip  # clipping active at every step
+    assert_same_run(stock, mega, ref, tol=1e-5)
 
 
 def build(out, optim, model=None, **overrides):
