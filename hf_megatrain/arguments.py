@@ -234,9 +234,10 @@ def megatrain_arguments(args) -> MegaTrainArguments:
             if (type(args).__module__ or "").startswith("trl"):
                 raise MegaTrainError(
                     f"args is TRL's {type(args).__name__}: for SFT use hf_megatrain.MegaTrainSFTTrainer (it takes "
-                    "SFTConfig), for DPO hf_megatrain.MegaTrainDPOTrainer (DPOConfig). TRL's KTO, GRPO, RLOO, reward "
-                    "and distillation trainers are not supported: their losses need forwards the engine does not run "
-                    "(mismatched pairs, generations, a value head)."
+                    "SFTConfig), for DPO hf_megatrain.MegaTrainDPOTrainer (DPOConfig), for KTO "
+                    "hf_megatrain.MegaTrainKTOTrainer (KTOConfig). TRL's GRPO, RLOO, reward and distillation "
+                    "trainers are not supported: their losses need forwards the engine does not run (generations, "
+                    "a value head, a teacher)."
                 )
             raise MegaTrainError(
                 f"args is a {type(args).__name__}: a TrainingArguments subclass of another library, whose fields "

@@ -11,12 +11,12 @@ import pytest
 from tests.support import ROOT
 
 
-@pytest.mark.parametrize("script", ["continued_pretraining.py", "lora.py", "trl_sft.py", "dpo.py"])
+@pytest.mark.parametrize("script", ["continued_pretraining.py", "lora.py", "trl_sft.py", "dpo.py", "kto.py"])
 def test_example_runs_on_the_tiny_default(script, tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "examples"))
     flags = []
-    if script in ("trl_sft.py", "dpo.py"):
+    if script in ("trl_sft.py", "dpo.py", "kto.py"):
         pytest.importorskip("trl")
         flags = ["--bf16", "False", "--report_to", "none", "--save_strategy", "no"]  # TRL's bf16 default: fp32 on the CPU
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), "--tiny", "--output_dir", str(out)]
@@ -32,8 +32,9 @@ def test_example_runs_on_the_tiny_default(script, tmp_path):
         assert eval_after < 0.25 * eval_before
     else:
         assert (out / "config.json").exists() and (out / "model.safetensors").exists()
-    if script == "dpo.py":  # the held-out pairs' reward margin: 0 at the reference, positive after DPO
-        before, after = map(float, re.search(r"reward margin: (-?[\d.]+) before DPO, (-?[\d.]+) after",
+    if script in ("dpo.py", "kto.py"):  # the held-out reward margin: 0 at the reference, positive after training
+        name = script[:3].upper()
+        before, after = map(float, re.search(rf"reward margin: (-?[\d.]+) before {name}, (-?[\d.]+) after",
                                              r.stdout).groups())
         assert abs(before) < 1e-3 and after > 0.5, r.stdout[-2000:]
 
