@@ -551,7 +551,10 @@ def _mask_extras(items, function_names) -> tuple | str:
     for key, value in items:
         if key in _MASK_KWARGS:
             continue
-        takes = all(key in inspect.signature(getattr(masking, f)).parameters for f in function_names)
+        # a function that takes it by name, or through **kwargs (create_recurrent_attention_mask drops it): stock
+        # hands it the same
+        takes = all(key in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+                    for params in (inspect.signature(getattr(masking, f)).parameters for f in function_names))
         if not isinstance(value, ast.Constant) or not takes:
             return key
         extra.append((key, value.value))
