@@ -30,11 +30,10 @@ num_tokens, a MoE's aux_loss), in training and, as eval_*, in evaluation.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import TrainingArguments
 
 try:
     from trl import DPOConfig, DPOTrainer
@@ -46,7 +45,7 @@ from .engine.loss import RowLoss
 from .engine.step import ENGINE_KEYS
 from .errors import MegaTrainError
 from .preference import EnginePreference, adapters_disabled, check_preference, completion_labels  # noqa: F401
-from .sft import trl_arguments
+from .sft import TrlEngineFields, trl_arguments
 from .trainer import MegaTrainTrainer
 
 # DPOConfig.loss_type values: every one is a function of the per-row sums (see pair_losses)
@@ -56,25 +55,12 @@ F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"
 
 
 @dataclass
-class MegaTrainDPOConfig(DPOConfig, MegaTrainArguments):
+class MegaTrainDPOConfig(TrlEngineFields, DPOConfig, MegaTrainArguments):
     """`DPOConfig` with the engine's fields (those of `MegaTrainArguments`) besides.
 
     Where the two overlap, TRL's meaning holds: `max_length` is the row length (the engine plans
     its memory for it), `bf16` defaults to True as in every TRL config (pass `bf16=False` for fp32
     compute on a CPU)."""
-
-    gradient_checkpointing: bool | None = field(
-        default=next(f.default for f in fields(TrainingArguments) if f.name == "gradient_checkpointing"),
-        metadata={"help": "Ignored: the engine always recomputes each layer in the backward."},
-    )
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.follow_max_length()
-
-    def follow_max_length(self) -> None:
-        if self.max_length is not None:
-            self.max_seq_length = self.max_length
 
 
 def dpo_arguments(args, model) -> MegaTrainDPOConfig:

@@ -24,10 +24,9 @@ num_tokens, a MoE's aux_loss), each appended only where stock appends it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
 import torch
-from transformers import TrainingArguments
 
 try:
     from trl import KTOConfig, KTOTrainer
@@ -39,32 +38,19 @@ from .engine.loss import RowLoss
 from .engine.step import ENGINE_KEYS
 from .errors import MegaTrainError
 from .preference import EnginePreference, check_preference, completion_labels
-from .sft import trl_arguments
+from .sft import TrlEngineFields, trl_arguments
 from .trainer import MegaTrainTrainer
 
 LOSS_TYPES = ("kto", "apo_zero_unpaired")  # KTOConfig.loss_type's choices; both functions of per-row sums
 
 
 @dataclass
-class MegaTrainKTOConfig(KTOConfig, MegaTrainArguments):
+class MegaTrainKTOConfig(TrlEngineFields, KTOConfig, MegaTrainArguments):
     """`KTOConfig` with the engine's fields (those of `MegaTrainArguments`) besides.
 
     Where the two overlap, TRL's meaning holds: `max_length` is the row length (the engine plans
     its memory for it), `bf16` defaults to True as in every TRL config (pass `bf16=False` for fp32
     compute on a CPU)."""
-
-    gradient_checkpointing: bool | None = field(
-        default=next(f.default for f in fields(TrainingArguments) if f.name == "gradient_checkpointing"),
-        metadata={"help": "Ignored: the engine always recomputes each layer in the backward."},
-    )
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.follow_max_length()
-
-    def follow_max_length(self) -> None:
-        if self.max_length is not None:
-            self.max_seq_length = self.max_length
 
 
 def kto_arguments(args, model) -> MegaTrainKTOConfig:

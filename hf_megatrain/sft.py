@@ -49,12 +49,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class MegaTrainSFTConfig(SFTConfig, MegaTrainArguments):
-    """`SFTConfig` with the engine's fields (those of `MegaTrainArguments`) besides.
-
-    Where the two overlap, TRL's meaning holds: `max_length` is the row length (the engine plans
-    its memory for it: `max_seq_length` follows it), `packing` is TRL's packing, `bf16` defaults
-    to True as in every TRL config (pass `bf16=False` for fp32 compute on a CPU)."""
+class TrlEngineFields:
+    """What each MegaTrain*Config (SFT, DPO, KTO) changes in its TRL config, beside MegaTrainArguments' fields:
+    put first among the bases, before the TRL config and MegaTrainArguments."""
 
     # TRL turns recompute on by default; the engine always recomputes at layer boundaries, so this
     # keeps Trainer's own default (False, or None from transformers 5.25, where the name is deprecated).
@@ -64,13 +61,22 @@ class MegaTrainSFTConfig(SFTConfig, MegaTrainArguments):
     )
 
     def __post_init__(self):
-        super().__post_init__()  # SFTConfig's, then MegaTrainArguments' checks, then TrainingArguments'
+        super().__post_init__()  # the TRL config's, then MegaTrainArguments' checks, then TrainingArguments'
         self.follow_max_length()
 
     def follow_max_length(self) -> None:
         """The engine plans its memory for max_seq_length: TRL's max_length, when it sets one."""
         if self.max_length is not None:
             self.max_seq_length = self.max_length
+
+
+@dataclass
+class MegaTrainSFTConfig(TrlEngineFields, SFTConfig, MegaTrainArguments):
+    """`SFTConfig` with the engine's fields (those of `MegaTrainArguments`) besides.
+
+    Where the two overlap, TRL's meaning holds: `max_length` is the row length (the engine plans
+    its memory for it: `max_seq_length` follows it), `packing` is TRL's packing, `bf16` defaults
+    to True as in every TRL config (pass `bf16=False` for fp32 compute on a CPU)."""
 
 
 def sft_arguments(args, model) -> MegaTrainSFTConfig:
