@@ -37,7 +37,7 @@ from .inputs import BatchInputs, require_labels
 from .layout import loss_chunk, mark_resident, slab_numel
 from .loss import RowLoss, chunked_head_loss, full_logits, loss_denominator, row_head_loss
 from .pipeline import HostPipeline, Pipeline
-from .selfcheck import verify
+from .selfcheck import stock_leaves_without_grad, verify
 from .store import HostStore, build_units
 
 logger = logging.getLogger(__name__)
@@ -226,6 +226,9 @@ class StreamingEngine(nn.Module):
         self.config = copy.deepcopy(model.config)  # the engine's own: see the class docstring
         if decay_names is None:
             decay_names = [n for n, _ in model.named_parameters()]
+        # a parameter stock's step leaves without a gradient is never moved by its optimizer; here its gradient
+        # is zero, and out of weight decay no optimizer moves it either (selfcheck.stock_leaves_without_grad)
+        decay_names = [n for n in decay_names if not stock_leaves_without_grad(self.spec.model_type, n, self.spec.layers)]
         self.units = build_units(model, self.spec, decay_names)
         self._tied = tied_head(model, self.spec, self.units)
         if sharding is not None and config.transient_grads:

@@ -22,6 +22,20 @@ from ..errors import MegaTrainError
 logger = logging.getLogger(__name__)
 _VERIFIED: set[str] = set()
 _RUNNING: set[str] = set()
+# model type -> the parameters a stock training step leaves without a gradient (DeepSeek-V3.2's indexer, which
+# its forward runs detached), by their names inside a decoder layer (or whole, outside the layers): the engine's
+# gradient for them is exactly zero, and it keeps them out of weight decay, so that no optimizer moves them,
+# as torch's optimizers skip a parameter whose .grad is None.
+_STOCK_NO_GRAD: dict[str, frozenset[str]] = {}
+
+
+def stock_leaves_without_grad(model_type: str, name: str, layers: str) -> bool:
+    """Whether the verified self-check saw stock leave parameter `name` (a full name) without a gradient."""
+    if model_type not in _STOCK_NO_GRAD:
+        return False
+    prefix = layers + "."
+    local = name[len(prefix):].partition(".")[2] if name.startswith(prefix) else name
+    return local in _STOCK_NO_GRAD[model_type]
 
 # Widths of the small copy; only the attributes a config sets are changed. The head geometry (head_dim, the
 # ratio of query to key/value heads, MLA's rotary and plain parts of a head) stays the config's own: the
@@ -176,8 +190,23 @@ def _compare(small, key: str, batch: dict) -> list[str]:
     stock_loss = float(out.loss.detach())
     differs = [] if abs(float(loss) - stock_loss) <= 1e-5 * max(1.0, abs(stock_loss)) else ["the loss"]
     differs += [f"the gradient of {n}" for n, p in ref.named_parameters()
-                if p.grad is not None and not torch.allclose(grads[n], p.grad, atol=1e-6, rtol=1e-5)]
+                if not (torch.allclose(grads[n], p.grad, atol=1e-6, rtol=1e-5) if p.grad is not None
+                        else torch.count_nonzero(grads[n]) == 0)]  # stock's None: the engine's must be zero
     return differs
+
+
+def _without_grad(small, layers: str) -> frozenset[str]:
+    """The parameters of a stock training step on the small copy that get no gradient, as stock_leaves_without_grad
+    names them (within a layer, without its index)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(small), dtype=torch.float32).train()
+    ids = torch.randint(0, small.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    prefix = layers + "."
+    return frozenset(n[len(prefix):].partition(".")[2] if n.startswith(prefix) else n
+                     for n, p in model.named_parameters() if p.requires_grad and p.grad is None)
 
 
 def _line(e: BaseException) -> str:
@@ -215,6 +244,9 @@ def verify(spec, config) -> None:
             f"a {depth} random copy {differs[0]} differs from stock autograd, so it is not trained (the family "
             "does something outside its layers that the engine does not know)."
         )
+    none = _without_grad(small, spec.layers)
+    if none:
+        _STOCK_NO_GRAD[key] = none
     _VERIFIED.add(key)
     logger.info("model type %r: not in the registry; the engine equals stock on a %s copy (%.1f s)",
                 key, depth, time.perf_counter() - start)

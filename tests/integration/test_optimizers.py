@@ -183,6 +183,27 @@ def test_on_the_cuda_path_matches_stock(optim, transient, clip, tmp_path, monkey
     assert_same_run(stock, mega, ref, tol=1e-5)
 
 
+@pytest.mark.parametrize("optim", ["adamw_torch", "sgd"])
+def test_parameters_stock_leaves_without_a_gradient_stay_as_stock_leaves_them(optim, tmp_path):
+    """DeepSeek-V3.2's indexer runs detached: stock's step leaves its weights without a gradient, and torch's
+    optimizers skip them, weight decay too. The engine's gradient for them is zero and it keeps them out of
+    weight decay: every weight ends as stock's, the indexer's unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.zoo import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v32"), dtype=torch.float32).train()
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if "indexer" in n}
+    assert start
+    kw = dict(COMMON, optim=optim, optim_args=OPTIMS.get(optim), weight_decay=0.1, max_grad_norm=0.0)
+    stock, mega, ref = stock_and_mega(model, tmp_path, kw, compute_dtype="float32")
+    mega.train()
+    assert_same_run(stock, mega, ref)
+    masters = dict(mega.engine.named_master_params())
+    assert all(torch.equal(masters[n], t) for n, t in start.items())  # as stock: never moved
+
+
 def build(out, optim, model=None, **overrides):
     kw = dict(COMMON, optim=optim, optim_args=OPTIMS.get(optim))
     kw.update(overrides)
