@@ -189,8 +189,8 @@ def _compare(small, key: str, batch: dict) -> list[str]:
                              f"({type(e).__name__}: {_line(e)}); it is not trained.") from e
     stock_loss = float(out.loss.detach())
     differs = [] if abs(float(loss) - stock_loss) <= 1e-5 * max(1.0, abs(stock_loss)) else ["the loss"]
-    differs += [f"the gradient of {n}" for n, p in ref.named_parameters()
-                if not (torch.allclose(grads[n], p.grad, atol=1e-6, rtol=1e-5) if p.grad is not None
+    differs += [f"the gradient of {n}" for n, p in ref.named_parameters() if p.requires_grad
+                and not (torch.allclose(grads[n], p.grad, atol=1e-6, rtol=1e-5) if p.grad is not None
                         else torch.count_nonzero(grads[n]) == 0)]  # stock's None: the engine's must be zero
     return differs
 
