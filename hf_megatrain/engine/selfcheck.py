@@ -31,11 +31,13 @@ _STOCK_NO_GRAD: dict[str, frozenset[str]] = {}
 
 def stock_leaves_without_grad(model_type: str, name: str, layers: str) -> bool:
     """Whether the verified self-check saw stock leave parameter `name` (a full name) without a gradient."""
-    if model_type not in _STOCK_NO_GRAD:
-        return False
+    return model_type in _STOCK_NO_GRAD and _in_layer(name, layers) in _STOCK_NO_GRAD[model_type]
+
+
+def _in_layer(name: str, layers: str) -> str:
+    """A parameter's name inside its decoder layer (`<layers>.<i>.` dropped), or whole outside the layers."""
     prefix = layers + "."
-    local = name[len(prefix):].partition(".")[2] if name.startswith(prefix) else name
-    return local in _STOCK_NO_GRAD[model_type]
+    return name[len(prefix):].partition(".")[2] if name.startswith(prefix) else name
 
 # Widths of the small copy; only the attributes a config sets are changed. The head geometry (head_dim, the
 # ratio of query to key/value heads, MLA's rotary and plain parts of a head) stays the config's own: the
@@ -148,20 +150,24 @@ def small_copy(config):
     return small
 
 
-def _differences(small, key: str) -> list[str]:
+def _differences(small, key: str) -> tuple[list[str], set[str]]:
     """Stock autograd and the engine on the small copy: what differs (the loss, then each gradient), on a batch
     without padding, then on one with a right-padded row (what a layer does with padding: an attention mask, a
-    recurrent layer's 2D one); MegaTrainError where either side cannot run."""
+    recurrent layer's 2D one); MegaTrainError where either side cannot run. With them, the parameters stock's step
+    on the unpadded batch leaves without a gradient."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, small.vocab_size, (2, 24), generator=g)
     plain = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
     mask = torch.ones_like(ids)
     mask[1, -6:] = 0
     padded = {"input_ids": ids, "labels": ids.masked_fill(mask == 0, IGNORE_INDEX), "attention_mask": mask}
-    return _compare(small, key, plain) or [f"{d} (with a padded row)" for d in _compare(small, key, padded)]
+    differs, without_grad = _compare(small, key, plain)
+    if not differs:
+        differs = [f"{d} (with a padded row)" for d in _compare(small, key, padded)[0]]
+    return differs, without_grad
 
 
-def _compare(small, key: str, batch: dict) -> list[str]:
+def _compare(small, key: str, batch: dict) -> tuple[list[str], set[str]]:
     from transformers import AutoModelForCausalLM
 
     from .schedule import StreamingEngine
@@ -192,21 +198,7 @@ def _compare(small, key: str, batch: dict) -> list[str]:
     differs += [f"the gradient of {n}" for n, p in ref.named_parameters() if p.requires_grad
                 and not (torch.allclose(grads[n], p.grad, atol=1e-6, rtol=1e-5) if p.grad is not None
                         else torch.count_nonzero(grads[n]) == 0)]  # stock's None: the engine's must be zero
-    return differs
-
-
-def _without_grad(small, layers: str) -> frozenset[str]:
-    """The parameters of a stock training step on the small copy that get no gradient, as stock_leaves_without_grad
-    names them (within a layer, without its index)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(small), dtype=torch.float32).train()
-    ids = torch.randint(0, small.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
-    model(input_ids=ids, labels=ids).loss.backward()
-    prefix = layers + "."
-    return frozenset(n[len(prefix):].partition(".")[2] if n.startswith(prefix) else n
-                     for n, p in model.named_parameters() if p.requires_grad and p.grad is None)
+    return differs, {n for n, p in ref.named_parameters() if p.requires_grad and p.grad is None}
 
 
 def _line(e: BaseException) -> str:
@@ -223,11 +215,11 @@ def verify(spec, config) -> None:
     start = time.perf_counter()
     try:
         small = small_copy(config)
-        differs = _differences(small, key)
+        differs, without_grad = _differences(small, key)
         router_loss = bool(differs) and bool(getattr(small, "output_router_logits", False))
         if router_loss:  # equal without the router's loss: that loss is what the engine leaves out
             small.output_router_logits = False
-            router_loss = not _differences(small, key)
+            router_loss = not _differences(small, key)[0]
     finally:
         _RUNNING.discard(key)
     depth = f"{small.num_hidden_layers}-layer"
@@ -244,9 +236,8 @@ def verify(spec, config) -> None:
             f"a {depth} random copy {differs[0]} differs from stock autograd, so it is not trained (the family "
             "does something outside its layers that the engine does not know)."
         )
-    none = _without_grad(small, spec.layers)
-    if none:
-        _STOCK_NO_GRAD[key] = none
+    if without_grad:
+        _STOCK_NO_GRAD[key] = frozenset(_in_layer(n, spec.layers) for n in without_grad)
     _VERIFIED.add(key)
     logger.info("model type %r: not in the registry; the engine equals stock on a %s copy (%.1f s)",
                 key, depth, time.perf_counter() - start)
