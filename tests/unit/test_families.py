@@ -393,9 +393,16 @@ def test_hybrid_stacks_count_stream_in_and_load_back(model_type, tmp_path):
     one on disk, fused in memory; Falcon-H1's mixers' mup_vector, which is not saved, computed on the host by its
     model's _init_weights), then the engine equals stock on the loaded model; the engine's saved files load back
     to the same logits."""
+    assert_streams_in_and_loads_back(lambda: _hybrid_model(model_type, attn="eager")[0], tmp_path)
+
+
+def assert_streams_in_and_loads_back(build, tmp_path):
+    """`build()` (a fresh model, the same weights each call): the layout counts its parameters; its saved folder
+    streams into the store; the engine then equals stock on the loaded model; the engine's saved files load back
+    to the same logits."""
     from hf_megatrain.engine.layout import config_units
 
-    src, _ = _hybrid_model(model_type, attn="eager")
+    src = build()
     assert sum(u.numel for u in config_units(src.config)) == sum(p.numel() for p in src.parameters())
     _, engine = _streamed_in(src, tmp_path)
     batch = make_batch(batch=3, seq=12)
@@ -406,7 +413,7 @@ def test_hybrid_stacks_count_stream_in_and_load_back(model_type, tmp_path):
     grads = dict(engine.named_grads())
     for name, p in src.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
-    assert_saved_files_load_back(_hybrid_model(model_type, attn="eager")[0], tmp_path / "again")
+    assert_saved_files_load_back(build(), tmp_path / "again")
 
 
 def test_the_self_check_refuses_a_hybrid_plan_it_gets_wrong(monkeypatch):
@@ -565,20 +572,7 @@ def test_absolute_positions_count_stream_in_and_load_back(model_type, tmp_path):
     """The layout's count; a saved folder streamed into the store, the buffers its model computes when built
     (CTRL's and XGLM's sinusoids, GPT-Neo's and GPT-BigCode's causal masks) rebuilt on the host by its own
     _init_weights; the engine then equals stock on the loaded model; its saved files load back to the same logits."""
-    from hf_megatrain.engine.layout import config_units
-
-    src = _absolute_model(model_type, "eager", tied=True)
-    assert sum(u.numel for u in config_units(src.config)) == sum(p.numel() for p in src.parameters())
-    _, engine = _streamed_in(src, tmp_path)
-    batch = make_batch(batch=3, seq=12)
-    out = src(**batch)
-    out.loss.backward()
-    loss = engine.forward_backward(batch)
-    assert abs(float(loss) - float(out.loss)) < 1e-5
-    grads = dict(engine.named_grads())
-    for name, p in src.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
-    assert_saved_files_load_back(_absolute_model(model_type, "eager", tied=True), tmp_path / "again")
+    assert_streams_in_and_loads_back(lambda: _absolute_model(model_type, "eager", tied=True), tmp_path)
 
 
 def test_token_type_ids_are_refused_where_the_forward_adds_their_embeddings():
