@@ -47,6 +47,10 @@
 #    tokens/s against the step-time model. `Z b`: the 13B shape at 16K tokens/step, Adafactor beside AdamW, one
 #    checkpoint for both. `Z` runs both (more than one call's 10 minutes: give each half its own call; a fresh
 #    machine may spend most of `Z a` writing the ~54 GiB checkpoint: a second `Z a` on the warm machine reuses it).
+# DPO: issue 36 (needs the H200, as Y): the 13B shape at 16K tokens/step, default placement, clipping 1.0, DPO (8
+#    preference examples of 512 + 512 + 512 tokens: 16 rows of 1024) beside SFT at the same 16 x 1024 tokens, one
+#    checkpoint for both (Y's, reused on a warm machine); the DPO record times the reference pass on its own
+#    (benchmarks/dpo_bench.py).
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
 # Every call first writes $OUT/versions.json and prints one VERSIONS line (benchmarks/versions.py:
 # Python, torch, CUDA, transformers, accelerate, peft, GPU and driver, hf_megatrain commit); each
@@ -264,6 +268,13 @@ Z)  # issue 34: Adafactor on the host (see the header). The plans fill most of t
         --optim $optim --steps 7 --warmup 2 --skip_all_host --tag _$optim --out "$OUT"
     done
   fi ;;
-*) echo "unknown group $1 (A to Z)"; exit 2 ;;
+DPO)
+  export LARGEST_KEEP=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  keep_only llama-2-13b-full
+  part 280 13b_16k_sft python3 benchmarks/largest.py --shape llama-2-13b --tokens 16384 --clip 1.0 --steps 6 \
+    --warmup 2 --skip_all_host --tag _sft --out "$OUT"
+  part 300 13b_16k_dpo python3 benchmarks/dpo_bench.py --shape llama-2-13b --pairs 8 --prompt 512 --completion 512 \
+    --steps 6 --warmup 2 --clip 1.0 --out "$OUT" ;;
+*) echo "unknown group $1 (A to Z, DPO)"; exit 2 ;;
 esac
 for f in "${names[@]}"; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done
