@@ -51,6 +51,10 @@
 #    preference examples of 512 + 512 + 512 tokens: 16 rows of 1024) beside SFT at the same 16 x 1024 tokens, one
 #    checkpoint for both (Y's, reused on a warm machine); the DPO record times the reference pass on its own
 #    (benchmarks/dpo_bench.py).
+# ZOO: issue 35 (needs the H200: stock holds these in fp32 only there): a DeepSeek-V3-width MoE (MLA; 32 routed
+#    experts, shapes.py says why; 3 layers, the first dense) and the Qwen3.5 shape (gated delta-nets, 16 of 32
+#    layers), each at 16K tokens/step with clipping 1.0: stock Trainer with fp32 parameters under bf16 autocast,
+#    stock with bf16 parameters (the speed anchor) and the default placement, MFU on active parameters.
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
 # Every call first writes $OUT/versions.json and prints one VERSIONS line (benchmarks/versions.py:
 # Python, torch, CUDA, transformers, accelerate, peft, GPU and driver, hf_megatrain commit); each
@@ -275,6 +279,11 @@ DPO)
     --warmup 2 --skip_all_host --tag _sft --out "$OUT"
   part 300 13b_16k_dpo python3 benchmarks/dpo_bench.py --shape llama-2-13b --pairs 8 --prompt 512 --completion 512 \
     --steps 6 --warmup 2 --clip 1.0 --out "$OUT" ;;
-*) echo "unknown group $1 (A to Z, DPO)"; exit 2 ;;
+ZOO)
+  part 290 deepseek_v3_width python3 benchmarks/bench.py --shape deepseek-v3-width --layers 3 --tokens 16384 \
+    --clip 1.0 --systems stock,stock_bf16,megatrain:auto --stock_micro 4 --steps 3 --warmup 1 --out "$OUT/dsv3"
+  part 290 qwen3_5 python3 benchmarks/bench.py --shape qwen3.5-9b --layers 16 --tokens 16384 --clip 1.0 \
+    --systems stock,stock_bf16,megatrain:auto --stock_micro 4 --steps 3 --warmup 1 --out "$OUT/qwen3_5" ;;
+*) echo "unknown group $1 (A to Z, DPO, ZOO)"; exit 2 ;;
 esac
 for f in "${names[@]}"; do echo "== $f"; tail -n 14 "$OUT/$f.log"; done

@@ -50,6 +50,21 @@ SHAPES = {
     "mixtral-8x22b": dict(model_type="mixtral", hidden_size=6144, intermediate_size=16384, num_hidden_layers=56,
                           num_attention_heads=48, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
                           vocab_size=32768, rope_theta=1000000.0),
+    # DeepSeek-V3's width (hidden 7168, MLA with its ranks and head dims, experts of 2048, top-8 in 4 of 8 groups,
+    # one shared expert, vocabulary 129280) with 32 routed experts instead of 256 and the first layer dense: one
+    # V3 MoE layer (11.3 B) is more than stock Trainer holds on one card, so the issue-35 rows truncate the
+    # experts as well as the depth
+    "deepseek-v3-width": dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432,
+                              moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+                              num_key_value_heads=128, n_routed_experts=32, n_shared_experts=1, num_experts_per_tok=8,
+                              n_group=8, topk_group=4, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=1536,
+                              qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=129280,
+                              tie_word_embeddings=False),
+    # the defaults of transformers' Qwen3.5 text config (gated delta-net layers, every fourth full attention)
+    "qwen3.5-9b": dict(model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                       num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                       linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                       vocab_size=248320, tie_word_embeddings=False),
     "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
                         num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
                         num_experts_per_tok=4, vocab_size=201088, sliding_window=128),
