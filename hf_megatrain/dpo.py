@@ -42,7 +42,6 @@ except ImportError as e:  # an optional extra
 
 from .arguments import MegaTrainArguments, check_arguments
 from .engine.loss import RowLoss
-from .engine.step import ENGINE_KEYS
 from .errors import MegaTrainError
 from .preference import EnginePreference, adapters_disabled, check_preference, completion_labels  # noqa: F401
 from .sft import TrlEngineFields, trl_arguments
@@ -126,19 +125,12 @@ class MegaTrainDPOTrainer(EnginePreference, DPOTrainer, MegaTrainTrainer):
             inputs["labels"] = completion_labels(inputs)
         loss = MegaTrainTrainer.training_step(self, model, inputs, num_items_in_batch)
         k = self._micro_index
-        aux = [c.get("aux_loss") for c, o in zip(self.engine.head_stats, self._owner) if o == k]
-        self._record_metrics(inputs, self._rows[k], aux[0] if aux else None, "train")
+        self._record_metrics(inputs, self._rows[k], self._micro_aux(k), "train")
         return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        self.engine.eval()
-        self.model.eval()  # as stock's evaluation leaves the model: TRL's log then reports the eval metrics
-        labels = completion_labels(inputs)
         want_logits = not prediction_loss_only and self.compute_metrics is not None
-        with torch.no_grad():
-            out = self.engine(**{k: v for k, v in inputs.items() if k in ENGINE_KEYS and k != "labels"}, labels=labels,
-                              return_logits=want_logits, row_loss=lambda per_row: self._dpo_loss(inputs, per_row, 0))
-        aux = self.engine.head_stats[0].get("aux_loss") if self.engine.head_stats else None
+        out, aux = self._engine_eval(inputs, lambda per_row: self._dpo_loss(inputs, per_row, 0), want_logits)
         self._record_metrics(inputs, self._rows[0], aux, "eval")
         loss = out.loss.detach().to(self.args.device)
         if not want_logits:

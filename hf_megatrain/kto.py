@@ -35,7 +35,6 @@ except ImportError as e:  # an optional extra
 
 from .arguments import MegaTrainArguments, check_arguments
 from .engine.loss import RowLoss
-from .engine.step import ENGINE_KEYS
 from .errors import MegaTrainError
 from .preference import EnginePreference, check_preference, completion_labels
 from .sft import TrlEngineFields, trl_arguments
@@ -123,20 +122,14 @@ class MegaTrainKTOTrainer(EnginePreference, KTOTrainer, MegaTrainTrainer):
             self.engine.train()
             self._kl = {i: self._kl_term(b) for i, b in enumerate(group)}
         loss = MegaTrainTrainer.training_step(self, model, inputs, num_items_in_batch)
-        aux = [c.get("aux_loss") for c, o in zip(self.engine.head_stats, self._owner) if o == k]
-        self._record_metrics(inputs, self._rows[k], self._kl[k], aux[0] if aux else None, "train")
+        self._record_metrics(inputs, self._rows[k], self._kl[k], self._micro_aux(k), "train")
         return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        self.engine.eval()
-        self.model.eval()  # as stock's evaluation leaves the model: TRL's log then reports the eval metrics
-        labels = completion_labels(inputs)
         want_logits = not prediction_loss_only and self.compute_metrics is not None
+        self.engine.eval()  # the KL rows' policy pass in eval mode, as stock's evaluation runs it
         self._kl = {0: self._kl_term(inputs)}
-        with torch.no_grad():
-            out = self.engine(**{k: v for k, v in inputs.items() if k in ENGINE_KEYS and k != "labels"}, labels=labels,
-                              return_logits=want_logits, row_loss=lambda per_row: self._kto_loss(inputs, per_row, 0))
-        aux = self.engine.head_stats[0].get("aux_loss") if self.engine.head_stats else None
+        out, aux = self._engine_eval(inputs, lambda per_row: self._kto_loss(inputs, per_row, 0), want_logits)
         self._record_metrics(inputs, self._rows[0], self._kl[0], aux, "eval")
         loss = out.loss.detach().to(self.args.device)
         if not want_logits:

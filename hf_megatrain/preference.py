@@ -31,23 +31,14 @@ from .preflight import check_outputs, check_resume
 from .sft import load_for_trl
 
 
-def check_preference(args, model, ref_model, train_dataset, peft_config, quantization_config, trl_name: str) -> None:
-    """What TRL's DPO and KTO trainers offer that the engine cannot honour, refused before any data is tokenized."""
+def check_engine_trl(args, model, train_dataset, peft_config, quantization_config, trl_name: str) -> None:
+    """What TRL's offline preference trainers (DPO, KTO, ORPO, CPO) offer that the engine cannot honour, refused
+    before any data is tokenized."""
     if is_peft_model(model):
         raise MegaTrainError(f"a PeftModel as model is not supported: {trl_name}Trainer would keep a copy of its "
                              "adapter as the reference. Pass the base model with peft_config for new adapters, or "
                              "merge the adapter into the base first (merge_and_unload, save_pretrained) and train that.")
-    if ref_model is not None:
-        if ref_model is model:
-            raise MegaTrainError("model and ref_model are the same object; omit ref_model (the reference is then the "
-                                 "starting policy, computed in a forward-only pass before the first step).")
-        if is_peft_model(ref_model):
-            raise MegaTrainError("a PeftModel as ref_model is not supported: merge its adapter into the base first "
-                                 "(merge_and_unload, save_pretrained) and pass that.")
-    if args.sync_ref_model:
-        raise MegaTrainError("sync_ref_model is not supported: it keeps a second model that follows the policy, while "
-                             "the engine's reference is computed once, before the first step; leave it False.")
-    if args.activation_offloading:
+    if getattr(args, "activation_offloading", False):
         raise MegaTrainError("activation_offloading=True is TRL's offload for a model on the GPU; the engine keeps "
                              "activations itself (offload_activations). Leave it False.")
     if args.use_liger_kernel:
@@ -65,33 +56,51 @@ def check_preference(args, model, ref_model, train_dataset, peft_config, quantiz
     import datasets
 
     if isinstance(train_dataset, datasets.IterableDataset):
-        raise MegaTrainError("train_dataset is an IterableDataset: the engine computes the reference's log-probabilities "
-                             "over the whole dataset before the first step, which needs a map-style datasets.Dataset.")
+        raise MegaTrainError(f"train_dataset is an IterableDataset: {trl_name}Trainer prepares a map-style "
+                             "datasets.Dataset (and the engine computes a reference's log-probabilities over the "
+                             "whole dataset before the first step).")
     sample = next(iter(train_dataset))
     if "image" in sample or "images" in sample:
         raise MegaTrainError("vision preference data (an 'image' or 'images' column) is not supported: the engine "
                              "trains text decoders.")
 
 
-class EnginePreference:
-    """Placed before a TRL preference trainer and MegaTrainTrainer among a trainer's bases
-    (class MegaTrainDPOTrainer(EnginePreference, DPOTrainer, MegaTrainTrainer)): what the engine changes there.
+def check_preference(args, model, ref_model, train_dataset, peft_config, quantization_config, trl_name: str) -> None:
+    """What TRL's DPO and KTO trainers offer that the engine cannot honour, refused before any data is tokenized:
+    check_engine_trl's, and the reference's."""
+    check_engine_trl(args, model, train_dataset, peft_config, quantization_config, trl_name)
+    if ref_model is not None:
+        if ref_model is model:
+            raise MegaTrainError("model and ref_model are the same object; omit ref_model (the reference is then the "
+                                 "starting policy, computed in a forward-only pass before the first step).")
+        if is_peft_model(ref_model):
+            raise MegaTrainError("a PeftModel as ref_model is not supported: merge its adapter into the base first "
+                                 "(merge_and_unload, save_pretrained) and pass that.")
+    if args.sync_ref_model:
+        raise MegaTrainError("sync_ref_model is not supported: it keeps a second model that follows the policy, while "
+                             "the engine's reference is computed once, before the first step; leave it False.")
 
-    A subclass sets `rows_per_example` (rows of a micro-batch per example the batch size counts: DPO's
-    collator stacks chosen over rejected rows) and `trl_name`, and calls `_engine_init` first in __init__."""
+
+class EngineTrl:
+    """Placed before a TRL preference trainer and MegaTrainTrainer among a trainer's bases
+    (class MegaTrainORPOTrainer(ReferenceFreePairs, ORPOTrainer, MegaTrainTrainer)): what the engine changes
+    in every one of them (DPO, KTO, ORPO, CPO).
+
+    A subclass sets `rows_per_example` (rows of a micro-batch per example the batch size counts: the pair
+    trainers' batches stack chosen over rejected rows) and `trl_name`, and calls `_engine_setup` first in
+    __init__."""
 
     rows_per_example = 1
     trl_name = ""
 
-    def _engine_init(self, model, ref_model, args, train_dataset, processing_class, peft_config, quantization_config,
-                     check):
-        """Before the TRL trainer's __init__: the refusals (check), the outputs, the model as a meta skeleton the
-        engine fills. Returns (skeleton, processing_class) for the TRL trainer."""
+    def _engine_setup(self, model, args, processing_class, peft_config, check):
+        """Before the TRL trainer's __init__: the refusals (check(args, peft_config)), the outputs, the model as a
+        meta skeleton the engine fills. Returns (skeleton, processing_class) for the TRL trainer."""
         if peft_config is not None:  # the engine wraps the base itself (TRL would wrap a meta skeleton)
             if args.peft_config is not None and args.peft_config is not peft_config:
                 raise MegaTrainError("peft_config was given twice (as an argument and in args); keep one.")
             args.peft_config = peft_config
-        check(args, model, ref_model, train_dataset, args.peft_config, quantization_config)
+        check(args, args.peft_config)
         check_outputs(args)
         check_resume(args.resume_from_checkpoint, args.output_dir)
         self._loaded = load_for_trl(model, args)  # a folder or hub id: a meta skeleton the engine fills
@@ -100,17 +109,7 @@ class EnginePreference:
             processing_class = tokenizer
         if args.device.type == "cuda":
             args._n_gpu = 1  # one GPU per process: TRL would refuse nn.DataParallel on a multi-GPU host
-        # The reference's log-probabilities are computed before the first step whatever the config says (the
-        # engine keeps no reference model to run beside each step: the reference is the starting policy, or a
-        # ref_model streamed once by a forward-only engine): TRL's precompute path, with no ref_model built.
-        self._asked_precompute = args.precompute_ref_log_probs
-        args.precompute_ref_log_probs = True
-        self._rows: dict[int, dict] = {}
-        self._ref_source, self._ref_engine = None, None  # a different reference: streamed at the first pass
-        if ref_model is not None:  # its config and architecture read now (no weights): refused before tokenizing
-            from .checkpoint.loading import load_model_and_tokenizer
-
-            self._ref_source = load_model_and_tokenizer(ref_model, trust_remote_code=args.trust_remote_code)
+        self._rows: dict[int, dict] = {}  # what each micro-batch's loss keeps for its metrics
         return skeleton, processing_class
 
     # -- what MegaTrainTrainer.__init__ calls before the engine exists ---------------------------------
@@ -144,11 +143,94 @@ class EnginePreference:
 
     # -- the trainer after the TRL trainer's __init__ ---------------------------------------------------
     def _post_init_engine(self):
-        """The MoE router loss as the TRL trainer settled it (coefficient and switch), on the engine's config copy."""
+        """The MoE router loss as the TRL trainer settled it (coefficient and switch), on the engine's config copy:
+        DPO and KTO name the coefficient router_aux_loss_coef, ORPO and CPO aux_loss_coef."""
         own = self.engine.config.get_text_config()
         if hasattr(own, "output_router_logits"):
             own.output_router_logits = bool(self.aux_loss_enabled)
-            setattr(own, self.engine.aux_coef, self.router_aux_loss_coef)
+            coef = getattr(self, "router_aux_loss_coef", None)
+            setattr(own, self.engine.aux_coef, coef if coef is not None else self.aux_loss_coef)
+
+    def _micro_aux(self, k):
+        """Micro-batch k's MoE load-balancing loss (before its coefficient) of this step's training pass, or None."""
+        aux = [c.get("aux_loss") for c, o in zip(self.engine.head_stats, self._owner) if o == k]
+        return aux[0] if aux else None
+
+    def _engine_eval(self, inputs, loss_fn, want_logits: bool):
+        """One evaluation batch through the engine's eval-mode forward under `loss_fn` (a RowLoss fn of its
+        per-row sums), the model left in eval mode as stock's evaluation leaves it (TRL's log then reports the
+        eval metrics). Returns (the engine's output, the batch's MoE load-balancing loss or None)."""
+        from .engine.step import ENGINE_KEYS
+
+        self.engine.eval()
+        self.model.eval()
+        if "labels" not in inputs:
+            self._engine_batch(inputs)
+        with torch.no_grad():
+            out = self.engine(**{k: v for k, v in inputs.items() if k in ENGINE_KEYS}, return_logits=want_logits,
+                              row_loss=loss_fn)
+        aux = self.engine.head_stats[0].get("aux_loss") if self.engine.head_stats else None
+        return out, aux
+
+    @contextlib.contextmanager
+    def _no_head_stats(self):
+        stats, self.engine.head_stats = self.engine.head_stats, None
+        try:
+            yield
+        finally:
+            self.engine.head_stats = stats
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        for batch in batches:  # what the engine trains on: the TRL batch's rows, with labels (_engine_batch)
+            self._engine_batch(batch)
+        return batches, num_items
+
+    def _engine_batch(self, batch) -> None:
+        """Adds to a collated batch what the engine runs: labels (the completion tokens, as TRL's loss counts them)."""
+        batch["labels"] = completion_labels(batch)
+
+    def _metric_buffers(self):
+        """The TRL trainer's per-mode metric lists (DPO's and KTO's _metrics)."""
+        return self._metrics.values()
+
+    def log(self, logs, start_time=None):
+        # device tensors become numbers once per log; a (value, present) pair is a value TRL appends only when
+        # present is true (KTO's chosen metrics of a micro-batch with chosen rows), and a metric with no value is
+        # absent from the log, as in stock
+        for buffer in self._metric_buffers():
+            for key in list(buffer):
+                values = [float(v[0]) if isinstance(v, tuple) else float(v) for v in buffer[key]
+                          if not isinstance(v, tuple) or bool(v[1])]
+                if values:
+                    buffer[key][:] = values
+                else:
+                    del buffer[key]
+        super().log(logs, start_time)
+
+
+class EnginePreference(EngineTrl):
+    """EngineTrl for the trainers with a reference (DPO, KTO): the reference's log-probabilities computed by the
+    engine before the first step (the starting policy, the adapter-disabled model under LoRA, or a ref_model
+    streamed through a second, forward-only engine). A subclass calls `_engine_init` first in __init__."""
+
+    def _engine_init(self, model, ref_model, args, train_dataset, processing_class, peft_config, quantization_config,
+                     check):
+        """_engine_setup, then the reference's settings. Returns (skeleton, processing_class) for the TRL trainer."""
+        skeleton, processing_class = self._engine_setup(
+            model, args, processing_class, peft_config,
+            lambda a, peft: check(a, model, ref_model, train_dataset, peft, quantization_config))
+        # The reference's log-probabilities are computed before the first step whatever the config says (the
+        # engine keeps no reference model to run beside each step: the reference is the starting policy, or a
+        # ref_model streamed once by a forward-only engine): TRL's precompute path, with no ref_model built.
+        self._asked_precompute = args.precompute_ref_log_probs
+        args.precompute_ref_log_probs = True
+        self._ref_source, self._ref_engine = None, None  # a different reference: streamed at the first pass
+        if ref_model is not None:  # its config and architecture read now (no weights): refused before tokenizing
+            from .checkpoint.loading import load_model_and_tokenizer
+
+            self._ref_source = load_model_and_tokenizer(ref_model, trust_remote_code=args.trust_remote_code)
+        return skeleton, processing_class
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
         self._post_init_engine()  # the first thing after the TRL trainer's settings; before any forward
@@ -226,14 +308,6 @@ class EnginePreference:
             engine.train(training)
         return logps["rows"].to(self.accelerator.device)
 
-    @contextlib.contextmanager
-    def _no_head_stats(self):
-        stats, self.engine.head_stats = self.engine.head_stats, None
-        try:
-            yield
-        finally:
-            self.engine.head_stats = stats
-
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         if (eval_dataset is not None and not isinstance(eval_dataset, str) and self.engine.peft_model is None
                 and self._ref_engine is None and not self._asked_precompute and self.state.global_step > 0):
@@ -242,26 +316,6 @@ class EnginePreference:
                 "those of the starting policy, which the engine computes before the first step (no second model is "
                 "kept). Pass it as eval_dataset when building the trainer.")
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
-
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        for batch in batches:  # the engine trains on labels: the completion tokens, as TRL's loss counts them
-            batch["labels"] = completion_labels(batch)
-        return batches, num_items
-
-    def log(self, logs, start_time=None):
-        # device tensors become numbers once per log; a (value, present) pair is a value TRL appends only when
-        # present is true (KTO's chosen metrics of a micro-batch with chosen rows), and a metric with no value is
-        # absent from the log, as in stock
-        for buffer in self._metrics.values():
-            for key in list(buffer):
-                values = [float(v[0]) if isinstance(v, tuple) else float(v) for v in buffer[key]
-                          if not isinstance(v, tuple) or bool(v[1])]
-                if values:
-                    buffer[key][:] = values
-                else:
-                    del buffer[key]
-        super().log(logs, start_time)
 
 
 def completion_labels(batch) -> torch.Tensor:

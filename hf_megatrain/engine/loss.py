@@ -150,11 +150,19 @@ class RowLoss:
     """A loss that is a function of per-row sums over each row's counted tokens (TRL's DPO family:
     sums of token log-probabilities of the chosen and rejected rows), for `row_head_loss`.
 
-    fn(k, per_row) -> scalar loss of micro-batch k, differentiable in per_row['logps'] (a leaf);
+    fn(k, per_row) -> scalar loss of micro-batch k, differentiable in per_row['logps'];
     per_row holds [rows] fp32 tensors: 'logps' (summed token log-probabilities), 'tokens' (counted
     tokens), 'entropy' (summed entropies of the predicted distributions), 'mean_logits' (summed
     per-token means of the logits over the vocabulary) and 'top1' (tokens whose target is the
-    first argmax). The other entries are constants: only the log-probabilities carry a gradient."""
+    first argmax); and, per counted token, 'token_logps' (its log-probability: the leaf 'logps' is
+    summed from, for a loss of sums over other sets of tokens, e.g. ORPO's prompt-and-completion NLL
+    beside its completion log-probabilities) and 'token_index' (its flat position, row * seq + t,
+    the order of loss.counted_rows). The other entries are constants: only the log-probabilities
+    carry a gradient.
+
+    fn may set per_row['live']: a bool tensor over the counted tokens, False where a token's
+    coefficient is known to be 0 (counted only for a statistic, as ORPO's and CPO's logits metrics
+    count padding); the second pass then skips those tokens. On the host it costs no device sync."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -178,12 +186,12 @@ def row_head_loss(
     micro-batch), and (when `seed` is given) the gradients of seed * loss.
 
     Two passes of the head over the counted tokens, `chunk` rows of logits at a time: the first,
-    without autograd, sums each row's token log-probabilities (and the statistics RowLoss names);
-    the loss is evaluated on those sums with autograd, which gives each row's coefficient
-    c_r = seed * d loss / d logps_r; the second recomputes each chunk's logits with autograd and
-    backpropagates sum_t c_row(t) * log p_t, which is exactly the loss's gradient (the loss
-    depends on the weights only through the sums). Returns (loss, grad_hidden or None, fp32
-    grads of `weights` or None)."""
+    without autograd, takes each token's log-probability (and the statistics RowLoss names); the
+    loss is evaluated on them with autograd, which gives each token's coefficient
+    c_t = seed * d loss / d log p_t (for a loss of per-row sums, its row's d loss / d sum); the
+    second recomputes each chunk's logits with autograd and backpropagates sum_t c_t * log p_t,
+    which is exactly the loss's gradient (the loss depends on the weights only through the token
+    log-probabilities). Returns (loss, grad_hidden or None, fp32 grads of `weights` or None)."""
     trainable = trainable if trainable is not None else [True] * len(weights)
     seq = hidden.shape[1]
     n_rows = hidden.shape[0]
@@ -193,32 +201,42 @@ def row_head_loss(
         rows = counted_rows(labels)
     rows = rows.to(hidden.device, non_blocking=True)
     per_row = {k: torch.zeros(n_rows, dtype=torch.float32, device=hidden.device) for k in ROW_FIELDS}
+    token_logps = torch.zeros(rows.numel(), dtype=torch.float32, device=hidden.device)
 
-    with torch.no_grad():  # pass 1: the sums
+    with torch.no_grad():  # pass 1: each token's log-probability, the statistics' sums
+        start = 0
         for idx in rows.split(chunk):
             target = flat_l.index_select(0, idx)
             logits = run_head(weights, flat_h.index_select(0, idx)).float()
             logp = logits.log_softmax(-1)
             row = idx // seq
-            per_row["logps"].index_add_(0, row, logp.gather(-1, target.unsqueeze(-1)).squeeze(-1))
+            token_logps[start:start + idx.numel()] = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+            start += idx.numel()
             per_row["tokens"].index_add_(0, row, torch.ones_like(row, dtype=torch.float32))
             per_row["entropy"].index_add_(0, row, -(logp.exp() * logp).sum(-1))
             per_row["mean_logits"].index_add_(0, row, logits.mean(-1))
             per_row["top1"].index_add_(0, row, (logits.argmax(-1) == target).float())
 
-    logps = per_row["logps"].requires_grad_(seed is not None)
+    token_logps.requires_grad_(seed is not None)
     with torch.enable_grad():
+        # the rows' sums in token order, as pass 1 would have added them up chunk by chunk
+        per_row["logps"] = per_row["logps"].index_add(0, rows // seq, token_logps)
+        per_row["token_logps"], per_row["token_index"] = token_logps, rows
         loss = row_loss(per_row)
         if seed is None:
             return loss.detach().float(), None, None
-        (coef,) = torch.autograd.grad(loss, [logps], grad_outputs=seed.to(loss.dtype), materialize_grads=True)
-    logps.requires_grad_(False)
+        (coef,) = torch.autograd.grad(loss, [token_logps], grad_outputs=seed.to(loss.dtype), materialize_grads=True)
+    token_logps.requires_grad_(False)
+    coef = coef.float()
+    live = per_row.get("live")
+    if live is not None:  # tokens counted for a statistic only: no second pass for them
+        keep = live.nonzero().squeeze(1).to(hidden.device, non_blocking=True)
+        rows, coef = rows.index_select(0, keep), coef.index_select(0, keep)
 
     grad_h = torch.zeros_like(flat_h)
     grad_w = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) if t else None
               for w, t in zip(weights, trainable)]
-    coef = coef.float()
-    for idx in rows.split(chunk):  # pass 2: d(sum_t c_row(t) * log p_t)
+    for idx, c in zip(rows.split(chunk), coef.split(chunk)):  # pass 2: d(sum_t c_t * log p_t)
         h = flat_h.index_select(0, idx).requires_grad_()
         target = flat_l.index_select(0, idx)
         bound = [w.detach().requires_grad_() if t else w for w, t in zip(weights, trainable)]
@@ -226,7 +244,7 @@ def row_head_loss(
         with torch.enable_grad():
             logits = run_head(bound, h).float()
             token_logp = -F.cross_entropy(logits, target, reduction="none")
-            weighted = (token_logp * coef.index_select(0, idx // seq)).sum()
+            weighted = (token_logp * c).sum()
             grads = torch.autograd.grad(weighted, [h] + leaves, materialize_grads=True, allow_unused=True)
         grad_h.index_copy_(0, idx, grads[0])
         for acc, g in zip([a for a in grad_w if a is not None], grads[1:]):
