@@ -342,3 +342,163 @@ def adapters_disabled(engine):
     finally:
         for m, b in zip(layers, before):
             m._disable_adapters = b
+
+
+def check_pairs(args, model, train_dataset, peft_config, quantization_config, trl_name: str) -> None:
+    """What trl.experimental's ORPO and CPO trainers offer that the engine cannot honour, refused before any data is
+    tokenized: check_engine_trl's, and generation."""
+    check_engine_trl(args, model, train_dataset, peft_config, quantization_config, trl_name)
+    if args.generate_during_eval:
+        raise MegaTrainError("generate_during_eval=True is not supported: the engine does not generate (it streams "
+                             "layers for training); leave it False.")
+
+
+class ReferenceFreePairs(EngineTrl):
+    """EngineTrl for trl.experimental's reference-free pair trainers, ORPO and CPO (with CPO's SimPO and AlphaPO
+    variants), whose __init__ this is: a subclass names the TRL config (`trl_config`, `own_config`), says which
+    tokens its NLL term counts (`_nll_tokens`) and computes its loss from the rows' log-probabilities
+    (`_objective`, through the TRL trainer's own loss function of them).
+
+    TRL tokenizes the pairs and its collator pads each side; the engine runs each micro-batch as TRL's
+    concatenated_forward does (the chosen rows over the rejected rows, padded to one length). Every position of a
+    row is a target of the head's first, no-grad pass: TRL's logits/* metrics average the logits over every
+    position, padding and prompt included (CPO's over the last position too: the engine's batch gets one
+    more padded column for it, which no real token attends to). The loss needs each row's summed completion
+    log-probabilities (ORPO and CPO's ipo and simpo: their mean) and an NLL over the chosen rows' tokens (ORPO:
+    prompt and completion, CPO: the completion), both sums over the token log-probabilities the pass hands it
+    (engine/loss.py RowLoss); the second pass, with autograd, runs only over the tokens that carry a gradient."""
+
+    rows_per_example = 2  # each micro-batch is its pairs' chosen rows over their rejected rows
+    last_position = False  # whether TRL's logits metrics count each row's last position (CPO's do)
+    trl_config = own_config = None
+
+    def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, model_init=None, callbacks=None, optimizers=(None, None),
+                 preprocess_logits_for_metrics=None, peft_config=None, compute_metrics=None):
+        from .arguments import check_arguments
+        from .sft import trl_arguments
+
+        name = self.trl_name
+        args = trl_arguments(args, model, self.own_config, self.trl_config, f"MegaTrain{name}Trainer", name)
+        check_arguments(args)
+        skeleton, processing_class = self._engine_setup(
+            model, args, processing_class, peft_config,
+            lambda a, peft: self._check(a, model, train_dataset, peft))
+        if args.gradient_checkpointing:  # the engine always recomputes; TRL would hook the skeleton's embeddings
+            args.gradient_checkpointing = False
+        super().__init__(model=skeleton, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, model_init=model_init,
+                         callbacks=callbacks, optimizers=optimizers,
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, compute_metrics=compute_metrics)
+        self._post_init_engine()
+
+    def _check(self, args, model, train_dataset, peft_config) -> None:
+        check_pairs(args, model, train_dataset, peft_config, None, self.trl_name)
+
+    def _metric_buffers(self):
+        return self._stored_metrics.values()
+
+    def _head_loss(self, group, num_items_in_batch):
+        from .engine.loss import RowLoss
+
+        return RowLoss(lambda k, per_row: self._pair_loss(group[k], per_row, k))
+
+    # -- the engine's batch ------------------------------------------------------------------------
+    def _engine_batch(self, batch) -> None:
+        """The collated pairs as TRL's concatenated_inputs stacks them (chosen rows over rejected rows, padded to
+        one length with the trainer's padding value), every position a target, and which tokens the loss sums."""
+        pad = getattr(self, "padding_value", None)  # ORPO's; CPO's is the tokenizer's pad token
+        pad = self.pad_token_id if pad is None else pad
+        width = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1]) + self.last_position
+
+        def both(key, value):
+            return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+                              for t in (batch[f"chosen_{key}"], batch[f"rejected_{key}"])])
+
+        ids, mask, labels = both("input_ids", pad), both("attention_mask", 0), both("labels", IGNORE_INDEX)
+        batch["input_ids"], batch["attention_mask"] = ids, mask
+        # every position but the last predicts a token: the head's first pass sees them all (the logits metrics)
+        batch["labels"] = ids
+        # the counted tokens, row by row, position t predicting token t + 1 (loss.counted_rows' order)
+        completion = labels[:, 1:] != IGNORE_INDEX
+        chosen = (torch.arange(ids.shape[0]) < ids.shape[0] // 2).unsqueeze(1)
+        nll = self._nll_tokens(mask[:, 1:].bool(), completion) & chosen
+        batch["pair_tokens"] = {"completion": completion.reshape(-1), "nll": nll.reshape(-1),
+                                "row": torch.arange(ids.shape[0]).repeat_interleave(width - 1)}
+
+    def _nll_tokens(self, attended, completion) -> torch.Tensor:
+        """Which tokens of each row the NLL term counts (its chosen rows' only are kept)."""
+        raise NotImplementedError
+
+    ENGINE_KEYS_ADDED = ("input_ids", "attention_mask", "labels", "pair_tokens")  # what _engine_batch adds
+
+    def floating_point_ops(self, inputs):
+        # what stock counts (total_flos): over the TRL batch, which has no input_ids (chosen_input_ids ...)
+        return super().floating_point_ops({k: v for k, v in inputs.items() if k not in self.ENGINE_KEYS_ADDED})
+
+    # -- the loss ---------------------------------------------------------------------------------------
+    def _pair_loss(self, batch, per_row, k):
+        """The TRL trainer's loss of one micro-batch from the token log-probabilities the engine's head hands over;
+        keeps what the metrics need in self._rows[k]."""
+        tokens = batch["pair_tokens"]
+        tok = per_row["token_logps"]
+        dev, n = tok.device, per_row["tokens"].numel()
+        row = tokens["row"].to(dev)
+        completion, nll_mask = (tokens[key].to(dev, tok.dtype) for key in ("completion", "nll"))
+        sums = torch.zeros(n, dtype=tok.dtype, device=dev).index_add(0, row, tok * completion)
+        counts = torch.zeros(n, dtype=tok.dtype, device=dev).index_add(0, row, completion)
+        # TRL's mean over the counted tokens (nn.CrossEntropyLoss); CPO with cpo_alpha 0 counts none: 0
+        nll = -(tok * nll_mask).sum() / nll_mask.sum() if bool(tokens["nll"].any()) else tok.new_zeros(())
+        per_row["live"] = tokens["completion"] | tokens["nll"]  # only these carry a gradient
+        loss, chosen, rejected, rewards, extra = self._objective(sums, counts, nll)
+        width = tokens["row"].numel() // n
+        logits = per_row["mean_logits"].detach().chunk(2)
+        self._rows[k] = {"chosen": chosen.detach(), "rejected": rejected.detach(), "rewards": rewards,
+                         "logits": [s.sum() / (s.numel() * width) for s in logits],
+                         "nll_loss": nll.detach(), **{name: v.detach() for name, v in extra.items()}}
+        return loss
+
+    def _objective(self, sums, counts, nll):
+        """(loss, chosen logps, rejected logps, (chosen rewards, rejected rewards), extra metrics) of one
+        micro-batch from its rows' summed completion log-probabilities, their token counts and the NLL term."""
+        raise NotImplementedError
+
+    def _record(self, rows, mode: str) -> dict:
+        """The metrics the TRL trainer's get_batch_loss_metrics stores for one micro-batch, as device tensors
+        until the next log, in its order and with its names (eval_* in evaluation)."""
+        gather = self.accelerator.gather_for_metrics
+        chosen_rewards, rejected_rewards = rows["rewards"]
+        values = {"rewards/chosen": gather(chosen_rewards).mean(), "rewards/rejected": gather(rejected_rewards).mean(),
+                  "rewards/accuracies": gather((chosen_rewards > rejected_rewards).float()).mean(),
+                  "rewards/margins": gather(chosen_rewards - rejected_rewards).mean(),
+                  "logps/rejected": gather(rows["rejected"]).mean(), "logps/chosen": gather(rows["chosen"]).mean(),
+                  "logits/rejected": gather(rows["logits"][1]).mean(), "logits/chosen": gather(rows["logits"][0]).mean()}
+        for name in ("nll_loss", "log_odds_ratio", "log_odds_chosen"):
+            if name in rows:
+                values[name] = gather(rows[name]).mean()
+        prefix = "eval_" if mode == "eval" else ""
+        stored = {prefix + key: v for key, v in values.items()}
+        for key, v in stored.items():
+            self._stored_metrics[mode][key].append(v)
+        return stored
+
+    # -- one micro-batch ---------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if "labels" not in inputs:  # called outside train()'s loop
+            self._engine_batch(inputs)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._record(self._rows[self._micro_index], "train")
+        return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        out, _ = self._engine_eval(inputs, lambda per_row: self._pair_loss(inputs, per_row, 0), want_logits=False)
+        stored = self._record(self._rows[0], "eval")
+        loss = out.loss.detach().to(self.args.device)
+        if prediction_loss_only:
+            return loss, None, None
+        # what TRL returns as the logits: the two logits metrics, less ignore_keys
+        if ignore_keys is None:
+            ignore_keys = getattr(self.model.config, "keys_to_ignore_at_inference", [])
+        logits = [stored[k] for k in ("eval_logits/chosen", "eval_logits/rejected") if k not in ignore_keys]
+        logits = torch.stack(logits).to(self.accelerator.device) if logits else torch.zeros(0, device=loss.device)
+        return loss, logits, torch.zeros(logits.shape[0], device=self.accelerator.device)

@@ -688,12 +688,16 @@ def _own(cls, name: str) -> type | None:
     return owner
 
 
-# TRL trainers whose loss and metrics the engine reproduces (hf_megatrain.sft, .dpo, .kto), and what
-# TRL's base class adds between them and Trainer
-ENGINE_TRL_TRAINERS = ("SFTTrainer", "DPOTrainer", "KTOTrainer", "_BaseTrainer")
+# TRL trainers whose loss and metrics the engine reproduces (hf_megatrain.sft, .dpo, .kto, .orpo, .cpo), and
+# what TRL's base class adds between them and Trainer
+ENGINE_TRL_TRAINERS = ("SFTTrainer", "DPOTrainer", "KTOTrainer", "ORPOTrainer", "CPOTrainer", "_BaseTrainer")
 # TRL's online trainers, by the name of their config: each generates completions during training
 ONLINE_TRL = {"GRPO": "GRPO", "RLOO": "RLOO", "PPO": "PPO", "OnlineDPO": "online DPO", "XPO": "XPO",
               "NashMD": "Nash-MD", "GKD": "GKD", "GOLD": "GOLD"}
+# the TRL trainers the engine runs, by the name of their config: our trainer's module and class
+ENGINE_TRL = {"SFT": "sft.MegaTrainSFTTrainer", "DPO": "dpo.MegaTrainDPOTrainer", "KTO": "kto.MegaTrainKTOTrainer",
+              "ORPO": "orpo.MegaTrainORPOTrainer", "CPO": "cpo.MegaTrainCPOTrainer"}
+_OFFERED = ", ".join(f"{kind} (hf_megatrain.{where})" for kind, where in ENGINE_TRL.items())
 
 
 def refuse_other_trl_config(args, trainer: str) -> None:
@@ -708,20 +712,12 @@ def refuse_other_trl_config(args, trainer: str) -> None:
     if kind in ONLINE_TRL:
         raise MegaTrainError(f"args is TRL's {name}: {ONLINE_TRL[kind]} is an online method that generates "
                              "completions during training, which hf_megatrain does not do (no generation); it trains "
-                             "offline: SFT (MegaTrainSFTTrainer), preference pairs (MegaTrainDPOTrainer) and "
-                             "unpaired preferences (MegaTrainKTOTrainer).")
-    if kind in ("SFT", "DPO", "KTO"):
-        raise MegaTrainError(f"args is TRL's {name}, which {trainer} does not take: TRL's trainers run on the engine "
-                             "as hf_megatrain.sft.MegaTrainSFTTrainer (SFTConfig), hf_megatrain.dpo."
-                             "MegaTrainDPOTrainer (DPOConfig) and hf_megatrain.kto.MegaTrainKTOTrainer (KTOConfig).")
-    if kind in ("ORPO", "CPO"):  # trl.experimental's; losses of per-row sums too, not built on the engine yet
-        raise MegaTrainError(f"args is TRL's {name}: TRL's experimental {kind} trainer is not supported by hf_megatrain "
-                             "yet; SFT, DPO and KTO are (hf_megatrain.sft.MegaTrainSFTTrainer, hf_megatrain.dpo."
-                             "MegaTrainDPOTrainer, hf_megatrain.kto.MegaTrainKTOTrainer).")
+                             f"offline: {_OFFERED}.")
+    if kind in ENGINE_TRL:
+        raise MegaTrainError(f"args is TRL's {name}, which {trainer} does not take: TRL's {kind} trainer runs on the "
+                             f"engine as hf_megatrain.{ENGINE_TRL[kind]} ({name}).")
     raise MegaTrainError(f"args is TRL's {name}: TRL's {kind} trainer is not supported by hf_megatrain (its loss "
-                         "needs forwards the engine does not run); SFT, DPO and KTO are (hf_megatrain.sft."
-                         "MegaTrainSFTTrainer, hf_megatrain.dpo.MegaTrainDPOTrainer, hf_megatrain.kto."
-                         "MegaTrainKTOTrainer).")
+                         f"needs forwards the engine does not run); these are: {_OFFERED}.")
 
 
 def custom_loss(cls, compute_loss_func, args) -> str | None:
