@@ -36,6 +36,7 @@ from .config import EngineConfig
 from .inputs import BatchInputs, require_labels
 from .layout import loss_chunk, mark_resident, slab_numel
 from .loss import RowLoss, chunked_head_loss, full_logits, loss_denominator, row_head_loss
+from .per_layer import LayerSides, PerLayerInputs, altup_collapse, altup_stack, base_buffers
 from .pipeline import HostPipeline, Pipeline
 from .selfcheck import stock_leaves_without_grad, verify
 from .store import HostStore, build_units
@@ -49,9 +50,11 @@ class _Embed(nn.Module):
     buffer the ids index), the embedding dropout (ArchSpec.positions and the fields beside it)."""
 
     def __init__(self, embed: nn.Module, multiplier: float | None = None, positions: nn.Module | None = None,
-                 project_in: nn.Module | None = None, dropout: float = 0.0, embed_norm: nn.Module | None = None):
+                 project_in: nn.Module | None = None, dropout: float = 0.0, embed_norm: nn.Module | None = None,
+                 altup: nn.Module | None = None):
         super().__init__()
         self.embed = embed
+        self.altup = altup  # Gemma 3n's altup_projections: the embeddings become [inputs, batch, seq, hidden]
         self.embed_norm = embed_norm
         self.multiplier = multiplier
         self.positions = positions
@@ -67,6 +70,8 @@ class _Embed(nn.Module):
             x = x * self.multiplier
         if self.embed_norm is not None:
             x = self.embed_norm(x)
+        if self.altup is not None:
+            return altup_stack(x, self.altup)
         if self.positions is None:
             return x
         if self.project_in is not None:
@@ -96,14 +101,18 @@ class _Head(nn.Module):
     logits (spec.logits)."""
 
     def __init__(self, norm: nn.Module, lm_head: nn.Module, logits=None, config=None,
-                 project_out: nn.Module | None = None):
+                 project_out: nn.Module | None = None, altup: nn.Module | None = None):
         super().__init__()
         self.norm = norm
+        self.altup_out = altup  # Gemma 3n's altup_unembed_projections: [inputs, ..., hidden] back to [..., hidden]
         self.project_out = project_out
         self.lm_head = lm_head
         self.logits, self.config = logits, config
 
     def forward(self, hidden):
+        if self.altup_out is not None:  # rows of the AltUp inputs side by side (StreamingEngine._head_rows)
+            h = hidden.unflatten(-1, (len(self.altup_out) + 1, -1)).movedim(-2, 0)
+            hidden = altup_collapse(h, self.altup_out, self.lm_head.weight.dtype)
         # the norm may hand back fp32 (Mamba's residual stream is kept in fp32): its causal LM casts to the head's
         # dtype first, as this does (a no-op where they agree)
         hidden = self.norm(hidden)
@@ -320,18 +329,21 @@ class StreamingEngine(nn.Module):
             parts["positions"] = _Table(model.get_buffer(spec.positions)) if spec.positions_buffer \
                 else model.get_submodule(spec.positions)
         copies = {k: meta_copy(m, cfg) for k, m in parts.items()}
-        embed_sources = {"embed": embed, **{k: parts[k] for k in ("positions", "project_in", "embed_norm")
+        embed_sources = {"embed": embed, **{k: parts[k] for k in ("positions", "project_in", "embed_norm", "altup")
                                             if k in parts}}
         templates = {
             "embed": Template(_Embed(meta_copy(embed, cfg), multiplier, copies.get("positions"),
-                                     copies.get("project_in"), self._embed_dropout(model), copies.get("embed_norm")),
+                                     copies.get("project_in"), self._embed_dropout(model), copies.get("embed_norm"),
+                                     copies.get("altup")),
                               self._template_buffers(embed_sources)),
             "head": Template(_Head(meta_copy(norm, cfg), meta_copy(head, cfg), spec.logits, self.config,
-                                   copies.get("project_out")),
+                                   copies.get("project_out"), copies.get("altup_out")),
                              self._template_buffers({"norm": norm, "lm_head": head,
-                                                     **({"project_out": parts["project_out"]}
-                                                        if "project_out" in parts else {})})),
+                                                     **{k: parts[k] for k in ("project_out", "altup_out")
+                                                        if k in parts}})),
         }
+        if self._per_layer_unit is not None:
+            templates["per_layer"] = self._per_layer_template(model, cfg)
         for unit in self.units:
             if unit.kind == "layer" and unit.template_key not in templates:
                 source = layers[unit.layer]
@@ -352,6 +364,85 @@ class StreamingEngine(nn.Module):
                 if own:
                     self._layer_buffers[unit.index] = {k: self._buffer_on_device(k, b) for k, b in own.items()}
         return templates
+
+    def _per_layer_template(self, model, cfg: dict) -> Template:
+        """The per-layer unit's template (Gemma 3n/4): copies of the modules that make the per-layer inputs, run by
+        the base model's own methods (per_layer.PerLayerInputs); its buffers are those modules' and the base
+        model's own."""
+        parts = {path.rpartition(".")[2]: model.get_submodule(path) for path in self.spec.per_layer}
+        base = model.get_submodule(self.spec.per_layer[0].rpartition(".")[0])
+        module = PerLayerInputs(base, {k: meta_copy(m, cfg) for k, m in parts.items()}, self.config)
+        buffers = self._template_buffers(parts)
+        buffers.update({k: self._buffer_on_device(k, b) for k, b in base_buffers(base).items()})
+        return Template(module, buffers)
+
+    @property
+    def _layer_units(self) -> list:
+        """The decoder layers' units, in forward order."""
+        return [u for u in self.units if u.kind == "layer"]
+
+    @property
+    def _per_layer_unit(self):
+        """The per-layer embeddings' unit (Gemma 3n/4 with hidden_size_per_layer_input), or None."""
+        return next((u for u in self.units if u.kind == "per_layer"), None)
+
+    def _token_embeds(self, x: torch.Tensor) -> torch.Tensor:
+        """The token embeddings in the embedding unit's output: what masks, rotary embeddings and the per-layer
+        unit are made from (AltUp's first input: Gemma 3n's stack begins with them)."""
+        return x[0] if self.spec.altup else x
+
+    def _head_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output as the head takes it, [batch, seq, width]: AltUp's [inputs, batch, seq, hidden]
+        with each token's inputs side by side, so the loss's token rows stay rows (the head unstacks them)."""
+        return x.permute(1, 2, 0, 3).flatten(2) if self.spec.altup else x
+
+    def _from_head_rows(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The head's input gradient in the layers' layout (the inverse of _head_rows)."""
+        if not self.spec.altup or grad is None:
+            return grad
+        return grad.unflatten(-1, (-1, self.config.hidden_size)).permute(2, 0, 1, 3).contiguous()
+
+    def _per_layer_forward(self, preps: list, ctxs: list) -> None:
+        """The per-layer unit's forward (no grad): each micro-batch's per-layer inputs, from its ids and token
+        embeddings, kept in its batch context for the layers."""
+        unit = self._per_layer_unit
+        if unit is None:
+            return
+        pipe = self.pipeline
+        w = pipe.weights(unit.index)
+        named = dict(zip((s.local for s in unit.slots), Template.views(w, unit.slots)))
+        with pipe.span("compute"):
+            for prep, ctx in zip(preps, ctxs):
+                ctx.sides.per_layer = self._templates["per_layer"].call(named, prep.ids, ctx.sides.embeds)
+        pipe.release(unit.index)
+
+    def _per_layer_backward(self, preps: list, ctxs: list, grad_xs: list) -> None:
+        """The per-layer unit's backward, after every layer's: recomputed from the ids and the token embeddings
+        with the gradients the layers sent back for their slices as its seed; its weight gradient leaves as any
+        unit's, and its token embeddings' gradient joins the first layer's (grad_xs) for the embedding."""
+        unit = self._per_layer_unit
+        if unit is None:
+            return
+        pipe = self.pipeline
+        w = pipe.weights(unit.index)
+        acc = None
+        with pipe.span("compute"):
+            for k, (prep, ctx) in enumerate(zip(preps, ctxs)):
+                sides = ctx.sides
+                gbuf = self._grad_target(unit, k, len(preps))
+
+                def run(named, ids=prep.ids, embeds=sides.embeds):
+                    e = embeds.detach().requires_grad_()
+                    return [self._templates["per_layer"].call(named, ids, e)], [e]
+
+                seed = sides.per_layer_grad if sides.per_layer_grad is not None else torch.zeros_like(sides.per_layer)
+                (grad_e,) = recompute_grads(unit.slots, w, gbuf, run, [seed])
+                self._token_embeds(grad_xs[k]).add_(grad_e)
+                sides.per_layer = sides.per_layer_grad = sides.embeds = None
+                acc = self._accumulate(acc, gbuf, len(preps))
+        if acc is not None:
+            pipe.emit_grad(unit.index, acc)
+        pipe.release(unit.index)
 
     def _embed_dropout(self, model) -> float:
         """The probability of the dropout the base model applies to the embeddings' sum (spec.embed_dropout: a
@@ -539,7 +630,9 @@ class StreamingEngine(nn.Module):
         named = dict(zip((s.local for s in unit.slots), Template.views(weights, unit.slots)))
         named.update(self._layer_buffers.get(unit.index, {}))
         with ctx.attention():
-            return tmpl.call(named, x, **ctx.layer_kwargs(unit))
+            out = tmpl.call(named, x, **ctx.layer_kwargs(unit), **ctx.sides.forward_kwargs(unit.layer))
+        ctx.sides.noted(unit.layer)
+        return out
 
     def _head_weights(self, head_flat, embed_flat):
         """Names, tensors and trainable flags of what the head reads (a tied lm_head is the embedding)."""
@@ -619,13 +712,14 @@ class StreamingEngine(nn.Module):
                     with self._embed_rng_for(len(self._embed_rng), save=True):
                         xs.append(self._embed_call(dict(zip((s.local for s in embed.slots),
                                                             Template.views(e_w, embed.slots))), prep))
-                    ctxs.append(_BatchContext(self, xs[-1], prep.mask, prep.pos, prep.docs))
+                    ctxs.append(_BatchContext(self, self._token_embeds(xs[-1]), prep.mask, prep.pos, prep.docs))
+            self._per_layer_forward(preps, ctxs)
             acts = self._activation_sets(len(preps)) if keep else None
             for a in acts or ():
                 a.reset()
             routers = [{} for _ in preps]  # per micro-batch: layer -> its router logits
             draws = self.training and self.spec.layer_draws
-            for unit in self.units[1:-1]:
+            for unit in self._layer_units:
                 w = pipe.weights(unit.index)
                 for k, ctx in enumerate(ctxs):
                     if keep:
@@ -637,7 +731,7 @@ class StreamingEngine(nn.Module):
                     if cap:  # an MoE layer's router ran (a dense layer of an MoE model has none)
                         routers[k][unit.layer] = _router_logits(cap, preps[k][0].shape[0])
                 pipe.release(unit.index)
-        return xs, ctxs, acts, routers, e_w
+        return [self._head_rows(x) for x in xs], ctxs, acts, routers, e_w
 
     def forward_backward(self, batch: dict, num_items_in_batch=None, scale: float = 1.0,
                          aux_scale: float = 1.0) -> torch.Tensor:
@@ -747,7 +841,7 @@ class StreamingEngine(nn.Module):
                 if own:  # summed over micro-batches in their order, as the host accumulator would
                     head_grad = torch.cat(own) if head_grad is None else head_grad.add_(torch.cat(own))
             tied_grads.append(grad_w[n_own].reshape(-1) if self._tied and grad_w[n_own] is not None else None)
-            grad_xs.append(grad_x)
+            grad_xs.append(self._from_head_rows(grad_x))
             r_seeds = {}
             if head_loss is not None and not isinstance(head_loss, RowLoss):
                 r_seeds = custom_seeds  # the caller's loss holds the router loss as far as it took it
@@ -760,7 +854,7 @@ class StreamingEngine(nn.Module):
             pipe.emit_grad(head.index, head_grad)
         pipe.release(head.index)
 
-        for unit in reversed(self.units[1:-1]):
+        for unit in reversed(self._layer_units):
             w = pipe.weights(unit.index)
             acc = None
             for k, ctx in enumerate(ctxs):
@@ -775,6 +869,7 @@ class StreamingEngine(nn.Module):
                 pipe.emit_grad(unit.index, acc)
             pipe.release(unit.index)
 
+        self._per_layer_backward(preps, ctxs, grad_xs)
         self._embed_backward(e_w, preps, grad_xs, tied_grads)
         return losses
 
@@ -831,15 +926,19 @@ class StreamingEngine(nn.Module):
     def _layer_backward(self, unit, w, gbuf, x_in, grad_out, router_seed, ctx):
         tmpl = self._templates[unit.template_key]
 
+        side = ctx.sides.leaves(unit.layer)  # what it reads that other units made (per-layer input, shared KV)
+
         def run(named):
             x = x_in.detach().requires_grad_()
             with ctx.rng_for(unit, save=False), ctx.router_capture(unit) as cap, ctx.attention():
-                out = tmpl.call({**named, **self._layer_buffers.get(unit.index, {})}, x, **ctx.layer_kwargs(unit))
+                out = tmpl.call({**named, **self._layer_buffers.get(unit.index, {})}, x,
+                                **{**ctx.layer_kwargs(unit), **side.kwargs})
             outs = [out] + ([_router_logits(cap, x.shape[0])] if router_seed is not None else [])
-            return outs, [x]
+            return outs + side.made_outputs(), [x] + side.leaves
 
-        seeds = [grad_out] + ([router_seed] if router_seed is not None else [])
-        (grad_x,) = recompute_grads(unit.slots, w, gbuf, run, seeds)
+        seeds = [grad_out] + ([router_seed] if router_seed is not None else []) + side.made_seeds
+        grad_x, *grad_side = recompute_grads(unit.slots, w, gbuf, run, seeds)
+        ctx.sides.take_grads(unit.layer, side, grad_side)
         return grad_x
 
     def _embed_backward(self, e_w, preps, grad_xs, tied_grads):
@@ -971,6 +1070,10 @@ class _BatchContext:
         else:
             self.pos_emb = engine.rotary(embeds, position_ids=pos)
         self.router = engine.spec.has_router_loss and bool(getattr(cfg, "output_router_logits", False))
+        # Gemma 3n/4: the per-layer inputs and the shared keys and values (engine/per_layer.py)
+        self.sides = LayerSides(engine.spec.shared_kv)
+        if engine._per_layer_unit is not None:
+            self.sides.embeds = embeds
         # Dropout / router jitter draw random numbers: the recompute must draw the same ones.
         self.stochastic = engine.training and engine.stochastic
         self.rng: dict[int, tuple] = {}

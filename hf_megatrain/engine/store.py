@@ -55,7 +55,7 @@ class Slot:
 @dataclass
 class Unit:
     index: int
-    kind: str  # "embed" | "layer" | "head"
+    kind: str  # "embed" | "per_layer" | "layer" | "head"
     slots: list[Slot]
     layer: int | None = None
     attn_kind: str | None = None
@@ -85,7 +85,7 @@ class Unit:
         """What errors call it: 'decoder layer 3', 'the embedding', 'the head'."""
         if self.kind == "layer":
             return f"decoder layer {self.layer}"
-        return "the embedding" if self.kind == "embed" else "the head"
+        return {"embed": "the embedding", "per_layer": "the per-layer embeddings"}.get(self.kind, "the head")
 
 
 def _unit_of(name: str, spec: ArchSpec) -> tuple[str, int | None, str]:
@@ -96,6 +96,9 @@ def _unit_of(name: str, spec: ArchSpec) -> tuple[str, int | None, str]:
     for part, prefix in (("embed", spec.embed),) + tuple(spec.embed_parts):
         if name.startswith(prefix + "."):
             return "embed", None, f"{part}." + name[len(prefix) + 1 :]
+    for prefix in spec.per_layer or ():  # per-layer embeddings (Gemma 3n/4): a unit of their own
+        if name.startswith(prefix + "."):
+            return "per_layer", None, prefix.rpartition(".")[2] + "." + name[len(prefix) + 1 :]
     m = re.match(re.escape(spec.layers) + r"\.(\d+)\.(.+)", name)
     if m:
         return "layer", int(m.group(1)), m.group(2)
@@ -117,7 +120,9 @@ def _settings(layer: nn.Module) -> tuple:
 
 
 def build_units(model: nn.Module, spec: ArchSpec, decay_names) -> list[Unit]:
-    """Units in forward order: embed, layers 0..L-1, head."""
+    """Units in forward order: embed, the per-layer embeddings where the family has them (Gemma 3n/4: made from
+    the token embeddings, read by every layer), layers 0..L-1, head. The backward's order (schedule.py) is the
+    reverse, so the per-layer unit gets every layer's gradient before the embedding gets its own."""
     decay_names = set(decay_names)
     config = model.config
     kinds = spec.kinds(config)
@@ -129,7 +134,8 @@ def build_units(model: nn.Module, spec: ArchSpec, decay_names) -> list[Unit]:
     layers = model.get_submodule(spec.layers)
     units = []
     shapes_seen: dict[tuple, int] = {}  # a layer's parameter layout -> its ordinal among distinct layouts
-    order = [("embed", None)] + [("layer", i) for i in range(config.num_hidden_layers)] + [("head", None)]
+    per_layer = [("per_layer", None)] if ("per_layer", None) in groups else []
+    order = [("embed", None)] + per_layer + [("layer", i) for i in range(config.num_hidden_layers)] + [("head", None)]
     for idx, key in enumerate(order):
         entries = groups.get(key, [])
         # Trainable decayed, trainable not decayed, frozen; the relative order is the model's.

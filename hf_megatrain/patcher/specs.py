@@ -153,6 +153,20 @@ class ArchSpec:
     # The config attribute below which the causal LM cuts its logits (Inkling's unpadded_vocab_size), where the
     # forward does: a config that sets it under the vocabulary is refused (_config_refusal).
     vocab_cut: str | None = None
+    # Per-layer embeddings (Gemma 3n, Gemma 4): the base model's modules that give every decoder layer an input of
+    # its own, made once from the token ids and the token embeddings by the base model's get_per_layer_inputs and
+    # project_per_layer_inputs (a unit of their own, "per_layer", streamed like the embedding); each layer takes its
+    # slice [:, :, i] by the keyword `per_layer_input`. A config that builds none of them (Gemma 4's larger
+    # models, hidden_size_per_layer_input = 0) trains without that unit.
+    per_layer: tuple[str, ...] | None = None
+    # KV sharing (Gemma 3n, Gemma 4): the last num_kv_shared_layers layers attend with the keys and values an
+    # earlier layer hands them in `shared_kv_states`, a dict the base model passes every layer. The engine passes
+    # one per batch, and the gradients those layers send back reach the layer that made them (schedule.py).
+    shared_kv: bool = False
+    # AltUp (Gemma 3n): the hidden states between layers are [altup_num_inputs, batch, seq, hidden], made from the
+    # token embeddings by the base model's altup_projections (part of the embedding unit) and collapsed back by its
+    # altup_unembed_projections before the final norm (part of the head).
+    altup: tuple[str, str] | None = None  # (path of altup_projections, path of altup_unembed_projections)
 
     @property
     def embed_parts(self) -> tuple[tuple[str, str], ...]:
@@ -160,12 +174,14 @@ class ArchSpec:
         how the host store lays their parameters out (engine/store.py)."""
         return tuple((part, path) for part, path in (("positions", self.positions if self.positions_learned else None),
                                                      ("project_in", self.project_in),
-                                                     ("embed_norm", self.embed_norm)) if path)
+                                                     ("embed_norm", self.embed_norm),
+                                                     ("altup", self.altup[0] if self.altup else None)) if path)
 
     @property
     def head_parts(self) -> tuple[tuple[str, str], ...]:
         """The same for the head beside the final norm and lm_head (OPT's project_out)."""
-        return (("project_out", self.project_out),) if self.project_out else ()
+        return tuple((part, path) for part, path in (("project_out", self.project_out),
+                                                     ("altup_out", self.altup[1] if self.altup else None)) if path)
 
     @property
     def has_router_loss(self) -> bool:
@@ -1111,6 +1127,16 @@ register(ArchSpec("gemma2", _per_layer_types, logits=_softcap_logits))
 register(ArchSpec("gemma3_text", _per_layer_types, logits=_softcap_logits))  # a rotary base per attention kind
 register(ArchSpec("granite", _always_full, embed_multiplier="embedding_multiplier", logits=_divided_logits))
 register(ArchSpec("cohere", _always_full, logits=_scaled_logits))
+# Gemma 4 text: per-layer embeddings (ArchSpec.per_layer) where hidden_size_per_layer_input is set, KV sharing
+# across its last layers, a head_dim of their own for its full-attention layers (per_layer_config: other layer
+# templates), a persistent layer_scalar buffer per layer; Gemma-4-unified text is the same without per-layer
+# embeddings; Gemma 3n adds AltUp's stacked hidden states (ArchSpec.altup), laurel and activation sparsity (inside
+# its layers).
+_PER_LAYER = ("model.embed_tokens_per_layer", "model.per_layer_model_projection", "model.per_layer_projection_norm")
+register(ArchSpec("gemma4_text", _per_layer_types, logits=_softcap_logits, per_layer=_PER_LAYER, shared_kv=True))
+register(ArchSpec("gemma4_unified_text", _per_layer_types, logits=_softcap_logits, shared_kv=True))
+register(ArchSpec("gemma3n_text", _per_layer_types, logits=_softcap_logits, per_layer=_PER_LAYER, shared_kv=True,
+                  altup=("model.altup_projections", "model.altup_unembed_projections")))
 # MiniCPM3: MLA attention in its layers; its embedding scales itself (scale_emb, a buffer of the module), and its
 # causal LM divides the last hidden state by logits_scaling before lm_head (no bias: the same as the logits)
 register(ArchSpec("minicpm3", _always_full, logits=_divided_logits))

@@ -17,7 +17,8 @@ from tests.support.zoo import classify
 EXACT = set("""
 afmoe apertus apertus1p5_text arcee aria_text axk1 axk2 bamba biogpt bitnet bloom codegen cohere cohere2 cohere2_moe
 ctrl cwm deepseek_v2 deepseek_v3 deepseek_v32 diffllama ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe falcon
-falcon_h1 falcon_mamba flex_olmo flint gemma gemma2 gemma3_text glm glm4 glm4_moe glm4_moe_lite gpt-sw3 gpt2
+falcon_h1 falcon_mamba flex_olmo flint gemma gemma2 gemma3_text gemma3n_text gemma4_text gemma4_unified_text glm glm4
+glm4_moe glm4_moe_lite gpt-sw3 gpt2
 gpt_bigcode gpt_neo gpt_neox gpt_neox_japanese gpt_oss gptj granite granitemoe granitemoehybrid granitemoeshared
 helium hunyuan_v1_dense hunyuan_v1_moe hy_v3 hyperclovax inkling_text internlm3 iquestcoder jais2 jamba jetmoe
 kimi_linear kolibri1 laguna lfm2 lfm2_moe llama llama4_text mamba mamba2 mellum mimo_v2_flash minicpm3 minicpm5_moe
@@ -27,7 +28,7 @@ qwen3_moe qwen3_next sarvam_mla sarvam_moe seed_oss smollm3 solar_open stablelm 
 """.split())
 # Refused from the config with a reason: encoder models, positions made outside the layers in a way the engine does
 # not repeat (TrOCR's embedding norm after its positions, MPT's ALiBi and bool mask, OpenAI GPT without a final
-# norm), per-layer embeddings or configs, layers called with more than the hidden states (Zamba's shared blocks),
+# norm), layers called with more than the hidden states (Zamba's shared blocks),
 # families whose self-check differs from stock, a state carried from layer to layer (GLM-5's `glm_moe_dsa` hands
 # each layer the previous one's indexer top-k). Absolute positions at the embedding (GPT-2 and the others with
 # learned tables, XGLM's and CTRL's sinusoids) and BLOOM's ALiBi train through the generic spec
@@ -43,9 +44,11 @@ qwen3_moe qwen3_next sarvam_mla sarvam_moe seed_oss smollm3 solar_open stablelm 
 # the generic spec reads (_kind_by_attr's "choice"), norms its embeddings (embed_norm) and divides the last
 # hidden state by its µP width multiplier before lm_head (spec.logits).
 # NanoChat applies its weightless final norm to the embeddings too: the embedding unit applies a copy (embed_norm).
+# Gemma 3n and Gemma 4 text (registered specs): per-layer embeddings as a unit of their own, KV sharing across their
+# last layers (the tiny configs share it, tests/support/zoo.py EXTRA), Gemma 4's per-layer head_dim, Gemma 3n's AltUp.
 REFUSED = set("""
 bailing_hybrid beam bert bert-generation big_bird camembert cpmant data2vec-text deepseek_v4 dory dots3_note_text
-electra ergo ernie gemma3n_text gemma4_text gemma4_unified_text glm_moe_dsa granite_swa granitemoe_swa hrm_text
+electra ergo ernie glm_moe_dsa granite_swa granitemoe_swa hrm_text
 hy_v4 inkling2_loop_text inkling2_text lara_mini lfm3 longcat_flash megatron-bert modernbert-decoder mpt openai-gpt
 qwen4_exp_text recurrent_gemma reformer rembert roberta roberta-prelayernorm roc_bert roformer rwkv trocr xlm
 xlm-roberta xlm-roberta-xl xlnet xlstm xmod zamba zamba2 zaya

@@ -22,7 +22,9 @@ from tests.support.tiny import make_batch
 # Sizes of the tiny copy; only attributes the config has (and sets, for those that may be None) are changed.
 WIDTH = dict(hidden_size=64, n_embd=64, d_model=64, intermediate_size=128, ffn_hidden_size=128,
              num_attention_heads=4, n_head=4, num_heads=4, head_dim=16, vocab_size=128,
-             max_position_embeddings=256, n_positions=256)
+             max_position_embeddings=256, n_positions=256,
+             # Gemma 3n's and Gemma 4's per-layer embeddings: a table of vocabulary x (layers x this width)
+             vocab_size_per_layer_input=128, hidden_size_per_layer_input=16)
 MAY_BE_NONE = dict(num_key_value_heads=2, sliding_window=8, attention_chunk_size=8,
                    # MLA: the compressed ranks and the split of each head into its rotary and plain parts
                    q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
@@ -73,6 +75,8 @@ def _settable(config, name) -> bool:
     return not isinstance(prop, property) or prop.fset is not None
 
 
+# Gemma 4 with its last 2 of 5 layers sharing KV: a sliding and a full layer before them to take it from
+_GEMMA4_KV_SHARED = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 # Per type: what its config needs beyond the generic shrinking to be built tiny.
 EXTRA = {
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], num_layers=2, window_size=8),
@@ -80,7 +84,14 @@ EXTRA = {
     "gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8),  # the rotary part of a 16-wide head
     # KV sharing across the last layers, on a depth that keeps a sliding and a full layer before them
     "gemma3n_text": dict(num_hidden_layers=5, num_kv_shared_layers=2, layer_types=["sliding_attention"] * 2
-                         + ["full_attention", "sliding_attention", "full_attention"]),
+                         + ["full_attention", "sliding_attention", "full_attention"],
+                         intermediate_size=128),  # its default is a list of 16384s, one per layer
+    # Gemma 4 (E2B/E4B) shares KV across its last layers too (the unified text model as well); its full-attention
+    # layers keep a head_dim of their own (global_head_dim: 512 by default, where attention is unscaled, would make
+    # the tiny copy's softmax so sharp that fp32 rounding alone moves the first layer's gradients past 1e-5)
+    "gemma4_text": dict(num_hidden_layers=5, num_kv_shared_layers=2, layer_types=_GEMMA4_KV_SHARED, global_head_dim=32),
+    "gemma4_unified_text": dict(num_hidden_layers=5, num_kv_shared_layers=2, layer_types=_GEMMA4_KV_SHARED,
+                                global_head_dim=32),
     "reformer": dict(is_decoder=True, axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 16]),
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),  # its default has none
     "lfm2": dict(layer_types=["conv", "full_attention", "conv"]),  # its default's layer_types has no conv layer
