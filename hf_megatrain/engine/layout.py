@@ -25,6 +25,11 @@ TRANSIENT_GRAD_BUFFERS = 3
 # what keeping the gradients on the GPU saves. A multiple of 64 elements, as the host step's tiles.
 GRAD_LANDING_BUFFERS = 2
 LANDING_TILE = 1 << 23
+# The elementwise stock optimizers (sgd, adagrad, rmsprop: engine/host_optim.py) step a unit's slice of
+# its flat master in pieces of at most this many elements, each a parameter of the stock class: their
+# step allocates temporaries as large as what it steps, which a piece bounds (32 MiB each) where a
+# whole layer would cost gigabytes. Elementwise math, so the cut does not change a number.
+PARAM_STEP_TILE = 1 << 23
 
 # Peak bytes of fp32 logits (+ their grad and softmax: 3 copies) per loss chunk, by device type.
 LOSS_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}

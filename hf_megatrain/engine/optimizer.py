@@ -168,6 +168,55 @@ class HostOptimizer(torch.optim.Optimizer):
         self._stepper.submit(job, f"{self.step_name} step {armed.step} of {self.store.units[index].label} "
                                   f"(during the backward)", self.store.ready[index])
 
+    # -- gradients kept on the GPU (gpu_grad_layers) ------------------------------------------------
+    def _init_landing(self) -> None:
+        """gpu_grad_layers: a gradient kept on the GPU comes over for its host step, tile by tile, on a
+        copy stream of our own (_landed_tiles); only the thread that steps touches these.
+        On the CPU (where the device is the host) the same tiles are copied in place, with no
+        stream: CPU tests then walk this path's tiles, offsets and in-place clipping."""
+        store = self.store
+        landing = any(u.grad_on_gpu for u in store.units)
+        cuda = store.device.type == "cuda"
+        self._landing_stream = torch.cuda.Stream(store.device) if landing and cuda else None
+        self._landing = [torch.empty(LANDING_TILE, dtype=torch.float32, pin_memory=cuda)
+                         for _ in range(GRAD_LANDING_BUFFERS if landing else 0)]
+
+    def _landed_tiles(self, index: int, tiles: list[tuple[int, int]], clip):
+        """Unit `index`'s gradient, kept on the GPU, on the host: yields elements [a, b) of each tile in
+        turn, in a pinned landing tile. The gradient is clipped on the GPU first, in place (the product
+        the host would make, so the device copy reads as a clipped .grad like the others); the next
+        tile's copy runs on a copy stream of our own while the caller steps this one, which it must have
+        finished with before it asks for the next (the copy after that reuses its landing tile).
+        On the CPU: the same tiles, no stream."""
+        grad, stream = self.store.grad[index], self._landing_stream
+        done = []
+
+        def lane():
+            return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+        def issue(k):
+            a, b = tiles[k]
+            with lane():
+                self._landing[k % len(self._landing)][: b - a].copy_(grad[a:b], non_blocking=stream is not None)
+                done.append(torch.cuda.Event() if stream is not None else None)
+                if stream is not None:
+                    done[-1].record(stream)
+
+        with lane():
+            if stream is not None:  # written, and its norms taken, on the compute stream
+                stream.wait_event(self.store.grad_event[index])
+            if clip is not None:
+                grad.mul_(clip)
+        if not tiles:
+            return
+        issue(0)
+        for k, (a, b) in enumerate(tiles):
+            if k + 1 < len(tiles):
+                issue(k + 1)  # into the tile that step k - 1 read: it has run (the caller ran it)
+            if done[k] is not None:
+                done[k].synchronize()
+            yield self._landing[k % len(self._landing)][: b - a]
+
     def _finish_armed(self, loss):
         """step() after an armed backward: the units it did not step (no gradient, or not final during it)."""
         armed, self._armed = self._armed, None
@@ -304,15 +353,7 @@ class HostAdamW(HostOptimizer):
         on_host = any(m.device.type == "cpu" and m.numel() for m in store.master)
         self._spans = SpanPool(host_threads, "megatrain-adamw-span") if on_host and host_threads > 0 else None
         self.host_threads = self._spans.threads if self._spans is not None else 0  # 0: OpenMP inside each op
-        # gpu_grad_layers: a gradient kept on the GPU comes over for its host step, tile by tile, on a
-        # copy stream of our own (_adamw_landing); only the thread that steps touches these.
-        # On the CPU (where the device is the host) the same tiles are copied in place, with no
-        # stream: CPU tests then walk this path's tiles, offsets and in-place clipping.
-        landing = any(u.grad_on_gpu for u in store.units)
-        cuda = store.device.type == "cuda"
-        self._landing_stream = torch.cuda.Stream(store.device) if landing and cuda else None
-        self._landing = [torch.empty(LANDING_TILE, dtype=torch.float32, pin_memory=cuda)
-                         for _ in range(GRAD_LANDING_BUFFERS if landing else 0)]
+        self._init_landing()
 
     # -- step -----------------------------------------------------------------------------------
     def hyperparameters(self) -> list[dict]:
@@ -354,38 +395,11 @@ class HostAdamW(HostOptimizer):
                 for a in range(start, end, size)]
 
     def _adamw_landing(self, index: int, hyper: list[dict], clip, step_t) -> None:
-        """The host step of a unit whose gradient is on the GPU: clipped there in place (the product
-        the host would make, so the device copy reads as a clipped .grad like the others), then
-        brought over tile by tile through two pinned landing tiles on a copy stream of our own, the
-        next tile's copy running while the host steps this one. On the CPU: the same tiles, no stream."""
-        grad, stream = self.store.grad[index], self._landing_stream
+        """The host step of a unit whose gradient is on the GPU: each landed tile (_landed_tiles) stepped
+        as it arrives, already clipped."""
         tiles = self._pieces(index, LANDING_TILE)
-        done = []
-
-        def lane():
-            return torch.cuda.stream(stream) if stream is not None else nullcontext()
-
-        def issue(k):
-            a, b, _ = tiles[k]
-            with lane():
-                self._landing[k % len(self._landing)][: b - a].copy_(grad[a:b], non_blocking=stream is not None)
-                done.append(torch.cuda.Event() if stream is not None else None)
-                if stream is not None:
-                    done[-1].record(stream)
-
-        with lane():
-            if stream is not None:  # written, and its norms taken, on the compute stream
-                stream.wait_event(self.store.grad_event[index])
-            if clip is not None:
-                grad.mul_(clip)
-        issue(0)
-        for k, (a, b, group) in enumerate(tiles):
-            if k + 1 < len(tiles):
-                issue(k + 1)  # into the tile that step k - 1 read: it has run (this thread ran it)
-            if done[k] is not None:
-                done[k].synchronize()
-            self._adamw_span(index, hyper, None, step_t, self._landing[k % len(self._landing)][: b - a], (a, b, group),
-                             offset=a)
+        for (a, b, group), tile in zip(tiles, self._landed_tiles(index, [(a, b) for a, b, _ in tiles], clip)):
+            self._adamw_span(index, hyper, None, step_t, tile, (a, b, group), offset=a)
 
     def _adamw_span(self, index: int, hyper: list[dict], clip, step_t, grad, span, offset: int = 0) -> None:
         """Clip, update and refresh the compute copy of elements [a, b) of this rank's slice; `grad`

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from ..engine.config import EngineConfig
 from .layout_cache import cached_units, config_key
 from ..engine.layout import (GRAD_LANDING_BUFFERS, LOSS_CHUNK_COPIES, TRANSIENT_GRAD_BUFFERS, config_units,
-                             LANDING_TILE, fixed_buffer_numel, grad_slot_numel, loss_chunk, mark_resident,
+                             LANDING_TILE, PARAM_STEP_TILE, fixed_buffer_numel, grad_slot_numel, loss_chunk, mark_resident,
                              ring_numel, slab_numel)
 
 
@@ -176,12 +176,16 @@ def model_sizes(config, peft_config=None) -> ModelSizes:
 #   its last dimension (shape[:-1]) and over its second-to-last (shape[:-2] + shape[-1:]); a 1-D one
 #   keeps it whole (4 B); `exp_avg` (4 B) only with beta1 set (Trainer's `adafactor` leaves it None);
 #   `RMS`, a 0-d fp32 tensor beside the parameter, and `step`, a Python int.
-# Their step allocates temporaries as large as the parameter it steps (one parameter at a time on the
-# host: torch takes its single-tensor path for CPU tensors): the weight-decay term `grad + wd * p` (counted
-# whether or not weight decay is set: the decay group may have it), SGD's nesterov `grad + m * buf`,
-# Adagrad's and RMSprop's `sqrt`, Adafactor's `grad**2 + eps` and then its `r x c` product or `-update`
-# beside the update. On the GPU (resident units) torch's optimizers take the foreach path, whose
-# temporaries span a whole parameter group (at most a unit); Adafactor's stay per parameter.
+# SGD, Adagrad and RMSprop are elementwise: the engine steps them over flat pieces of each unit's slice
+# (engine/host_optim.py), so their state shards under data parallel like AdamW's moments, and their step
+# counters are one per piece, not per parameter.
+# Their step allocates temporaries as large as what it steps (one tensor at a time on the host: torch
+# takes its single-tensor path for CPU tensors; a piece of at most PARAM_STEP_TILE elements for the
+# elementwise ones, a parameter for Adafactor): the weight-decay term `grad + wd * p` (counted whether or
+# not weight decay is set: the decay group may have it), SGD's nesterov `grad + m * buf`, Adagrad's and
+# RMSprop's `sqrt`, Adafactor's `grad**2 + eps` and then its `r x c` product or `-update` beside the
+# update. On the GPU (resident units) torch's optimizers take the foreach path, whose temporaries span a
+# whole parameter group (at most a unit); Adafactor's stay per parameter.
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,18 @@ class OptimizerState:
     @property
     def adamw(self) -> bool:
         return self.name == "adamw"
+
+    @property
+    def elementwise(self) -> bool:
+        """A stock optimizer whose state and update are elementwise (sgd, adagrad, rmsprop): stepped in
+        flat pieces, so its state shards and it steps tiles."""
+        return not self.adamw and not self.factored and not self.scalars
+
+    @property
+    def sliceable(self) -> bool:
+        """It steps a slice of a parameter: data parallel and gpu_grad_layers combine with it (all but
+        Adafactor, whose factored moment and RMS span whole parameters)."""
+        return self.adamw or self.elementwise
 
     def param_bytes(self, shape) -> int:
         """Bytes of one parameter's state beside it (its device), host step counters left out."""
@@ -222,17 +238,25 @@ class OptimizerState:
             return 4 * self.full * unit.n_train
         return sum(self.param_bytes(s.shape) for s in unit.train_slots)
 
-    def host_scalar_bytes(self, units) -> int:
-        """Bytes of the 0-d step counters that stay on the host, resident or not."""
-        return 4 * self.host_scalars * sum(len(u.train_slots) for u in units) if self.host_scalars else 0
+    def host_scalar_bytes(self, units, world: int = 1) -> int:
+        """Bytes of the 0-d step counters that stay on the host, resident or not: one per parameter, or
+        per piece for the elementwise optimizers (the most a rank of `world` holds)."""
+        if not self.host_scalars:
+            return 0
+        if self.elementwise:
+            return 4 * self.host_scalars * sum(step_pieces(u, world)[0] for u in units)
+        return 4 * self.host_scalars * sum(len(u.train_slots) for u in units)
 
-    def scratch_bytes(self, units, gpu: bool = False) -> int:
-        """Temporaries of the largest step among `units`: the largest parameter's, or on the GPU with
-        foreach the largest unit's (0 for AdamW: torch's fused kernel keeps none)."""
+    def scratch_bytes(self, units, gpu: bool = False, world: int = 1) -> int:
+        """Temporaries of the largest step among `units`: the largest parameter's (the largest piece's for
+        the elementwise optimizers), or on the GPU with foreach the largest unit's (0 for AdamW: torch's
+        fused kernel keeps none)."""
         if not self.scratch or not units:
             return 0
         if gpu and self.foreach:
             return 4 * self.scratch * max(u.n_train for u in units)
+        if self.elementwise:
+            return 4 * self.scratch * max((step_pieces(u, world)[1] for u in units), default=0)
         return 4 * self.scratch * max((s.shape.numel() for u in units for s in u.train_slots), default=0)
 
     def per_parameter(self, shape=(4096, 4096)) -> float:
@@ -245,6 +269,25 @@ class OptimizerState:
     def describe(self) -> str:
         """The state in words, for the memory table's label."""
         return "Adam moments (fp32 x2)" if self.adamw else f"{self.name} state ({self.keeps})"
+
+
+def step_pieces(unit, world: int = 1) -> tuple[int, int]:
+    """(how many, the largest) of the pieces an elementwise optimizer steps of `unit` on the rank of `world`
+    that holds the most (the first: ceil(n / world) elements): its decay and no-decay segments within that
+    slice, cut into PARAM_STEP_TILE elements, or into landing tiles for a gradient kept on the GPU
+    (HostParamOptimizer.piece_bounds). The planner's units do not carry Trainer's decay split (every
+    parameter counts as decayed there): a unit of more than one trainable parameter is counted as two
+    segments, as Trainer's grouping gives a decoder layer (its norms do not decay) and the head."""
+    hi = min(_share(unit.n_train, world), unit.n_train)
+    if not hi:
+        return 0, 0
+    size = LANDING_TILE if unit.grad_on_gpu else PARAM_STEP_TILE
+    split = unit.n_decay if 0 < unit.n_decay < unit.n_train else None
+    if split is None:
+        count = -(-hi // size) + (len(unit.train_slots) > 1)
+    else:
+        count = -(-min(split, hi) // size) + (-(-(hi - split) // size) if hi > split else 0)
+    return count, min(size, hi)
 
 
 ADAMW = OptimizerState()
@@ -468,12 +511,14 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
                 + (eng.staging_slabs * 4 * slab_numel(units) if later_contributions else 0)
     if opt.adamw:
         plan.host["Adam moments (fp32 x2)"] = 8 * owned
-    else:  # one process (plan_run refuses data parallel for the others); step counters stay on the host
-        streamed_units = [u for u in units if not u.resident]
-        plan.host[f"optimizer state ({opt.name}: {opt.keeps})"] = sum(opt.unit_bytes(u) for u in streamed_units) \
-            + opt.host_scalar_bytes(units)
-        if opt.scratch_bytes(streamed_units):
-            plan.host["optimizer step temporaries (largest parameter)"] = opt.scratch_bytes(streamed_units)
+    else:  # step counters stay on the host; data parallel (elementwise only: plan_run refuses Adafactor)
+        streamed_units = [u for u in units if not u.resident]  # shards it as it shards the master
+        held = sum(opt.unit_bytes(u) for u in streamed_units) if world == 1 else 4 * opt.full * owned
+        plan.host[f"optimizer state ({opt.name}: {opt.keeps})"] = held + opt.host_scalar_bytes(units, world)
+        scratch = opt.scratch_bytes(streamed_units, world=world)
+        if scratch:
+            what = "largest piece" if opt.elementwise else "largest parameter"
+            plan.host[f"optimizer step temporaries ({what})"] = scratch
     if world > 1:
         # Transient, one unit at a time: the all-gather of updated weights (own slice + the whole
         # unit, compute dtype) and, on a CPU, the gradient reduce-scatter on the host (an fp32 copy,
@@ -482,8 +527,10 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
         gather = cbytes * (n + _share(n, world))
         reduce = 4 * (2 * n + _share(n, world)) if not cuda else 0
         plan.host["data-parallel exchange (one unit)"] = max(gather, reduce)
+        state = "Adam moments" if opt.adamw else f"{opt.name} state" if opt.full else ""
         plan.notes.append(f"data parallel: {world} ranks, {plan.local_ranks} on this host; each rank holds the "
-                          f"whole compute copy and 1/{world} of the fp32 master, gradient and Adam moments.")
+                          f"whole compute copy and 1/{world} of the fp32 master, gradient"
+                          + (f" and {state}." if state else "."))
     if cuda and not eng.transient_grads and later_contributions:
         plan.host["pinned staging slabs"] = eng.staging_slabs * 4 * slab_numel(units)
     group = max(1, micro_batches)
@@ -576,14 +623,14 @@ def mode_plans(config, batch: int, seq: int, engine: EngineConfig, *, sizes: Mod
                optimizer: OptimizerState | None = None) -> list[tuple[str, EngineConfig, MemoryPlan]]:
     """The plan of each memory mode (MODES) at `engine`'s placement: what `estimate` shows side by side
     (gradients kept on the GPU stay where they are, except with transient_grads, which keeps none).
-    optimizer: what steps the run (default AdamW); another than AdamW keeps no gradient on the GPU (its
-    step needs whole parameters, and those come over in tiles)."""
+    optimizer: what steps the run (default AdamW); Adafactor keeps no gradient on the GPU (its step needs
+    whole parameters, and those come over in tiles)."""
     sizes = sizes or model_sizes(config)
     opt = optimizer or ADAMW
     out = []
     for name, fields in MODES:
         eng = mode_engine(engine, {"lean_streamed": False, "transient_grads": False, **fields,
-                                   **({} if opt.adamw else {"gpu_grad_layers": 0})})
+                                   **({} if opt.sliceable else {"gpu_grad_layers": 0})})
         out.append((name, eng, estimate(config, batch, seq, eng, sizes=sizes, micro_batches=micro_batches,
                                         later_contributions=later_contributions, optimizer=opt)))
     return out

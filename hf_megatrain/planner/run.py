@@ -5,7 +5,8 @@ What is decided here and nowhere else:
 - the auto rules of the host memory modes: transient_grads and gpu_grad_layers on auto are weighed
   only where there is a machine to weigh them against (a GPU, its free memory and the host's), and
   transient_grads only where it is free of time (one process, no clipping), for every optimizer the
-  engine runs (each steps a unit as its gradient lands); gpu_grad_layers for the host AdamW alone;
+  engine runs (each steps a unit as its gradient lands); gpu_grad_layers for the optimizers that step
+  tile by tile (AdamW and the elementwise sgd / adagrad / rmsprop), not Adafactor;
 - data parallel x memory modes: residency is not combined with sharding (streamed, said in a note), the
   host memory modes are off; layer_major_accumulation, transient_grads, lean_streamed and
   gpu_grad_layers asked for with it are refused;
@@ -42,9 +43,9 @@ class Request:
     inline JSON or a JSON file, as MegaTrainArguments.peft_config takes them; None: full fine-tuning):
     the plan's units then train only the adapters (model_sizes), the base is frozen (no
     step-time prediction yet).
-    optimizer: every host optimizer steps during the backward (transient_grads), but only the host AdamW
-    steps tile by tile or a slice of each parameter, so the modes that need that (gpu_grad_layers, data
-    parallel) are off or refused for the others; optimizer and
+    optimizer: every host optimizer steps during the backward (transient_grads), and all but Adafactor
+    (whose state spans whole parameters) step tile by tile or a slice of each parameter, so the modes
+    that need that (gpu_grad_layers, data parallel) are off or refused for Adafactor alone; optimizer and
     optim_args (TrainingArguments' spellings) say what state it keeps per parameter (optimizer_state).
     admit: check the plan against the machine (memory_check). suggest_row: a refusal also names the
     longest row that fits (mlp_tile_tokens: the tile as asked, for that search)."""
@@ -142,7 +143,7 @@ def settle_autos(engine: EngineConfig, request: Request, machine: Machine) -> En
     """The auto rules of the host memory modes, once: with nothing to weigh them against (no GPU, no
     free memory given, data parallel), they are off; transient_grads on auto is offered only where
     it costs no pass (no clipping); with transient_grads no gradient persists to keep on the GPU, and
-    only the host AdamW steps a gradient kept there (in tiles that cut parameters).
+    Adafactor cannot step a gradient kept there (it comes over in tiles that cut parameters).
     Data parallel streams every layer (residency is not combined with sharding yet)."""
     cuda = engine.device.type == "cuda"
     weighed = cuda and request.world_size <= 1 and machine.gpu_free is not None and machine.host_free is not None
@@ -152,7 +153,7 @@ def settle_autos(engine: EngineConfig, request: Request, machine: Machine) -> En
                       gpu_grad_layers=0)
     if engine.transient_grads and engine.gpu_grad_layers is None:
         fields["gpu_grad_layers"] = 0  # no gradient persists to be placed
-    if request.optimizer != "adamw" and engine.gpu_grad_layers is None:  # only the host AdamW steps in tiles
+    if not request.optimizer_state.sliceable and engine.gpu_grad_layers is None:  # Adafactor: whole parameters
         fields["gpu_grad_layers"] = 0
     if engine.transient_grads is None and not (weighed and not request.clip):
         fields["transient_grads"] = False
@@ -195,7 +196,6 @@ def plan_run(model_config, request: Request, machine: Machine | None = None) -> 
         from ..engine.host_optim import unsupported_modes
 
         why = unsupported_modes(request.optimizer, world_size=request.world_size,
-                                transient_grads=bool(request.engine.transient_grads),
                                 gpu_grad_layers=request.engine.gpu_grad_layers or 0)
         if why is not None:
             raise MegaTrainError(why)

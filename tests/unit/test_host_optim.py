@@ -1,6 +1,7 @@
-"""HostParamOptimizer runs Trainer's own optimizer classes (SGD, Adagrad, RMSprop, Adafactor) over the
-unit's parameter views: given the same gradients, the masters are stock's bit for bit (clipping, a
-scheduler, Trainer's two weight-decay groups, resident units, the background stepper)."""
+"""HostParamOptimizer runs Trainer's own optimizer classes (SGD, Adagrad, RMSprop, Adafactor) over views of
+the unit's master (Adafactor: each parameter; the elementwise ones: flat pieces): given the same gradients,
+the masters are stock's bit for bit (clipping, a scheduler, Trainer's two weight-decay groups, resident
+units, the background stepper, pieces cut anywhere, gradients kept apart and stepped tile by tile)."""
 
 import copy
 
@@ -9,7 +10,8 @@ import torch
 from transformers import Trainer, TrainingArguments, get_linear_schedule_with_warmup
 
 from hf_megatrain import StreamingEngine
-from hf_megatrain.engine.host_optim import HostParamOptimizer, unsupported_modes
+from hf_megatrain.engine import host_optim, optimizer as adamw_module
+from hf_megatrain.engine.host_optim import ELEMENTWISE_OPTIMS, HostParamOptimizer, unsupported_modes
 from hf_megatrain.engine.step import train_step
 from hf_megatrain.errors import MegaTrainError
 from tests.support.tiny import make_batch, make_model
@@ -28,9 +30,10 @@ def stock_cls_and_kwargs(optim):
     return Trainer.get_optimizer_cls_and_kwargs(args)
 
 
-@pytest.mark.parametrize("optim", list(OPTIM_ARGS))
-@pytest.mark.parametrize("kind,resident,background", [("llama_tied", 0, False), ("mixtral", 1, True)])
-def test_same_gradients_same_masters(optim, kind, resident, background):
+def same_gradients_same_masters(optim, kind, **engine_kw):
+    """Four steps of the engine's optimizer and of stock's class over the model's parameters, from the same
+    gradients (the engine's, handed to stock as they are), clipped, with a scheduler: the norms and the masters
+    bit for bit. Returns the engine's optimizer."""
     model = make_model(kind, seed=3)
     ref = copy.deepcopy(model)
     decay = Trainer.get_decay_parameter_names(None, ref)
@@ -39,8 +42,7 @@ def test_same_gradients_same_masters(optim, kind, resident, background):
               {"params": [p for n, p in ref.named_parameters() if n not in decay], "weight_decay": 0.0}]
     ref_opt = cls(groups, **kwargs)
     ref_sched = get_linear_schedule_with_warmup(ref_opt, 1, 4)
-    engine = StreamingEngine(model, compute_dtype=torch.float32, decay_names=decay, resident_layers=resident,
-                             background_host_jobs=background).train()
+    engine = StreamingEngine(model, compute_dtype=torch.float32, decay_names=decay, **engine_kw).train()
     opt = HostParamOptimizer(engine, cls, kwargs, weight_decay=0.1, name=optim)
     sched = get_linear_schedule_with_warmup(opt, 1, 4)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
@@ -58,16 +60,60 @@ def test_same_gradients_same_masters(optim, kind, resident, background):
     masters = dict(engine.named_master_params())
     for name, p in ref.named_parameters():
         assert torch.equal(masters[name], p.detach()), name
+    return opt
+
+
+@pytest.mark.parametrize("optim", list(OPTIM_ARGS))
+@pytest.mark.parametrize("kind,resident,background", [("llama_tied", 0, False), ("mixtral", 1, True)])
+def test_same_gradients_same_masters(optim, kind, resident, background):
+    opt = same_gradients_same_masters(optim, kind, resident_layers=resident, background_host_jobs=background)
+    views = [v for entry in opt.units if entry is not None for v in entry.views]
+    if optim == "adafactor":  # each parameter whole, in its shape
+        assert sorted(v.shape for v in views) == sorted(p.shape for _, p in opt.engine.named_master_params())
+    else:  # flat pieces: a unit's decay and no-decay segments
+        assert all(v.dim() == 1 for v in views) and len(views) <= 2 * len(opt.units)
+
+
+@pytest.mark.parametrize("optim", ELEMENTWISE_OPTIMS)
+@pytest.mark.parametrize("kind,resident", [("llama_tied", 0), ("mixtral", 1)])
+def test_pieces_cut_anywhere_and_landed_tiles_step_as_stock(optim, kind, resident, monkeypatch):
+    """The elementwise optimizers' pieces cut parameters anywhere: 1,000 elements (no multiple of a SIMD
+    width), and the last two streamed layers' gradients kept apart (gpu_grad_layers, on the CPU) and stepped
+    from the landing tiles (1,024 elements), each tile a piece stepped as it lands. Stock's numbers, bit for
+    bit."""
+    monkeypatch.setattr(host_optim, "PARAM_STEP_TILE", 1000)
+    monkeypatch.setattr(adamw_module, "LANDING_TILE", 1 << 10)
+    landed = []
+    tiles = HostParamOptimizer._landed_tiles
+    monkeypatch.setattr(HostParamOptimizer, "_landed_tiles",
+                        lambda self, index, spans, clip: (landed.append((index, len(spans))),
+                                                          tiles(self, index, spans, clip))[1])
+    opt = same_gradients_same_masters(optim, kind, resident_layers=resident, gpu_grad_layers=2)
+    kept = [u.index for u in opt.store.units if u.grad_on_gpu]
+    assert len(kept) == 2 and sorted({i for i, _ in landed}) == kept and len(landed) == 2 * 4  # every step
+    for u in opt.store.units:
+        entry = opt.units[u.index]
+        size = 1 << 10 if u.grad_on_gpu else 1000
+        assert max(b - a for a, b in entry.spans) == min(size, max(u.n_decay, u.n_train - u.n_decay))
+        assert sum(b - a for a, b in entry.spans) == u.n_train  # the pieces tile the unit
+        if u.grad_on_gpu:
+            assert (u.index, len(entry.spans)) in landed and len(entry.spans) > 8  # dozens of tiles, both reused
 
 
 def test_refused_modes_say_so_in_one_line():
-    assert unsupported_modes("sgd") is None and unsupported_modes("adafactor", transient_grads=True) is None
+    """Adafactor needs whole parameters: data parallel and gpu_grad_layers, which cut them, are refused, each
+    in one line naming what runs instead; the elementwise optimizers take every mode."""
+    for optim in ELEMENTWISE_OPTIMS:
+        assert unsupported_modes(optim, world_size=4, gpu_grad_layers=2) is None
+    assert unsupported_modes("adafactor") is None
     for kw, says in ((dict(world_size=2), "data parallel"), (dict(gpu_grad_layers=2), "gpu_grad_layers")):
         why = unsupported_modes("adafactor", **kw)
         assert "\n" not in why and why.startswith(f"optim='adafactor' is not combined with {says}")
+        assert "whole parameter" in why and "'sgd', 'adagrad', 'rmsprop' or 'adamw_torch'" in why
     engine = StreamingEngine(make_model("llama"), compute_dtype=torch.float32, gpu_grad_layers=1)
-    with pytest.raises(ValueError, match="gpu_grad_layers"):
-        HostParamOptimizer(engine, *stock_cls_and_kwargs("sgd"), name="sgd")
+    with pytest.raises(ValueError, match="optim='adafactor' is not combined with gpu_grad_layers"):
+        HostParamOptimizer(engine, *stock_cls_and_kwargs("adafactor"), name="adafactor")
+    assert HostParamOptimizer(engine, *stock_cls_and_kwargs("sgd"), name="sgd").elementwise
 
 
 def run_policy(optim, kind, clip, **engine_kw):

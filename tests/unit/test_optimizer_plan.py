@@ -65,7 +65,7 @@ def allocated(engine, opt):
             tensors = {}
         else:
             entry = opt.units[unit.index]
-            tensors = {} if entry is None else entry[0].state
+            tensors = {} if entry is None else entry.inner.state
             n = 0
         for state in tensors.values():
             for key, val in state.items():
@@ -162,13 +162,19 @@ def test_the_step_temporaries_counted_are_what_a_step_allocates(optim, optim_arg
     assert float(out.stdout.split()[-1]) == pytest.approx(optimizer_state(optim, optim_args).scratch, abs=0.05)
 
 
-def test_the_step_temporaries_are_the_largest_parameters():
+def test_the_step_temporaries_are_the_largest_parameters_or_pieces():
+    """Adafactor steps each parameter whole: its temporaries are the largest parameter's. The elementwise ones
+    step pieces of at most PARAM_STEP_TILE elements (8M; the 8B model's embedding is 525M)."""
+    from hf_megatrain.engine.layout import PARAM_STEP_TILE
+
     config = make_config("llama-3.1-8b")
     sizes = model_sizes(config)
     largest = max(s.shape.numel() for u in sizes.units for s in u.train_slots)
-    for optim, args, temps in (("adafactor", None, 2), ("sgd", None, 1), ("sgd", "momentum=0.9,nesterov=True", 2)):
+    for optim, args, temps, what, size in (("adafactor", None, 2, "parameter", largest),
+                                           ("sgd", None, 1, "piece", PARAM_STEP_TILE),
+                                           ("sgd", "momentum=0.9,nesterov=True", 2, "piece", PARAM_STEP_TILE)):
         plan = estimate(config, 1, 1024, EngineConfig(device="cuda"), sizes=sizes, optimizer=optimizer_state(optim, args))
-        assert plan.host["optimizer step temporaries (largest parameter)"] == 4 * temps * largest
+        assert plan.host[f"optimizer step temporaries (largest {what})"] == 4 * temps * size
     adamw = estimate(config, 1, 1024, EngineConfig(device="cuda"), sizes=sizes)
     assert not [k for k in adamw.host if "temporaries" in k]  # torch's fused AdamW keeps none
     assert adamw.host == estimate(config, 1, 1024, EngineConfig(device="cuda"), sizes=sizes, optimizer=ADAMW).host
@@ -361,7 +367,10 @@ def test_the_auto_rule_takes_transient_grads_for_adafactor_where_it_takes_it_for
     assert any("norm pass" in n or "measures the global gradient norm" in n for n in asked.notes)
 
 
-def test_other_optimizers_refuse_data_parallel_and_gpu_grad_layers_in_one_line():
+def test_adafactor_refuses_data_parallel_and_gpu_grad_layers_in_one_line_the_elementwise_ones_plan_them():
+    """Adafactor's state spans whole parameters: data parallel and gpu_grad_layers are refused in one line.
+    sgd, adagrad and rmsprop are elementwise: planned with either, their state counted per rank as a slice,
+    like AdamW's moments."""
     config = make_config("llama-3.2-1b")
     engine = EngineConfig(device="cuda", resident_layers=0, offload_activations=0)
     cases = ((dict(world_size=2), dict(), "data parallel"),
@@ -371,6 +380,20 @@ def test_other_optimizers_refuse_data_parallel_and_gpu_grad_layers_in_one_line()
             plan_run(config, Request(dataclasses.replace(engine, **engine_kw), 4, 1024, optimizer="adafactor",
                                      admit=False, **request_kw))
         assert str(e.value).startswith(f"optim='adafactor' is not combined with {says}") and "\n" not in str(e.value)
+        for optim in ("sgd", "adagrad", "rmsprop"):
+            run = plan_run(config, Request(dataclasses.replace(engine, **engine_kw), 4, 1024, optimizer=optim,
+                                           optim_args="momentum=0.9" if optim == "sgd" else None, admit=False,
+                                           **request_kw))
+            assert run.engine.gpu_grad_layers == engine_kw.get("gpu_grad_layers", 0)
     run = plan_run(config, Request(dataclasses.replace(engine, transient_grads=True), 4, 1024, optimizer="sgd",
                                    admit=False))
     assert run.engine.transient_grads
+    # the state per rank: 1/N of every unit's, as the master (4 B of momentum per parameter, ceil(n / N) each)
+    units = model_sizes(config).units
+    for world in (1, 2, 4):
+        plan = plan_run(config, Request(engine, 4, 1024, optimizer="sgd", optim_args="momentum=0.9", admit=False,
+                                        world_size=world)).memory
+        state = next(v for k, v in plan.host.items() if k.startswith("optimizer state (sgd"))
+        assert plan.host["fp32 master weights"] == sum(4 * -(-u.n_train // world) for u in units)
+        assert state == plan.host["fp32 master weights"]  # no step counter: SGD keeps none
+        assert plan.host["optimizer step temporaries (largest piece)"] == 4 * (1 << 23)  # `grad + wd * p` of a piece
