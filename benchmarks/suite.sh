@@ -55,6 +55,7 @@
 #    experts, shapes.py says why; 3 layers, the first dense) and the Qwen3.5 shape (gated delta-nets, 16 of 32
 #    layers), each at 16K tokens/step with clipping 1.0: stock Trainer with fp32 parameters under bf16 autocast,
 #    stock with bf16 parameters (the speed anchor) and the default placement, MFU on active parameters.
+#    DSV3_LAYERS and QWEN35_LAYERS set the depths (an H100 box: 2 and 8, what stock holds there in fp32).
 # (Run 7 in BENCHMARKS.md gives the commands of the earlier groups: 70B width, 7B, 7B at 256K.)
 # Every call first writes $OUT/versions.json and prints one VERSIONS line (benchmarks/versions.py:
 # Python, torch, CUDA, transformers, accelerate, peft, GPU and driver, hf_megatrain commit); each
@@ -274,15 +275,16 @@ Z)  # issue 34: Adafactor on the host (see the header). The plans fill most of t
   fi ;;
 DPO)
   export LARGEST_KEEP=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-  keep_only llama-2-13b-full
-  part 280 13b_16k_sft python3 benchmarks/largest.py --shape llama-2-13b --tokens 16384 --clip 1.0 --steps 6 \
+  shape=${DPO_SHAPE:-llama-2-13b}  # DPO_SHAPE=llama-3.1-8b: the same rows on an H100 box
+  keep_only $shape-full
+  part 280 16k_sft python3 benchmarks/largest.py --shape $shape --tokens 16384 --clip 1.0 --steps 6 \
     --warmup 2 --skip_all_host --tag _sft --out "$OUT"
-  part 300 13b_16k_dpo python3 benchmarks/dpo_bench.py --shape llama-2-13b --pairs 8 --prompt 512 --completion 512 \
+  part 300 16k_dpo python3 benchmarks/dpo_bench.py --shape $shape --pairs 8 --prompt 512 --completion 512 \
     --steps 6 --warmup 2 --clip 1.0 --out "$OUT" ;;
 ZOO)
-  part 290 deepseek_v3_width python3 benchmarks/bench.py --shape deepseek-v3-width --layers 3 --tokens 16384 \
+  part 290 deepseek_v3_width python3 benchmarks/bench.py --shape deepseek-v3-width --layers ${DSV3_LAYERS:-3} --tokens 16384 \
     --clip 1.0 --systems stock,stock_bf16,megatrain:auto --stock_micro 4 --steps 3 --warmup 1 --out "$OUT/dsv3"
-  part 290 qwen3_5 python3 benchmarks/bench.py --shape qwen3.5-9b --layers 16 --tokens 16384 --clip 1.0 \
+  part 290 qwen3_5 python3 benchmarks/bench.py --shape qwen3.5-9b --layers ${QWEN35_LAYERS:-16} --tokens 16384 --clip 1.0 \
     --systems stock,stock_bf16,megatrain:auto --stock_micro 4 --steps 3 --warmup 1 --out "$OUT/qwen3_5" ;;
 *) echo "unknown group $1 (A to Z, DPO, ZOO)"; exit 2 ;;
 esac
