@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 
@@ -104,14 +105,23 @@ def engine_from_checkpoint(skeleton, folder: str, *, progress: bool = True, **en
     base = base_model(skeleton)
     config = base.config
     fill = partial(load_into_store, spec=spec_for(config), config=config, folder=folder, progress=progress,
-                   buffers=persistent_buffers(base))
+                   buffers=persistent_buffers(base), ignored=_ignored_on_load(base))
     return StreamingEngine(skeleton, load_weights=fill, **engine_kw)
 
 
-def load_into_store(store, spec, config, folder: str, progress: bool = True, buffers: dict | None = None) -> None:
+def _ignored_on_load(model) -> tuple[str, ...]:
+    """The patterns of checkpoint tensors the model's class says from_pretrained skips
+    (`_keys_to_ignore_on_load_unexpected`: LongCat-Flash's multi-token-prediction layers, model.mtp.*,
+    which its causal LM does not hold), as from_pretrained reads them."""
+    return tuple(getattr(type(model), "_keys_to_ignore_on_load_unexpected", None) or ())
+
+
+def load_into_store(store, spec, config, folder: str, progress: bool = True, buffers: dict | None = None,
+                    ignored: tuple[str, ...] = ()) -> None:
     """Fill every unit's compute copy and this rank's part of its fp32 master from the checkpoint;
     and `buffers` (persistent_buffers of the skeleton: host tensors, e.g. a router's score correction
-    bias, which the engine hands to each layer's template call) in place, every one of them."""
+    bias, which the engine hands to each layer's template call) in place, every one of them.
+    `ignored`: patterns (re.search) of checkpoint tensors the model does not hold and skips (_ignored_on_load)."""
     files = shard_files(folder)
     entries = [e for path in files for e in read_header(path)]  # every header first: fail before reading
     slots = {s.name: (u.index, s) for u in store.units for s in u.slots}
@@ -120,6 +130,8 @@ def load_into_store(store, spec, config, folder: str, progress: bool = True, buf
     buffers = buffers or {}
     plan, filled, buffer_plan = [], {name: 0 for name in slots}, []
     for e in entries:
+        if any(re.search(pattern, e.name) for pattern in ignored):
+            continue  # what from_pretrained skips too
         target, index = spec.from_disk(e.name, config)
         if target in buffers and not index:
             buffer_plan.append((e, target))

@@ -43,8 +43,10 @@ def _in_layer(name: str, layers: str) -> str:
 # ratio of query to key/value heads, MLA's rotary and plain parts of a head) stays the config's own: the
 # number of heads shrinks, and the width with it, so the copy computes what the family computes.
 _SMALL = dict(intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-              expert_intermediate_size=64, num_local_experts=4, num_experts=4, vocab_size=128,
-              sliding_window=8, attention_chunk_size=8)
+              expert_intermediate_size=64, expert_ffn_hidden_size=64, num_local_experts=4, num_experts=4,
+              vocab_size=128,
+              sliding_window=8, attention_chunk_size=8,
+              zero_expert_num=4)  # LongCat-Flash's zero-compute experts: few, so that routed ones are picked
 _RANKS = ("q_lora_rank", "kv_lora_rank")  # MLA's compressed widths: at most 64
 _HEADS = 4  # query heads of the copy, or one group of query heads per key/value head when groups are larger
 _DEPTH = 2
@@ -94,8 +96,9 @@ def _settable(config, name: str) -> bool:
     return not isinstance(prop, property) or prop.fset is not None
 
 
-def small_copy(config):
-    """`config` with 2 layers (or one per layer kind, up to 4) and small widths, its head geometry kept."""
+def small_copy(config, depth_attr: str = "num_hidden_layers"):
+    """`config` with 2 layers (or one per layer kind, up to 4) and small widths, its head geometry kept.
+    depth_attr: the config attribute the family builds its list of decoder layers from (ArchSpec.depth)."""
     small = copy.deepcopy(config)
     heads, kv, hidden = _int(small, "num_attention_heads"), _int(small, "num_key_value_heads"), _int(small, "hidden_size")
     if heads and hidden:
@@ -144,6 +147,8 @@ def small_copy(config):
         types = list(small.layer_types)
         depth = max(_DEPTH, max(types.index(kind) for kind in set(types)) + 1)
     small.num_hidden_layers = depth
+    if depth_attr != "num_hidden_layers":  # LongCat-Flash: num_layers layers of two sublayers each (after the above:
+        setattr(small, depth_attr, depth)  # on 5.25 num_hidden_layers is a property that sets num_layers to half)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(small, key, None), int) and getattr(small, key) >= small.vocab_size:
             setattr(small, key, 0)
@@ -214,7 +219,7 @@ def verify(spec, config) -> None:
     _RUNNING.add(key)
     start = time.perf_counter()
     try:
-        small = small_copy(config)
+        small = small_copy(config, spec.depth)
         differs, without_grad = _differences(small, key)
         router_loss = bool(differs) and bool(getattr(small, "output_router_logits", False))
         if router_loss:  # equal without the router's loss: that loss is what the engine leaves out
@@ -222,7 +227,7 @@ def verify(spec, config) -> None:
             router_loss = not _differences(small, key)[0]
     finally:
         _RUNNING.discard(key)
-    depth = f"{small.num_hidden_layers}-layer"
+    depth = f"{spec.n_layers(small)}-layer"
     if router_loss:
         why = (f"which it cannot take as stock does ({spec.router_unmatched})" if spec.router_unmatched else
                "which it takes from the routers the installed transformers records, and that differs")

@@ -119,23 +119,33 @@ def _settings(layer: nn.Module) -> tuple:
     return tuple(out)
 
 
+def _layer_kinds(spec: ArchSpec, config, layers) -> list[str]:
+    """The attention kind of every module in the model's list of decoder layers: one unit each, however many the
+    config's num_hidden_layers says (LongCat-Flash's layers hold two attention sublayers each, which it counts)."""
+    kinds = spec.kinds(config)
+    if len(kinds) != len(layers):
+        raise MegaTrainError(f"the model holds {len(layers)} decoder layers where its config's {spec.depth} says "
+                             f"{len(kinds)}; was the config changed after the model was built?")
+    return kinds
+
+
 def build_units(model: nn.Module, spec: ArchSpec, decay_names) -> list[Unit]:
     """Units in forward order: embed, the per-layer embeddings where the family has them (Gemma 3n/4: made from
     the token embeddings, read by every layer), layers 0..L-1, head. The backward's order (schedule.py) is the
     reverse, so the per-layer unit gets every layer's gradient before the embedding gets its own."""
     decay_names = set(decay_names)
     config = model.config
-    kinds = spec.kinds(config)
     groups: dict[tuple, list] = {}
     for pos, (name, p) in enumerate(model.named_parameters()):
         kind, layer, local = _unit_of(name, spec)
         groups.setdefault((kind, layer), []).append((name, local, p.shape, pos, p.requires_grad))
 
     layers = model.get_submodule(spec.layers)
+    kinds = _layer_kinds(spec, config, layers)
     units = []
     shapes_seen: dict[tuple, int] = {}  # a layer's parameter layout -> its ordinal among distinct layouts
     per_layer = [("per_layer", None)] if ("per_layer", None) in groups else []
-    order = [("embed", None)] + per_layer + [("layer", i) for i in range(config.num_hidden_layers)] + [("head", None)]
+    order = [("embed", None)] + per_layer + [("layer", i) for i in range(len(layers))] + [("head", None)]
     for idx, key in enumerate(order):
         entries = groups.get(key, [])
         # Trainable decayed, trainable not decayed, frozen; the relative order is the model's.

@@ -167,6 +167,9 @@ class ArchSpec:
     # token embeddings by the base model's altup_projections (part of the embedding unit) and collapsed back by its
     # altup_unembed_projections before the final norm (part of the head).
     altup: tuple[str, str] | None = None  # (path of altup_projections, path of altup_unembed_projections)
+    # The config attribute that holds the length of the list of decoder layers, one unit each: LongCat-Flash's
+    # num_layers, whose layers hold two attention sublayers each (its num_hidden_layers counts those, twice as many).
+    depth: str = "num_hidden_layers"
 
     @property
     def embed_parts(self) -> tuple[tuple[str, str], ...]:
@@ -191,8 +194,12 @@ class ArchSpec:
     def router_paths(self) -> tuple[str, ...]:
         return () if self.router is None else (self.router,) if isinstance(self.router, str) else tuple(self.router)
 
+    def n_layers(self, config) -> int:
+        """How many decoder layers (units) the family's causal LM holds for `config`."""
+        return getattr(config, self.depth)
+
     def kinds(self, config) -> list[str]:
-        return [self.layer_kind(config, i) for i in range(config.num_hidden_layers)]
+        return [self.layer_kind(config, i) for i in range(self.n_layers(config))]
 
     def build_masks(self, config, embeds, attention_mask, position_ids) -> dict:
         """Masks for every attention kind the model uses, built exactly as HF's model forward does."""
@@ -378,10 +385,9 @@ def _generic(config) -> ArchSpec | str:
         return paths
     kind = _per_layer_types if getattr(config, "layer_types", None) else _uniform_window
     layers = model.get_submodule(paths["layers"])
-    said = {config.num_hidden_layers, model.config.num_hidden_layers}  # building may rewrite it (LongCat-Flash)
-    if said != {len(layers)}:
-        return (f"its causal LM has {len(layers)} decoder layers where its config's num_hidden_layers says "
-                f"{max(said - {len(layers)})}, which the engine's one-unit-per-layer layout does not take")
+    depth = _depth_attr(model, paths, config)
+    if depth not in _DEPTH_ATTRS:
+        return depth
     shared = _shared_across_layers(layers)
     if shared:
         return shared
@@ -420,7 +426,7 @@ def _generic(config) -> ArchSpec | str:
         fields["from_disk"] = disk
     if plan:  # recurrent layers do not see document boundaries: rows are never split into documents for them
         fields["attention_kwargs"] = False
-    spec = ArchSpec(model_type, kind, mlp=mlp, generic=True, **paths, **outside, **fields, **plan)
+    spec = ArchSpec(model_type, kind, mlp=mlp, generic=True, depth=depth, **paths, **outside, **fields, **plan)
     _GENERIC[model_type] = spec
     return spec
 
@@ -450,6 +456,41 @@ _EMBED_MULTIPLIER = re.compile(r"inputs_embeds\s*=\s*(inputs_embeds|self\.embed_
 _LAYER_KWARGS = {"hidden_states", "attention_mask", "position_ids", "position_embeddings", "past_key_values", "cache",
                  "past_key_value", "layer_past", "use_cache", "cache_position", "output_attentions",
                  "output_router_logits", "alibi"}
+
+
+# Config attributes a base model may build its list of decoder layers from (`range(config.X)`).
+_DEPTH_ATTRS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+
+
+def _depth_attr(model, paths: dict, config) -> str:
+    """The config attribute that holds the length of the decoder-layer list (ArchSpec.depth): num_hidden_layers
+    where it says the list's length; otherwise the one the base model's __init__ builds the list from, read from
+    its source (LongCat-Flash's `range(config.num_layers)`: each of its layers holds two attention sublayers, and
+    num_hidden_layers counts those), provided its forward runs the whole list. The reason otherwise."""
+    base = model.get_submodule(paths["layers"].rpartition(".")[0])
+    attr = paths["layers"].rpartition(".")[2]
+    n = len(model.get_submodule(paths["layers"]))
+    said = {config.num_hidden_layers, model.config.num_hidden_layers}  # building may rewrite it (LongCat-Flash)
+    if said == {n}:
+        return "num_hidden_layers"
+    why = (f"its causal LM has {n} decoder layers where its config's num_hidden_layers says {max(said - {n})}, and "
+           "the engine finds no config attribute it builds them from")
+    try:
+        init, forward = inspect.getsource(type(base).__init__), inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return why
+    built = re.search(rf"self\.{re.escape(attr)}\s*=\s*nn\.ModuleList\([^=]*?range\(config\.(\w+)\)", init, re.S)
+    depth = built.group(1) if built else None
+    if depth not in _DEPTH_ATTRS or {getattr(config, depth, None), getattr(model.config, depth, None)} != {n}:
+        return why
+    # the loop may slice the list, by that attribute only (LongCat's self.layers[: self.config.num_layers]): a
+    # slice by another (num_hidden_layers) would run other layers than the list holds
+    loop = _layers_loop(forward, attr)
+    sliced = re.search(rf"self\.{re.escape(attr)}\[([^\]]*)\]", loop.group(0)) if loop else None
+    if loop is None or (sliced and re.sub(r"\s", "", sliced.group(1)) != f":self.config.{depth}"):
+        return (f"its causal LM has {n} decoder layers (config.{depth}) and its model forward runs "
+                f"{sliced.group(1).strip() if sliced else 'them in a way the engine cannot read'}")
+    return depth
 
 
 def _shared_across_layers(layers) -> str | None:
@@ -1062,7 +1103,8 @@ def _generic_experts_disk(config, layers):
             fused = getattr(module, "gate_up_proj", None)
             if name.endswith("experts") and isinstance(fused, torch.Tensor) and fused.dim() == 3:
                 inter = fused.shape[1] // 2
-                for attr in ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size"):
+                for attr in ("moe_intermediate_size", "expert_intermediate_size", "expert_ffn_hidden_size",
+                             "intermediate_size"):  # expert_ffn_hidden_size: LongCat-Flash's
                     if getattr(config, attr, None) == inter:
                         return _fused_experts_disk(attr, "gate_proj", "up_proj", "down_proj")
                 return None

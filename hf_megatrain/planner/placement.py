@@ -129,7 +129,7 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
             if grads is None:
                 grads = 0
                 if host_free is not None and not modes["transient_grads"]:
-                    while grads < config.num_hidden_layers - placed[0] and host_short(placed, modes, grads) \
+                    while grads < ranks["sizes"].layers - placed[0] and host_short(placed, modes, grads) \
                             and planned_with(placed, modes, grads + 1).gpu_total <= gpu_free * (1 - ADMIT_MARGIN):
                         grads += 1
             return placed, grads
@@ -157,7 +157,7 @@ def resolve_placement(config, batch: int, seq: int, engine: EngineConfig, *, wor
         if grads and engine.gpu_grad_layers is None:
             chosen.append(f"the gradients of the last {counted(grads, 'streamed layer')} on the GPU")
         logger.info("memory plan: %d of %s resident on the GPU%s, %s offloaded (%.0f GiB free)%s",
-                    resident, counted(config.num_hidden_layers, "layer"),
+                    resident, counted(ranks["sizes"].layers, "layer"),
                     " (lean: cast from the fp32 master per use)" if lean else "",
                     counted(offload, "layer input"), gpu_free / GiB,
                     f"; {' and '.join(chosen)} (without it the host RAM is short)" if chosen else "")
@@ -234,7 +234,7 @@ def split_step(config, batch: int, seq: int, engine: EngineConfig, ga: int, *, a
                         later_contributions=one_at_a_time(ga, per_pass=n), optimizer=optimizer)
         return not shortfalls(plan, host_free, gpu_free)
 
-    streams = base.engine.resident_layers < config.num_hidden_layers
+    streams = base.engine.resident_layers < sizes.layers  # the units, not num_hidden_layers (LongCat-Flash)
     if fits(base, batch, 1) and (ga == 1 or not streams):
         return StepSplit(1, 1, base)  # nothing would cross PCIe per micro-batch: as asked
     # The host memory modes on auto are the last resort: every split without them first (cutting rows

@@ -593,7 +593,9 @@ HYBRID_GPU = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "
               "nanochat",
               # absolute positions at the embedding (learned tables, OPT's projections, XGLM's and CTRL's sinusoids),
               # BLOOM's ALiBi and embedding norm
-              "xglm", "ctrl", "gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt", "bloom"]
+              "xglm", "ctrl", "gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt", "bloom",
+              # layer lists shorter than num_hidden_layers: LongCat-Flash's two sublayers a layer, shortcut MoE
+              "longcat_flash"]
 
 
 def _hybrid_gpu_model(model_type):

@@ -21,7 +21,7 @@ falcon_h1 falcon_mamba flex_olmo flint gemma gemma2 gemma3_text gemma3n_text gem
 glm4_moe glm4_moe_lite gpt-sw3 gpt2
 gpt_bigcode gpt_neo gpt_neox gpt_neox_japanese gpt_oss gptj granite granitemoe granitemoehybrid granitemoeshared
 helium hunyuan_v1_dense hunyuan_v1_moe hy_v3 hyperclovax inkling_text internlm3 iquestcoder jais2 jamba jetmoe
-kimi_linear kolibri1 laguna lfm2 lfm2_moe llama llama4_text mamba mamba2 mellum mimo_v2_flash minicpm3 minicpm5_moe
+kimi_linear kolibri1 laguna lfm2 lfm2_moe llama llama4_text longcat_flash mamba mamba2 mellum mimo_v2_flash minicpm3 minicpm5_moe
 minimax minimax_m2 minimax_m3_vl_text ministral ministral3 mistral mixtral nanochat nemotron nemotron_h olmo olmo2
 olmo3 olmo_hybrid olmoe opt param2moe persimmon phi phi3 phimoe qwen2 qwen2_moe qwen3 qwen3_5_moe_text qwen3_5_text
 qwen3_moe qwen3_next sarvam_mla sarvam_moe seed_oss smollm3 solar_open stablelm starcoder2 vaultgemma xglm youtu
@@ -46,10 +46,12 @@ qwen3_moe qwen3_next sarvam_mla sarvam_moe seed_oss smollm3 solar_open stablelm 
 # NanoChat applies its weightless final norm to the embeddings too: the embedding unit applies a copy (embed_norm).
 # Gemma 3n and Gemma 4 text (registered specs): per-layer embeddings as a unit of their own, KV sharing across their
 # last layers (the tiny configs share it, tests/support/zoo.py EXTRA), Gemma 4's per-layer head_dim, Gemma 3n's AltUp.
+# LongCat-Flash's layer list is half as long as its num_hidden_layers says (two sublayers a layer): one unit per module
+# of the list (ArchSpec.depth, the config attribute the base model builds it from).
 REFUSED = set("""
 bailing_hybrid beam bert bert-generation big_bird camembert cpmant data2vec-text deepseek_v4 dory dots3_note_text
 electra ergo ernie glm_moe_dsa granite_swa granitemoe_swa hrm_text
-hy_v4 inkling2_loop_text inkling2_text lara_mini lfm3 longcat_flash megatron-bert modernbert-decoder mpt openai-gpt
+hy_v4 inkling2_loop_text inkling2_text lara_mini lfm3 megatron-bert modernbert-decoder mpt openai-gpt
 qwen4_exp_text recurrent_gemma reformer rembert roberta roberta-prelayernorm roc_bert roformer rwkv trocr xlm
 xlm-roberta xlm-roberta-xl xlnet xlstm xmod zamba zamba2 zaya
 """.split())

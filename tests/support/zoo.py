@@ -29,8 +29,11 @@ MAY_BE_NONE = dict(num_key_value_heads=2, sliding_window=8, attention_chunk_size
                    # MLA: the compressed ranks and the split of each head into its rotary and plain parts
                    q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                    moe_intermediate_size=64, expert_intermediate_size=64, shared_expert_intermediate_size=64,
+                   expert_ffn_hidden_size=64,  # LongCat-Flash's experts
                    intermediate_size_mlp=128, n_inner=128)
-EXPERTS = dict(num_local_experts=4, num_experts=4, n_routed_experts=4, moe_num_experts=4)
+# zero_expert_num: LongCat-Flash's zero-compute (identity) experts beside the routed ones, 256 by default, which
+# would leave the 4 routed ones hardly ever picked
+EXPERTS = dict(num_local_experts=4, num_experts=4, n_routed_experts=4, moe_num_experts=4, zero_expert_num=2)
 TOP_K = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "moe_k")  # moe_k: ERNIE-4.5-MoE
 LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
 DEPTH = 3
@@ -128,6 +131,8 @@ def tiny_kwargs(model_type: str, with_layer_types: bool = True) -> dict:
         kw["head_dim"] = WIDTH["head_dim"]  # None where the default's stock model cannot build (Ministral)
     if mla:
         kw.pop("head_dim", None)  # MLA's head_dim is its rotary part: left to the config
+        if num("head_dim") is not None and num("head_dim") == num("qk_rope_head_dim"):
+            kw["head_dim"] = MAY_BE_NONE["qk_rope_head_dim"]  # a field of its own that must stay it (LongCat-Flash)
     heads = num("num_attention_heads") or num("n_head") or num("num_heads")
     if num("num_key_value_heads") is not None and num("num_key_value_heads") == heads:
         kw["num_key_value_heads"] = WIDTH["num_attention_heads"]  # one key/value head per head stays so (MLA)

@@ -600,3 +600,116 @@ def test_nanochat_norms_its_embeddings_with_its_final_norm(attn):
     spec = spec_for(model.config)
     assert spec.generic and spec.embed_norm == spec.norm and not any(True for _ in model.model.norm.parameters())
     assert_engine_matches_stock(model)
+
+
+# Layer lists whose length differs from num_hidden_layers (issue 35): LongCat-Flash's decoder layers hold two
+# attention/MLP sublayers each plus a shortcut MoE (zero-compute experts beside the routed ones), and its
+# num_hidden_layers counts the sublayers (2 x num_layers). The engine makes one unit per module of the real list
+# (ArchSpec.depth: the config attribute the base model builds it from), in the layout, the planner, the self-check's
+# small copy and the store alike.
+MULTI_SUBLAYER = ["longcat_flash"]
+PINNED = tuple(int(x) for x in __import__("transformers").__version__.split(".")[:2]) < (5, 18)
+
+
+def _zoo_model(model_type, attn="sdpa", **overrides):
+    """The zoo's tiny copy of `model_type` (tests/support/zoo.py), fp32, in training mode, seeded."""
+    from tests.support.zoo import tiny_config
+
+    cfg = tiny_config(model_type)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).train()
+
+
+def assert_trainer_matches_stock(build, tmp_path, steps=4):
+    """`build()` (a fresh model, the same weights each call) trained by stock Trainer and by MegaTrainTrainer from
+    the same rows (clipping, warmup, weight decay, gradient accumulation 2, evaluation): the same logged loss,
+    grad_norm, learning rate and eval loss, and the same parameters after."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from hf_megatrain import MegaTrainArguments, MegaTrainTrainer
+    from tests.support.tiny import make_rows
+
+    kw = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=0.5, warmup_steps=1,
+              lr_scheduler_type="linear", weight_decay=0.1, learning_rate=1e-2, eval_strategy="steps", eval_steps=2,
+              logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True, max_steps=steps,
+              dataloader_num_workers=0, disable_tqdm=True)
+    train, ev = make_rows(16, 0), make_rows(4, 100)
+    ref = build()
+    stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **kw), train_dataset=train,
+                    eval_dataset=ev, data_collator=default_data_collator)
+    stock.train()
+    mega = MegaTrainTrainer(build(), MegaTrainArguments(output_dir=str(tmp_path / "mega"), **kw), train_dataset=train,
+                            eval_dataset=ev, data_collator=default_data_collator)
+    mega.train()
+    keys = ("loss", "grad_norm", "learning_rate", "eval_loss")
+    logs = [[{k: h[k] for k in keys if k in h} for h in t.state.log_history if any(k in h for k in keys)]
+            for t in (stock, mega)]
+    assert [sorted(h) for h in logs[0]] == [sorted(h) for h in logs[1]] and len(logs[0]) >= steps
+    for a, b in zip(*logs):
+        for k in a:
+            assert abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(a[k])), (k, a[k], b[k])
+    masters = dict(mega.engine.named_master_params())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(masters[name], p.detach(), atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_type", MULTI_SUBLAYER)
+def test_multi_sublayer_families_match_stock(model_type, attn):
+    """One unit per module of the layer list (3), where num_hidden_layers says 6: loss and every gradient equal
+    stock's, both sublayers' attention and MLPs and the shortcut MoE's routed experts among them."""
+    from hf_megatrain.patcher.specs import spec_for
+
+    model = _zoo_model(model_type, attn)
+    layers = len(model.model.layers)
+    assert model.config.num_hidden_layers == 2 * layers and spec_for(model.config).n_layers(model.config) == layers
+    engine = StreamingEngine(copy.deepcopy(model), compute_dtype=torch.float32)
+    assert [u.layer for u in engine.units if u.kind == "layer"] == list(range(layers))
+    assert_engine_matches_stock(model)
+    model(**make_batch(batch=3, seq=12)).loss.backward()
+    assert model.model.layers[0].mlp.experts.down_proj.grad.any()  # routed experts were picked, not only zero ones
+
+
+@pytest.mark.parametrize("model_type", MULTI_SUBLAYER)
+def test_multi_sublayer_families_train_as_stock_trainer(model_type, tmp_path):
+    assert_trainer_matches_stock(lambda: _zoo_model(model_type, "eager"), tmp_path)
+
+
+@pytest.mark.parametrize("model_type", MULTI_SUBLAYER)
+def test_multi_sublayer_families_count_stream_in_and_load_back(model_type, tmp_path):
+    """The planner counts the real layers and every parameter; a saved folder (experts one by one, as HF writes them)
+    streams in and the engine's files load back. Transformers 5.17 lays LongCat's zero-compute experts out as rows of
+    gate_up_proj too (5.25 does not); both round-trip."""
+    from tests.support.zoo import tiny_config
+
+    cfg = tiny_config(model_type)
+    sizes = model_sizes(cfg)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(copy.deepcopy(cfg))
+    assert sizes.layers == len(meta.model.layers) == cfg.num_layers
+    assert sizes.params == sum(p.numel() for p in meta.parameters())
+    assert_streams_in_and_loads_back(lambda: _zoo_model(model_type, "eager"), tmp_path)
+
+
+def test_checkpoint_tensors_the_model_skips_are_skipped_on_stream_in(tmp_path):
+    """LongCat-Flash's checkpoints carry multi-token-prediction layers (model.mtp.*) that its causal LM does not hold
+    and from_pretrained skips (_keys_to_ignore_on_load_unexpected): streaming in skips them too, and a tensor no
+    pattern names is still refused."""
+    from safetensors.torch import load_file, save_file
+
+    src = _zoo_model("longcat_flash", "eager")
+    src.save_pretrained(tmp_path / "src")
+    path = tmp_path / "src" / "model.safetensors"
+    tensors = load_file(path)
+    save_file({**tensors, "model.mtp.layers.0.enorm.weight": torch.ones(4)}, path, metadata={"format": "pt"})
+    skeleton, _, folder = load_model_and_tokenizer(str(tmp_path / "src"))
+    engine = engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False)
+    masters = dict(engine.named_master_params())
+    for name, p in src.named_parameters():
+        assert torch.equal(masters[name], p.detach()), name
+    save_file({**tensors, "model.extra.weight": torch.ones(4)}, path, metadata={"format": "pt"})
+    skeleton, _, folder = load_model_and_tokenizer(str(tmp_path / "src"))
+    with pytest.raises(MegaTrainError, match="model.extra.weight"):
+        engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False)
