@@ -101,11 +101,28 @@ def meta_skeleton(config, attn_implementation: str | None = None, trust_remote_c
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, type(module)(config=model.config))
-    for name, key, blank in computed:
-        if not _rebuilt(model, name, key, blank):
-            raise MegaTrainError(f"{name}.{key} is a buffer that is neither saved with the weights nor a constant, "
-                                 "and the model's _init_weights does not compute it, so it cannot be rebuilt on the host")
+    unrebuilt = [(name, key) for name, key, blank in computed if not _rebuilt(model, name, key, blank)]
+    if unrebuilt:
+        _build_buffers(model, unrebuilt, config, kwargs)
     return model
+
+
+def _build_buffers(model, wanted: list[tuple[str, str]], config, kwargs: dict) -> None:
+    """Non-persistent buffers that the model's __init__ computes and its _init_weights does not (Gemma 3n's
+    per_layer_projection_scale and per_layer_input_scale, made from the config in its base model's __init__): the
+    values of a second build with its parameters on meta and its buffers on the host (accelerate's
+    init_empty_weights), which runs that __init__."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        built = dict(AutoModelForCausalLM.from_config(config, **kwargs).named_buffers())
+    for name, key in wanted:
+        full = f"{name}.{key}" if name else key
+        value = built.get(full)
+        if value is None or value.device.type == "meta" or (value.is_floating_point() and value.isnan().any()):
+            raise MegaTrainError(f"{full} is a buffer that is neither saved with the weights nor a constant, and the "
+                                 "model's _init_weights does not compute it, so it cannot be rebuilt on the host")
+        model.get_submodule(name)._buffers[key] = value
 
 
 def _blank(module, key: str) -> torch.Tensor:

@@ -112,8 +112,13 @@ def engine_from_checkpoint(skeleton, folder: str, *, progress: bool = True, **en
 def _ignored_on_load(model) -> tuple[str, ...]:
     """The patterns of checkpoint tensors the model's class says from_pretrained skips
     (`_keys_to_ignore_on_load_unexpected`: LongCat-Flash's multi-token-prediction layers, model.mtp.*,
-    which its causal LM does not hold), as from_pretrained reads them."""
-    return tuple(getattr(type(model), "_keys_to_ignore_on_load_unexpected", None) or ())
+    which its causal LM does not hold), as from_pretrained reads them: the class's, and those the models inside it
+    set when built (Gemma 3n's and Gemma 4's base model: the keys, values and their norms of the layers that share
+    another layer's, which their checkpoints carry)."""
+    out = list(getattr(type(model), "_keys_to_ignore_on_load_unexpected", None) or ())
+    for module in model.modules():
+        out += list(getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ())
+    return tuple(dict.fromkeys(out))
 
 
 def load_into_store(store, spec, config, folder: str, progress: bool = True, buffers: dict | None = None,
@@ -130,13 +135,14 @@ def load_into_store(store, spec, config, folder: str, progress: bool = True, buf
     buffers = buffers or {}
     plan, filled, buffer_plan = [], {name: 0 for name in slots}, []
     for e in entries:
-        if any(re.search(pattern, e.name) for pattern in ignored):
-            continue  # what from_pretrained skips too
         target, index = spec.from_disk(e.name, config)
         if target in buffers and not index:
             buffer_plan.append((e, target))
             continue
         if target not in slots:
+            if any(re.search(pattern, e.name) for pattern in ignored):
+                continue  # what from_pretrained skips too: only tensors the model does not hold (GPT-2's pattern
+                # for its old attn.bias buffers also matches its c_attn.bias weights)
             if target.endswith("lm_head.weight") and tied:
                 continue  # a tied lm_head saved anyway: the embedding already holds it
             if "rotary_emb" in target:

@@ -54,6 +54,13 @@ class ModelSizes:
     kv_dim: int
     tied: bool
     units: list = field(default_factory=list, repr=False)  # the engine's own units (engine.layout)
+    # Gemma 3n/4 (engine/per_layer.py): the per-layer unit's parameters, the width of the per-layer inputs it makes
+    # per token (layers x hidden_size_per_layer_input), the [tokens, hidden] tensors a layer's input holds (AltUp's
+    # 4), and the width per token of the keys and values KV sharing keeps for the step (keys and values, each kind)
+    per_layer: int = 0
+    per_layer_width: int = 0
+    streams: int = 1
+    shared_kv_width: int = 0
 
 
 _UNITS: OrderedDict = OrderedDict()  # config's contents -> its units (a meta build each: ~0.1-0.3 s)
@@ -154,13 +161,46 @@ def model_sizes(config, peft_config=None) -> ModelSizes:
     h = config.hidden_size
     # a stack without attention (Mamba) has no heads; GPT-J and CodeGen name theirs n_head
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 0
-    hd = getattr(config, "head_dim", None) or (h // heads if heads else 0)
-    kv = (getattr(config, "num_key_value_heads", None) or heads) * hd
+    kv = max(_kv_widths(config, heads), default=0)
     layers = [u for u in units if u.kind == "layer"]
     return ModelSizes(params=sum(u.numel for u in units), embed=units[0].numel, head=units[-1].numel,
                   layer=max((u.numel for u in layers), default=0), layers=len(layers), hidden=h,
                   inter=_mlp_width(config), vocab=config.vocab_size, kv_dim=kv,
-                  tied=units[-1].tied_local is not None, units=units)
+                  tied=units[-1].tied_local is not None, units=units, **_side_sizes(config, units, heads))
+
+
+def _kv_widths(config, heads: int) -> list[int]:
+    """Each layer's key (or value) width, key/value heads x head_dim: one for the whole stack, or per layer where the
+    config varies them (Gemma 4's per_layer_config: its full-attention layers' own head_dim and key/value heads,
+    which the config refuses to read as one global)."""
+    per_layer = getattr(config, "per_layer_config", None)
+    if per_layer is not None and getattr(config, "per_layer_attributes", None):
+        out = []
+        for i in range(config.num_hidden_layers):
+            c = per_layer[i]
+            out.append((getattr(c, "num_key_value_heads", None) or heads) * getattr(c, "head_dim", 0))
+        return out
+    h = config.hidden_size
+    hd = getattr(config, "head_dim", None) or (h // heads if heads else 0)
+    return [(getattr(config, "num_key_value_heads", None) or heads) * hd]
+
+
+def _side_sizes(config, units, heads: int) -> dict:
+    """ModelSizes' per-layer fields (Gemma 3n/4: engine/per_layer.py); {} for every other family."""
+    out = {}
+    per_layer = [u for u in units if u.kind == "per_layer"]
+    if per_layer:
+        out.update(per_layer=per_layer[0].numel,
+                   per_layer_width=config.num_hidden_layers * config.hidden_size_per_layer_input)
+    altup = getattr(config, "altup_num_inputs", None)
+    if isinstance(altup, int) and altup > 1:
+        out["streams"] = altup
+    shared = int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    if shared:  # keys and values of one layer per kind (the last before the sharing ones), and their gradients
+        widths = _kv_widths(config, heads)
+        kinds = {getattr(config, "layer_types", [None] * len(widths))[i]: w for i, w in enumerate(widths)}
+        out["shared_kv_width"] = 2 * sum(kinds.values())
+    return out
 
 
 # -- the optimizer's state ---------------------------------------------------------------------
@@ -475,7 +515,7 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     resident_layers = mark_resident(units, eng.resident_layers or 0, eng.lean_resident, eng.lean_streamed,
                                     eng.gpu_grad_layers if cuda else 0)
     offload = max(0, min(eng.offload_activations or 0, s.layers)) if cuda else 0
-    layer_input = tokens * s.hidden * cbytes  # one saved [batch, seq, hidden] layer input
+    layer_input = tokens * s.hidden * cbytes * s.streams  # one saved [batch, seq, hidden] layer input (AltUp: 4)
     on_gpu = sum(u.numel for u in units if u.resident)
     streamed = s.params - on_gpu
     # The fp32 state (master, gradient, moments) covers each unit's trainable prefix (n_train: all of
@@ -580,6 +620,10 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     else:
         plan.gpu[f"resident units (weights, master, grad, {adam})"] = state([u for u in units if u.resident], 16)
     plan.gpu["saved layer inputs"] = group * (s.layers - offload) * layer_input
+    if s.per_layer_width:  # made once, read by every layer; their gradients fill in during the layers' backward
+        plan.gpu["per-layer inputs and their gradients"] = 2 * group * tokens * s.per_layer_width * cbytes
+    if s.shared_kv_width:  # the keys and values KV sharing hands the last layers, and the gradients they send back
+        plan.gpu["shared keys/values and their gradients"] = 2 * group * tokens * s.shared_kv_width * cbytes
     if offload:  # brought back ahead of need (engine.activations: the lookahead, plus the one in use)
         plan.gpu["offloaded inputs in flight"] = group * min(offload, eng.activation_lookahead + 1) * layer_input
     if group > 1 and slab_numel(units):  # a later micro-batch's weight gradient, before it joins the first's
@@ -588,7 +632,7 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     # plus the largest phase. Calibrated against measured peaks on the device (BENCHMARKS.md,
     # "Measurements the code's defaults rest on").
     head_w = s.vocab * s.hidden
-    grad_x = group * tokens * s.hidden * cbytes  # the gradients flowing down, alive in every phase
+    grad_x = group * tokens * s.hidden * cbytes * s.streams  # the gradients flowing down, alive in every phase
     held = group * 4 * s.embed if s.tied else 0  # a tied head's fp32 gradients wait for the embedding's
     plan.gpu["[loss] fp32 logits chunk x3"] = chunk * s.vocab * 4 * LOSS_CHUNK_COPIES
     # (the other micro-batches' last hidden states wait for the head beside the gradient)
@@ -601,6 +645,10 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
     act = (tokens * (18 * s.hidden + 4 * s.kv_dim) + mlp_tokens * 4 * s.inter) * cbytes
     plan.gpu["[layer] one layer's recompute + grads"] = act + cbytes * s.layer + held + grad_x
     plan.gpu["[embedding] embedding gradient (fp32)"] = 4 * s.embed + held + grad_x
+    if s.per_layer:  # its recompute: its flat fp32 gradient, autograd's dense one of the table (compute dtype) beside
+        # it until it is copied in, the projection of the token embeddings with autograd
+        plan.gpu["[per-layer embeddings] their gradient (fp32) + recompute"] = \
+            (4 + cbytes) * s.per_layer + 3 * group * tokens * s.per_layer_width * cbytes + held + grad_x
     scratch = opt.scratch_bytes([u for u in units if u.resident and u.n_train], gpu=True)
     if scratch:  # a resident unit steps after the backward, or during it (beside the gradients flowing down)
         plan.gpu["[optimizer step] temporaries of a resident unit's step"] = scratch + grad_x + held

@@ -64,6 +64,16 @@ class StepTime:
                 "gains_s": {k: round(v, 4) for k, v in self.gains.items()}, "rates": self.measured}
 
 
+
+def _mean_head_dim(config, heads: int) -> float:
+    """A layer's head_dim on average: the config's, or the mean over its layers where it varies by layer (Gemma 4's
+    per_layer_config: its full-attention layers' own, which the config refuses to read as one global)."""
+    if getattr(config, "per_layer_config", None) is not None and "head_dim" in (getattr(config, "per_layer_attributes",
+                                                                                          None) or ()):
+        dims = [config.per_layer_config[i].head_dim for i in range(config.num_hidden_layers)]
+        return sum(dims) / len(dims)
+    return getattr(config, "head_dim", None) or config.hidden_size // heads
+
 def routed_per_layer(config) -> dict[int, tuple[int, float]]:
     """{layer: (routed expert parameters, fraction active per token)} from the model's units (a meta copy):
     a routed expert's weights (named `.experts.`, HF v5's fused tensors) count top_k / experts."""
@@ -133,7 +143,7 @@ def predict(config, rows: int, seq: int, engine, rates, *, micro_batches: int = 
     tokens = rows * seq * n
     flops_rate = rates.matmul_tflops * 1e12 * GPU_EFFICIENCY
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = _mean_head_dim(config, heads)
     attention_fwd = 2 * rows * n * seq * seq * heads * head_dim  # causal QK^T and PV, one layer
     offload = min(engine.offload_activations or 0, s.layers)
     layer_input = rows * seq * s.hidden * cbytes * n  # bytes, all micro-batches

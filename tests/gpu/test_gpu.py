@@ -595,7 +595,10 @@ HYBRID_GPU = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "
               # BLOOM's ALiBi and embedding norm
               "xglm", "ctrl", "gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt", "bloom",
               # layer lists shorter than num_hidden_layers: LongCat-Flash's two sublayers a layer, shortcut MoE
-              "longcat_flash"]
+              "longcat_flash",
+              # Gemma 3n and Gemma 4 text (registered specs): the per-layer unit streamed like the embedding, KV
+              # sharing across the last 2 of 5 layers, Gemma 4's per-layer head_dim, Gemma 3n's AltUp stack
+              "gemma3n_text", "gemma4_text", "gemma4_unified_text"]
 
 
 def _hybrid_gpu_model(model_type):

@@ -713,3 +713,165 @@ def test_checkpoint_tensors_the_model_skips_are_skipped_on_stream_in(tmp_path):
     skeleton, _, folder = load_model_and_tokenizer(str(tmp_path / "src"))
     with pytest.raises(MegaTrainError, match="model.extra.weight"):
         engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False)
+
+
+# Gemma 3n and Gemma 4 text (issue 35), registered specs: per-layer embeddings (embed_tokens_per_layer, its
+# projection and norm) are a unit of their own after the embedding, and every layer reads its slice of what that unit
+# makes; KV sharing hands the last layers the keys and values of an earlier one (the tiny configs share across their
+# last 2 of 5 layers: tests/support/zoo.py EXTRA); Gemma 4's full-attention layers have a head_dim of their own and
+# every layer a persistent layer_scalar; Gemma 3n's hidden states are AltUp's stack of 4, made in the embedding unit
+# and collapsed in the head, and its layers hold laurel blocks and (here, in two layers) activation sparsity.
+# Gemma-4-unified text is Gemma 4 without per-layer embeddings.
+GEMMA_PLE = ["gemma3n_text", "gemma4_text", "gemma4_unified_text"]
+
+
+def _gemma_model(model_type, attn="sdpa", **overrides):
+    """The zoo's tiny config (KV shared across the last 2 layers), with random persistent buffers (Gemma 4's
+    layer_scalar) of each layer's own, so that a layer called with another's would show; Gemma 3n with
+    activation sparsity in two layers."""
+    from hf_megatrain.patcher.templates import persistent_buffers
+    from tests.support.zoo import tiny_config
+
+    cfg = tiny_config(model_type)
+    if model_type == "gemma3n_text":
+        cfg.activation_sparsity_pattern = [0.95, 0.0, 0.0, 0.5, 0.0]
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).train()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for buf in persistent_buffers(model).values():
+            buf.copy_(1 + 0.1 * torch.randn(buf.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_type", GEMMA_PLE)
+def test_gemma_per_layer_embeddings_and_shared_kv_match_stock(model_type, attn):
+    """Loss and every gradient equal stock's (one right-padded row): the per-layer unit's weights and the token
+    embeddings get what every layer's slice sent back, the layers that made the shared keys and values get what
+    the layers reading them sent back."""
+    from hf_megatrain.patcher.specs import spec_for
+
+    model = _gemma_model(model_type, attn)
+    spec = spec_for(model.config)
+    assert not spec.generic and spec.shared_kv and model.config.num_kv_shared_layers == 2
+    kinds = [u.kind for u in StreamingEngine(copy.deepcopy(model), compute_dtype=torch.float32).units]
+    assert ("per_layer" in kinds) == (model_type != "gemma4_unified_text") and kinds.count("layer") == 5
+    assert_engine_matches_stock(model)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0),  # Gemma 4's larger models: neither
+    dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32, final_logit_softcapping=3.0),
+    dict(attention_k_eq_v=True, use_double_wide_mlp=True),  # keys as values; the sharing layers' MLPs twice as wide
+])
+def test_gemma4_variants_match_stock(overrides):
+    """Gemma 4's other configurations: without per-layer embeddings and KV sharing (no per-layer unit at all), with
+    its MoE block beside the MLP and soft-capped logits, with keys used as values in its full-attention layers and
+    double-wide MLPs in the layers that share KV."""
+    model = _gemma_model("gemma4_text", "eager", **overrides)
+    engine = StreamingEngine(copy.deepcopy(model), compute_dtype=torch.float32)
+    assert any(u.kind == "per_layer" for u in engine.units) == bool(model.config.hidden_size_per_layer_input)
+    assert_engine_matches_stock(model)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3n_text", "gemma4_text"])
+def test_gemma_micro_batches_together_and_mlp_tiles_match_stock(model_type):
+    """Two micro-batches through each unit together (forward_backward_many: each keeps its own per-layer inputs and
+    shared keys and values) with MLP tiles of 7 tokens (Gemma 3n's activation sparsity is per token): the summed
+    gradients of stock's two backward passes."""
+    model = _gemma_model(model_type, "eager")
+    batches = [make_batch(batch=2, seq=14, pad_rows=1), make_batch(batch=3, seq=14, pad_rows=0)]
+    nib = sum(b["labels"][..., 1:].ne(-100).sum() for b in batches)
+    ref = copy.deepcopy(model)
+    for b in batches:
+        ref(**b, num_items_in_batch=nib).loss.backward()
+    engine = StreamingEngine(model, compute_dtype=torch.float32, mlp_tile_tokens=7).train()
+    engine.forward_backward_many(batches, num_items_in_batch=nib)
+    grads = dict(engine.named_grads())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("model_type", GEMMA_PLE)
+def test_gemma_count_stream_in_and_load_back(model_type, tmp_path):
+    """The layout counts the per-layer unit; a saved folder streams into the store (Gemma 4's layer_scalar
+    buffers read from it); the engine equals stock on the loaded model; its saved files load back."""
+    assert_streams_in_and_loads_back(lambda: _gemma_model(model_type), tmp_path)  # sdpa, as the skeleton is built
+
+
+@pytest.mark.parametrize("model_type", ["gemma3n_text", "gemma4_text"])
+def test_gemma_trainer_matches_stock_trainer(model_type, tmp_path):
+    """MegaTrainTrainer against stock Trainer, 6 steps of 2 accumulated micro-batches with clipping, warmup and
+    weight decay, evaluation every 2: the same logged loss, grad_norm, learning rate and eval loss, and the same
+    parameters after, the per-layer unit's included."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from hf_megatrain import MegaTrainArguments, MegaTrainTrainer
+    from tests.integration.test_trainer import COMMON, assert_logs_equal
+    from tests.support.tiny import make_rows
+
+    train, ev = make_rows(24, 0), make_rows(6, 100)
+    model = _gemma_model(model_type, "eager")
+    ref = copy.deepcopy(model)
+    stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **COMMON),
+                    train_dataset=train, eval_dataset=ev, data_collator=default_data_collator)
+    stock.train()
+    mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "mega"), **COMMON),
+                            train_dataset=train, eval_dataset=ev, data_collator=default_data_collator)
+    mega.train()
+    assert_logs_equal(stock.state.log_history, mega.state.log_history)
+    masters = dict(mega.engine.named_master_params())
+    assert any(n.startswith("model.embed_tokens_per_layer.") for n in masters)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(masters[name], p.detach(), atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("model_type", GEMMA_PLE)
+def test_gemma_bf16_as_close_as_stock_bf16(model_type):
+    """bf16 on the CPU: against the fp32 reference, the engine's bf16 compute (fp32 masters) is as close as stock
+    with bf16 parameters (its error at most twice stock's plus 1e-2, the loss and every gradient)."""
+    model = _gemma_model(model_type, "eager")
+    batch = make_batch(batch=3, seq=16, pad_rows=0)
+    ref = copy.deepcopy(model)
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    low_loss = low(**batch).loss
+    low_loss.backward()
+    engine = StreamingEngine(model, compute_dtype=torch.bfloat16).train()
+    loss = engine.forward_backward(batch)
+
+    def err(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+    assert abs(float(loss) - float(ref_loss)) <= 2 * abs(float(low_loss) - float(ref_loss)) + 1e-2
+    stock = dict(low.named_parameters())
+    for name, g in engine.named_grads():
+        want = ref.get_parameter(name).grad
+        assert err(g, want) <= 2 * err(stock[name].grad, want) + 1e-2, name
+
+
+@pytest.mark.parametrize("model_type", ["gemma3n_text", "gemma4_text"])
+def test_gemma_checkpoint_keys_of_kv_sharing_layers_are_skipped_as_from_pretrained_skips_them(model_type, tmp_path):
+    """Released Gemma 3n/4 checkpoints carry keys, values and their norms for the layers that share another layer's,
+    which the model has no parameters for and from_pretrained drops (_keys_to_ignore_on_load_unexpected): the
+    streamed load skips them too, and fills every parameter."""
+    from safetensors.torch import load_file, save_file
+
+    src = _gemma_model(model_type)
+    src.save_pretrained(tmp_path / "src")
+    path = tmp_path / "src" / "model.safetensors"
+    tensors = load_file(path)
+    extra = {f"model.layers.{i}.self_attn.{name}.weight": torch.randn(8, 8)
+             for i in (3, 4) for name in ("k_proj", "v_proj", "k_norm")}
+    assert not set(extra) & set(tensors)
+    save_file({**tensors, **extra}, path, metadata={"format": "pt"})
+    AutoModelForCausalLM.from_pretrained(tmp_path / "src")  # stock loads it
+    skeleton, _, folder = load_model_and_tokenizer(str(tmp_path / "src"))
+    engine = engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False)
+    masters = dict(engine.named_master_params())
+    for name, p in src.named_parameters():
+        assert torch.equal(masters[name], p.detach()), name
