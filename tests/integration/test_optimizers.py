@@ -183,6 +183,49 @@ def test_on_the_cuda_path_matches_stock(optim, transient, clip, tmp_path, monkey
     assert_same_run(stock, mega, ref, tol=1e-5)
 
 
+def gradients_kept_apart_match_stock(optim, tmp_path, monkeypatch, cuda):
+    """gpu_grad_layers=1 beside one resident layer, clipping at every step, GA 2 through each layer together:
+    the last streamed layer keeps its fp32 gradient on the device; each host step clips it there, brings it
+    over tile by tile through the two pinned landing tiles (1,024 elements: dozens per layer, both reused; on
+    a GPU on the optimizer's copy stream) and steps each tile, as it lands, as a piece of the stock class.
+    Losses, grad norms and final weights are stock Trainer's."""
+    import hf_megatrain.engine.optimizer as adamw_module
+
+    monkeypatch.setattr(adamw_module, "LANDING_TILE", 1 << 10)
+    landed = []
+    tiles = HostParamOptimizer._landed_tiles
+    monkeypatch.setattr(HostParamOptimizer, "_landed_tiles",
+                        lambda self, index, spans, clip: (landed.append(len(spans)), tiles(self, index, spans, clip))[1])
+    kw = dict(COMMON, optim=optim, optim_args=OPTIMS[optim], use_cpu=not cuda)
+    with no_tf32():
+        stock, mega, ref = stock_and_mega(make_model("llama_tied"), tmp_path, kw, compute_dtype="float32",
+                                          gpu_resident_layers="1", gpu_grad_layers="1",
+                                          layer_major_accumulation="true")
+        mega.train()
+    kept = [u for u in mega.engine.units if u.grad_on_gpu]
+    assert len(kept) == 1 and kept[0].kind == "layer" and not kept[0].resident
+    assert mega.engine.store.grad[kept[0].index].device.type == ("cuda" if cuda else "cpu")
+    assert len(landed) == COMMON["max_steps"] and min(landed) > 8  # every step, dozens of tiles
+    assert min(h["grad_norm"] for h in logs(stock)) > COMMON["max_grad_norm"]  # clipping active at every step
+    assert_same_run(stock, mega, ref, tol=1e-5 if cuda else 1e-6)
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adagrad", "rmsprop"])
+def test_gradients_kept_apart_match_stock(optim, tmp_path, monkeypatch):
+    """gpu_grad_layers on the CPU, where the device is the host: the landing path without a stream."""
+    gradients_kept_apart_match_stock(optim, tmp_path, monkeypatch, cuda=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("optim", ["sgd", "adagrad", "rmsprop"])
+def test_gpu_grad_layers_on_the_cuda_path_match_stock(optim, tmp_path, monkeypatch):
+    """On the GPU in fp32 (TF32 off): the gradient kept in GPU memory, clipped there, copied on the
+    optimizer's landing stream into pinned tiles, each stepped on the host; to fp32 tolerance (stock's
+    kernels on the GPU differ from the host's)."""
+    gradients_kept_apart_match_stock(optim, tmp_path, monkeypatch, cuda=True)
+
+
 @pytest.mark.parametrize("optim", ["adamw_torch", "sgd"])
 def test_parameters_stock_leaves_without_a_gradient_stay_as_stock_leaves_them(optim, tmp_path):
     """DeepSeek-V3.2's indexer runs detached: stock's step leaves its weights without a gradient, and torch's
@@ -228,6 +271,49 @@ def test_resume_matches_uninterrupted(optim, transient, tmp_path):
     m1, m2 = dict(full.engine.named_master_params()), dict(resumed.engine.named_master_params())
     for n in m1:
         assert torch.equal(m1[n], m2[n]), n
+    s1, _ = full.host_optimizer.state_tensors()
+    s2, _ = resumed.host_optimizer.state_tensors()
+    assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
+
+
+def test_elementwise_state_written_per_parameter_still_resumes(tmp_path):
+    """Before sgd, adagrad and rmsprop stepped flat pieces, their checkpoints kept each parameter's state in
+    its shape (`<unit>.<slot>.<key>` in megatrain_optimizer_state files, as Adafactor's still are). A checkpoint
+    rewritten so resumes as the one written by pieces: the same logs and masters, bit for bit."""
+    from safetensors.torch import load_file, save_file
+
+    kw = dict(save_strategy="steps", save_steps=2)
+    full = build(tmp_path / "a", "rmsprop", **kw)
+    full.train()
+    ckpt = tmp_path / "a" / "checkpoint-2"
+    meta = json.loads((ckpt / "megatrain_optimizer.json").read_text())
+    files = [f for f in os.listdir(ckpt) if f.startswith("megatrain_optimizer-r")]
+    saved = {k: v for f in files for k, v in load_file(str(ckpt / f)).items()}
+    old = {}
+    for unit in full.engine.store.units:
+        record = meta["piece_state"].get(str(unit.index))
+        if record is None:
+            continue
+        for key, ranges in record["tensors"].items():
+            flat = torch.cat([saved[f"{unit.index}.{key}.{a}"] for _, a, _ in sorted(ranges, key=lambda r: r[1])])
+            for j, slot in enumerate(unit.train_slots):
+                old[f"{unit.index}.{j}.{key}"] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        for key, (value, dtype) in record["scalars"].items():
+            for j in range(len(unit.train_slots)):
+                old[f"{unit.index}.{j}.{key}"] = torch.tensor(value, dtype=getattr(torch, dtype))
+    for f in files:  # the masters alone, as they were
+        save_file({k: v for k, v in load_file(str(ckpt / f)).items() if k.endswith(".master")}, str(ckpt / f),
+                  metadata={"format": "pt"})
+    save_file(old, str(ckpt / "megatrain_optimizer_state-00001.safetensors"), metadata={"format": "pt"})
+    del meta["piece_state"]
+    meta.update(state_files={name: "megatrain_optimizer_state-00001.safetensors" for name in old}, state_values={})
+    (ckpt / "megatrain_optimizer.json").write_text(json.dumps(meta))
+    write_manifest(str(ckpt))
+    resumed = build(tmp_path / "a", "rmsprop", model=make_model("llama_tied", seed=5), **kw)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert logs(resumed)[-2:] == logs(full)[-2:]
+    m1, m2 = dict(full.engine.named_master_params()), dict(resumed.engine.named_master_params())
+    assert all(torch.equal(m1[n], m2[n]) for n in m1)
     s1, _ = full.host_optimizer.state_tensors()
     s2, _ = resumed.host_optimizer.state_tensors()
     assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
