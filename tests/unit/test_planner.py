@@ -234,12 +234,12 @@ def test_the_trainer_plans_for_the_memory_its_arguments_cap(tmp_path):
         MegaTrainTrainer(make_model("llama"), args)
 
 
-def test_optimizers_other_than_adamw_get_transient_grads_but_no_mode_that_cuts_parameters():
-    """Every host optimizer steps during the backward (transient_grads), but only the host AdamW steps tile by
-    tile or a slice of each parameter: for another optimizer the planner weighs transient_grads on auto as for
-    AdamW (here Adafactor's plan fits without it, where AdamW's needs it: tests/unit/test_optimizer_plan.py has
-    one that needs it), takes it asked for, leaves gpu_grad_layers off on auto, and refuses it asked for, or
-    data parallel, before any weight is read."""
+def test_optimizers_other_than_adamw_get_transient_grads_and_only_adafactor_no_mode_that_cuts_parameters():
+    """Every host optimizer steps during the backward (transient_grads); all but Adafactor step tile by tile or
+    a slice of each parameter. For another optimizer the planner weighs transient_grads on auto as for AdamW
+    (here Adafactor's plan fits without it, where AdamW's needs it: tests/unit/test_optimizer_plan.py has one
+    that needs it) and takes it asked for; Adafactor gets gpu_grad_layers off on auto and refuses it asked for,
+    or data parallel, before any weight is read; sgd (elementwise) takes both as asked."""
     cfg = make_config("qwen2.5-14b")
     auto = _auto()
     machine = Machine(138.5 * GiB, 122.7 * GiB)  # the host is short without a memory mode (test_capacity)
@@ -251,5 +251,7 @@ def test_optimizers_other_than_adamw_get_transient_grads_but_no_mode_that_cuts_p
     assert asked.engine.transient_grads and asked.engine.gpu_grad_layers == 0
     for engine, world, says in ((_auto(transient_grads=False, gpu_grad_layers=2), 1, "gpu_grad_layers"),
                                 (auto, 2, "data parallel")):
-        with pytest.raises(MegaTrainError, match=f"optim='sgd' is not combined with {says}"):
-            plan_run(cfg, Request(engine, 8, 1024, world_size=world, optimizer="sgd"), machine)
+        with pytest.raises(MegaTrainError, match=f"optim='adafactor' is not combined with {says}"):
+            plan_run(cfg, Request(engine, 8, 1024, world_size=world, optimizer="adafactor"), machine)
+        run = plan_run(cfg, Request(engine, 8, 1024, world_size=world, optimizer="sgd", admit=False), machine)
+        assert run.engine.gpu_grad_layers == (2 if world == 1 else 0) and run.memory.world_size == world
