@@ -283,22 +283,3 @@ def test_trl_default_bf16_on_the_cpu_runs_as_stock_does(kind, tmp_path):
     for theirs, own in zip(steps[stock], steps[ours]):  # bf16 round-off apart (the step-2 rewards are at its level)
         assert own["loss"] == pytest.approx(theirs["loss"], abs=2e-4)
         assert own["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-3)
-
-
-@pytest.mark.filterwarnings("ignore::UserWarning")  # trl.experimental's import warning
-@pytest.mark.parametrize("name", ["orpo", "cpo"])
-def test_orpo_and_cpo_configs_are_refused_by_name_before_tokenizing(name, tmp_path, monkeypatch):
-    """trl 1.16 has ORPO and CPO (SimPO, AlphaPO) as trl.experimental trainers, not DPOConfig loss types."""
-    import importlib
-
-    module = importlib.import_module(f"trl.experimental.{name}")
-    config = getattr(module, f"{name.upper()}Config")(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[],
-                                                      bf16=False)
-
-    def no_tokenizing(*a, **k):
-        raise AssertionError("the data was prepared before the refusal")
-
-    monkeypatch.setattr(DPOTrainer, "_prepare_dataset", no_tokenizing)
-    with pytest.raises(MegaTrainError, match=f"experimental {name.upper()} trainer is not supported") as e:
-        MegaTrainDPOTrainer(model_folder(tmp_path, "llama"), args=config, train_dataset=pairs())
-    assert "\n" not in str(e.value)

@@ -1,5 +1,5 @@
-"""Offline fixtures shared by the preference-tuning tests (test_dpo, test_kto): tiny models saved to a folder with
-a tokenizer, preference data made here, the run settings both sides share, and the run itself."""
+"""Offline fixtures shared by the preference-tuning tests (test_dpo, test_kto, test_orpo): tiny models saved to a
+folder with a tokenizer, preference data made here, the run settings both sides share, and the run itself."""
 
 import os
 
@@ -73,8 +73,9 @@ def run(cls, config_cls, folder, out, train, evaluation, lora=None, evaluate_aft
         ref_model = AutoModelForCausalLM.from_pretrained(ref_model)
     elif isinstance(ref_model, as_folder):
         ref_model = str(ref_model)
-    trainer = cls(model=folder, ref_model=ref_model, args=config_cls(output_dir=str(out), **{**KW, **extra}),
-                  train_dataset=train, eval_dataset=evaluation, peft_config=LoraConfig(**lora) if lora else None)
+    refs = {} if ref_model is None else {"ref_model": ref_model}  # ORPO and CPO take none
+    trainer = cls(model=folder, args=config_cls(output_dir=str(out), **{**KW, **extra}), train_dataset=train,
+                  eval_dataset=evaluation, peft_config=LoraConfig(**lora) if lora else None, **refs)
     trainer.train()
     trainer.evaluate()
     if evaluate_after is not None:  # a dataset first seen after training: its reference computed then
