@@ -9,9 +9,11 @@ _EXPORTS = {
     "HostAdamW": ".engine.optimizer",
     "HostJobError": ".errors",
     "MegaTrainArguments": ".arguments",
+    "MegaTrainCPOTrainer": ".cpo",  # needs the trl extra (trl.experimental)
     "MegaTrainDPOTrainer": ".dpo",  # needs the trl extra
     "MegaTrainError": ".errors",
     "MegaTrainKTOTrainer": ".kto",  # needs the trl extra
+    "MegaTrainORPOTrainer": ".orpo",  # needs the trl extra (trl.experimental)
     "MegaTrainSFTTrainer": ".sft",  # needs the trl extra
     "MegaTrainTrainer": ".trainer",
     "StreamingEngine": ".engine.schedule",

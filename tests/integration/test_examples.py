@@ -11,12 +11,13 @@ import pytest
 from tests.support import ROOT
 
 
-@pytest.mark.parametrize("script", ["continued_pretraining.py", "lora.py", "trl_sft.py", "dpo.py", "kto.py"])
+@pytest.mark.parametrize("script", ["continued_pretraining.py", "lora.py", "trl_sft.py", "dpo.py", "kto.py",
+                                    "orpo.py"])
 def test_example_runs_on_the_tiny_default(script, tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "examples"))
     flags = []
-    if script in ("trl_sft.py", "dpo.py", "kto.py"):
+    if script in ("trl_sft.py", "dpo.py", "kto.py", "orpo.py"):
         pytest.importorskip("trl")
         flags = ["--bf16", "False", "--report_to", "none", "--save_strategy", "no"]  # TRL's bf16 default: fp32 on the CPU
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), "--tiny", "--output_dir", str(out)]
@@ -37,6 +38,11 @@ def test_example_runs_on_the_tiny_default(script, tmp_path):
         before, after = map(float, re.search(rf"reward margin: (-?[\d.]+) before {name}, (-?[\d.]+) after",
                                              r.stdout).groups())
         assert abs(before) < 1e-3 and after > 0.5, r.stdout[-2000:]
+    if script == "orpo.py":  # no reference: the margin starts where the tiny model puts it, and grows
+        before, after, accuracy = map(float, re.search(
+            r"reward margin: (-?[\d.]+) before ORPO, (-?[\d.]+) after; reward accuracy after: ([\d.]+)",
+            r.stdout).groups())
+        assert after > before + 0.05 and accuracy > 0.9, r.stdout[-2000:]
 
 
 def test_sft_example_runs(tmp_path):
