@@ -311,6 +311,22 @@ def test_estimate_prints_the_optimizer_and_its_alternatives(capsys):
         _estimate(capsys, "--optim", "lion")
 
 
+def test_estimate_plans_the_elementwise_optimizers_with_data_parallel_and_refuses_adafactor(capsys):
+    """`hf-megatrain estimate --optim rmsprop --world_size 4`: each rank holds 1/4 of the master and of
+    RMSprop's square_avg and momentum buffer; `--optim adafactor --world_size 2` is refused in one line."""
+    code, out = _estimate(capsys, "--optim", "rmsprop", "--optim_args", "momentum=0.5", "--world_size", "4", "--json")
+    data = json.loads(out)
+    per_rank = 4 * sum(-(-u.n_train // 4) for u in model_sizes(make_config("llama-3.2-1b")).units)
+    state = [v for k, v in data["host"].items() if k.startswith("optimizer state (rmsprop")]
+    assert code == 0 and data["world_size"] == 4 and data["host"]["fp32 master weights"] == per_rank
+    assert len(state) == 1 and 2 * per_rank < state[0] < 2 * per_rank + 4096  # the buffers, and a counter a piece
+    from hf_megatrain.cli import main
+
+    code = main(["estimate", "llama-3.2-1b", "--batch", "4", "--seq", "1024", "--optim", "adafactor", "--world_size", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "optim='adafactor' is not combined with data parallel" in err[0]
+
+
 # -- transient_grads with the other optimizers ---------------------------------------------------------
 def test_with_transient_grads_a_streamed_adafactor_parameter_keeps_no_fp32_gradient():
     """Llama-3.1-70B, all streamed: with transient_grads a parameter costs its fp32 master, its bf16 copy and
