@@ -116,12 +116,12 @@ def test_refused_modes_say_so_in_one_line():
     assert HostParamOptimizer(engine, *stock_cls_and_kwargs("sgd"), name="sgd").elementwise
 
 
-def run_policy(optim, kind, clip, **engine_kw):
+def run_policy(optim, kind, clip, compute_dtype=torch.float32, **engine_kw):
     """Four steps of the engine's step policy (engine.step.train_step, one micro-batch a step, a scheduler):
     (grad norms, masters, the optimizer)."""
     model = make_model(kind, seed=3)
     decay = Trainer.get_decay_parameter_names(None, model)
-    engine = StreamingEngine(model, compute_dtype=torch.float32, decay_names=decay, **engine_kw).train()
+    engine = StreamingEngine(model, compute_dtype=compute_dtype, decay_names=decay, **engine_kw).train()
     opt = HostParamOptimizer(engine, *stock_cls_and_kwargs(optim), weight_decay=0.1, name=optim)
     sched = get_linear_schedule_with_warmup(opt, 1, 4)
     norms = []
@@ -151,6 +151,22 @@ def test_stepping_during_the_backward_equals_stepping_after_it(optim, kind, resi
         assert min(float(n) for n in after_norms) > clip  # every step clipped
     for name in after:
         assert torch.equal(after[name], during[name]), name
+
+
+@pytest.mark.parametrize("optim", list(OPTIM_ARGS))
+def test_lean_modes_step_as_the_default(optim):
+    """lean_streamed and lean_resident (bf16 compute): the decoder layers keep no compute copy, each use casts
+    the fp32 master into a ring slot instead, the bf16 weights the copy would hold; the step refreshes no copy
+    for them. Norms and masters equal the default's bit for bit, with clipping and stepping during the
+    backward (no clipping, on the worker)."""
+    for clip, kw in ((0.05, {}), (0.0, dict(background_host_jobs=True))):
+        ref_norms, ref, _ = run_policy(optim, "mixtral", clip, torch.bfloat16, resident_layers=1, **kw)
+        norms, got, opt = run_policy(optim, "mixtral", clip, torch.bfloat16, resident_layers=1, lean_streamed=True,
+                                     lean_resident=True, **kw)
+        lean = [u for u in opt.store.units if u.no_compute_copy]
+        assert {u.resident for u in lean} == {True, False} and all(opt.store.compute[u.index] is None for u in lean)
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(ref_norms, norms))
+        assert all(torch.equal(ref[n], got[n]) for n in ref)
 
 
 def test_a_step_during_the_backward_runs_as_each_gradient_lands():
