@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import random
 
 import numpy as np
@@ -236,6 +237,7 @@ class EnginePreference(EngineTrl):
         self._post_init_engine()  # the first thing after the TRL trainer's settings; before any forward
         if self._ref_source is not None and self._ref_engine is None:
             self._ref_engine = self._reference_engine()
+        self._share_cache_file(dataset)
         if self._asked_precompute:
             return super()._precompute_ref_logps(dataset, name, batch_size)
         # Stock computes the reference batch by batch, from a second model; the engine computes it here, before
@@ -250,6 +252,35 @@ class EnginePreference(EngineTrl):
             random.setstate(states[2])
             if states[3] is not None:
                 torch.cuda.set_rng_state_all(states[3])
+
+    def _share_cache_file(self, dataset) -> None:
+        """Under data parallel, one folder for TRL's cache file of the reference's log-probabilities that every rank
+        sees. TRL's main process writes the file and every rank reads it back, at the path the dataset names; a
+        dataset without cache files of its own (made in memory, or with datasets' caching off) names a temporary
+        folder of each process's own, so the other ranks would find nothing. Stock meets this only when asked to
+        precompute; the engine always precomputes. The folder: a temporary one of the main process's (the ranks
+        on one host), or under output_dir when the ranks span hosts."""
+        import datasets
+
+        if self.args.world_size <= 1 or (datasets.is_caching_enabled() and dataset.cache_files):
+            return
+        if getattr(self, "_ref_cache_dir", None) is None:
+            import tempfile
+
+            from accelerate.utils import broadcast_object_list
+
+            one_host = int(os.environ.get("LOCAL_WORLD_SIZE", self.args.world_size)) == self.args.world_size
+            where = [None]
+            if self.accelerator.is_main_process:
+                if not one_host:
+                    os.makedirs(self.args.output_dir, exist_ok=True)
+                where[0] = tempfile.mkdtemp(prefix="hf_megatrain-ref-logps-",
+                                            dir=None if one_host else self.args.output_dir)
+            broadcast_object_list(where, from_process=0)
+            self._ref_cache_dir = where[0]
+        # an attribute of this dataset object only, in place of Dataset._get_cache_file_path
+        dataset._get_cache_file_path = lambda fingerprint: os.path.join(self._ref_cache_dir,
+                                                                        f"cache-{fingerprint}.arrow")
 
     def _reference_engine(self):
         """A second engine over ref_model, forward only: every weight frozen, so its store holds only the compute

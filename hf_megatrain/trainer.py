@@ -343,6 +343,10 @@ class MegaTrainTrainer(Trainer):
         divide = not scaled and self.compute_loss_func is None
         # read only where it divides, as stock does: a training_step called before train() has none
         ga = self.current_gradient_accumulation_steps if divide else 1
+        # Data parallel: DDP averages the ranks' gradients of a mean loss (TRL's preference losses), while the
+        # engine sums them (exact for a loss over num_items_in_batch gathered from every rank, which stock
+        # multiplies by the world size to undo DDP's average): the engine's gradient takes the 1/world itself.
+        world = max(1, self.args.world_size) if divide else 1
         k, group = self._micro_batch(inputs)
         self._micro_index = k
         if k == 0:
@@ -357,7 +361,7 @@ class MegaTrainTrainer(Trainer):
             # the host optimizer's step placed by the engine's step policy (engine/step.py): during this
             # backward where it can be (the step's last micro-batches), else after it (_clip_grad_norm, step)
             out = backward(self.engine, self.host_optimizer, [c for parts in chunks for c in parts],
-                           num_items_in_batch=items, scale=1.0 / ga if divide else 1.0,
+                           num_items_in_batch=items, scale=1.0 / (ga * world) if divide else 1.0,
                            max_grad_norm=self.args.max_grad_norm,
                            last=len(group) > 1 or self.accelerator.sync_gradients,
                            aux_scale=self._aux_loss_scale(items if scaled else None),

@@ -1,0 +1,104 @@
+"""One process of a data-parallel preference run (launched as torchrun does: RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT in the environment), stock TRL's trainer or ours, for tests/integration/test_dp_preference.py, and
+`launch`, which starts the processes of one run.
+
+    python -m tests.support.dp_preference OUT FOLDER KIND IMPL BATCH [GA]
+
+KIND: dpo, kto, orpo or cpo; IMPL: stock or ours; BATCH: per_device_train_batch_size; GA: gradient accumulation
+steps (1). Trains the tiny model in FOLDER on preference data made here, in order (sequential sampler: N ranks x
+BATCH rows see the same global batches as 1 rank x N*BATCH rows), evaluates, and writes OUT/result.json on
+rank 0: the log history without timings, and the trained weights.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import warnings
+
+import datasets
+
+
+def trainers(kind):
+    """(TRL config, stock trainer, our trainer, data) of `kind`."""
+    from tests.support.preference import pairs, unpaired
+
+    with warnings.catch_warnings():  # trl.experimental's warning that its APIs may change
+        warnings.simplefilter("ignore")
+        if kind == "dpo":
+            from trl import DPOConfig, DPOTrainer
+
+            from hf_megatrain.dpo import MegaTrainDPOTrainer
+            return DPOConfig, DPOTrainer, MegaTrainDPOTrainer, pairs
+        if kind == "kto":
+            from trl import KTOConfig, KTOTrainer
+
+            from hf_megatrain.kto import MegaTrainKTOTrainer
+            return KTOConfig, KTOTrainer, MegaTrainKTOTrainer, unpaired
+        if kind == "orpo":
+            from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+            from hf_megatrain.orpo import MegaTrainORPOTrainer
+            return ORPOConfig, ORPOTrainer, MegaTrainORPOTrainer, pairs
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        from hf_megatrain.cpo import MegaTrainCPOTrainer
+        return CPOConfig, CPOTrainer, MegaTrainCPOTrainer, pairs
+
+
+def main():
+    out, folder, kind, impl, batch = sys.argv[1:6]
+    ga = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+    datasets.disable_caching()  # each run computes its own reference (TRL caches it under the data's fingerprint)
+    from tests.support.preference import KW, TIMINGS, WORDS
+
+    config, stock, ours, data = trainers(kind)
+    args = config(output_dir=out, **dict(KW, per_device_train_batch_size=int(batch), gradient_accumulation_steps=ga,
+                                         per_device_eval_batch_size=int(batch),
+                                         train_sampling_strategy="sequential"))
+    trainer = (stock if impl == "stock" else ours)(model=folder, args=args, train_dataset=data(),
+                                                  eval_dataset=data(WORDS[:8]))
+    trainer.train()
+    trainer.evaluate()
+    if impl == "stock":
+        weights = {n: p.detach() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+    else:
+        weights = dict(trainer.engine.named_master_params())  # collective: every rank
+    if trainer.args.process_index == 0:
+        logs = [{k: v for k, v in h.items() if not k.endswith(TIMINGS)} for h in trainer.state.log_history]
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump({"logs": logs, "weights": {n: t.tolist() for n, t in weights.items()},
+                       "world": trainer.args.world_size}, f)
+    # the process group down in order, every rank together (as tests/support/dp_trainer.py does, and why)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def launch(world: int, out, folder: str, kind: str, impl: str, batch: int, ga: int = 1) -> dict:
+    """Start `world` processes of one run as torchrun does (environment variables), wait for them, and return the
+    run's result.json."""
+    from tests.support import ROOT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.support.dp_preference", str(out), folder, kind,
+                                       impl, str(batch), str(ga)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    errors = [p.communicate(timeout=900)[1] for p in procs]  # every rank's, so none is left blocked on a pipe
+    for p, err in zip(procs, errors):
+        assert p.returncode == 0, err[-3000:]
+    with open(os.path.join(out, "result.json")) as f:
+        return json.load(f)
+
+
+if __name__ == "__main__":
+    main()
