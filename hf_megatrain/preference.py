@@ -1,5 +1,5 @@
-"""What the engine changes in TRL's offline preference trainers (DPOTrainer, KTOTrainer): shared by
-hf_megatrain.dpo and hf_megatrain.kto.
+"""What the engine changes in TRL's offline preference trainers: shared by hf_megatrain.dpo, .kto (EnginePreference:
+with a reference), .orpo and .cpo (ReferenceFreePairs: trl.experimental's, without one), over EngineTrl.
 
 TRL prepares the data (prompts, tokenization, truncation, its collator); the engine runs every forward:
 the reference's, forward only, over the whole dataset before the first step (TRL's precompute path,
