@@ -100,7 +100,9 @@ def meta_skeleton(config, attn_implementation: str | None = None, trust_remote_c
         elif meta:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, type(module)(config=model.config))
+            # from the module's own config where it keeps one: GraniteMoE-SWA's rotary_embs each hold the model's
+            # with a base of their own
+            setattr(parent, attr, type(module)(config=getattr(module, "config", None) or model.config))
     unrebuilt = [(name, key) for name, key, blank in computed if not _rebuilt(model, name, key, blank)]
     if unrebuilt:
         _build_buffers(model, unrebuilt, config, kwargs)

@@ -280,6 +280,7 @@ class StreamingEngine(nn.Module):
             raise MegaTrainError(f"embedding_dropout={cfg.embedding_dropout} is applied outside the decoder layers, "
                                  "which the engine does not do yet; set config.embedding_dropout = 0.")
         self.rotary = self._build_rotary(model)
+        self.rotary_list = self._build_rotary_list(model)
         self.rotary_per_kind = self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.loss_chunk_tokens = loss_chunk(cfg.vocab_size, self.device.type, config.loss_chunk_tokens)
         self.pipeline: Pipeline = self._make_pipeline(config)
@@ -487,6 +488,13 @@ class StreamingEngine(nn.Module):
             if key.startswith("layer") and self.spec.mlp and _has_submodule(tmpl.module, self.spec.mlp):
                 mlp = tmpl.module.get_submodule(self.spec.mlp)
                 tile_mlp(mlp, tokens) if tokens else untile_mlp(mlp)
+
+    def _build_rotary_list(self, model) -> nn.ModuleList | None:
+        """GraniteMoE-SWA's rotary modules, one per base (ArchSpec.rotary_list), rebuilt from their own configs
+        (each the model's with its base) as _build_rotary rebuilds one: inv_freq is a non-persistent buffer."""
+        if self.spec.rotary_list is None:
+            return None
+        return nn.ModuleList(type(m)(config=m.config) for m in model.get_submodule(self.spec.rotary_list)).to(self.device)
 
     def _build_rotary(self, model) -> nn.Module | None:
         if self.spec.rotary is None:  # no rotary embeddings (Jamba, Mamba, Kimi-Linear): layers get none
@@ -1069,6 +1077,8 @@ class _BatchContext:
             self.pos_emb = engine.rotary(embeds, pos[None].expand(engine.spec.rotary_rows, pos.shape[0], -1))
         else:
             self.pos_emb = engine.rotary(embeds, position_ids=pos)
+        # cos/sin per rotary base, as GraniteMoE-SWA's forward makes them once a batch (ArchSpec.rotary_list)
+        self.pos_by_base = {r.config.rope_parameters["rope_theta"]: r(embeds, pos) for r in engine.rotary_list or ()}
         self.router = engine.spec.has_router_loss and bool(getattr(cfg, "output_router_logits", False))
         # Gemma 3n/4: the per-layer inputs and the shared keys and values (engine/per_layer.py)
         self.sides = LayerSides(engine.spec.shared_kv)
@@ -1097,6 +1107,9 @@ class _BatchContext:
             elif what == "rotary":  # for every layer, or for those of one kind (OLMo-hybrid's attention layers)
                 every = source[1] is None or getattr(self.engine.config, source[1][0])[unit.layer] == source[1][1]
                 kw[name] = self.pos_emb if every else None
+            elif what == "rotary_by":  # the cos/sin of the layer's own base; None where it is 0 (NoPE)
+                base = getattr(self.engine.config, source[1])[unit.layer]
+                kw[name] = self.pos_by_base[base] if base else None
             elif what == "position_ids":
                 kw[name] = self.pos
             elif what == "raw_mask":

@@ -170,6 +170,10 @@ class ArchSpec:
     # The config attribute that holds the length of the list of decoder layers, one unit each: LongCat-Flash's
     # num_layers, whose layers hold two attention sublayers each (its num_hidden_layers counts those, twice as many).
     depth: str = "num_hidden_layers"
+    # Rotary modules per base (GraniteMoE-SWA's rotary_embs): the path of a ModuleList of them, one per distinct
+    # non-zero base its config's per-layer list names (layer_inputs' ("rotary_by", list): each layer gets the cos/sin
+    # of its own base, or None where the list says 0, NoPE).
+    rotary_list: str | None = None
 
     @property
     def embed_parts(self) -> tuple[tuple[str, str], ...]:
@@ -395,7 +399,9 @@ def _generic(config) -> ArchSpec | str:
     plan = {}
     # A hybrid stack (layers that are not all attention), or one without rotary embeddings: what each layer gets is
     # read from the base model's forward.
-    hybrid = bool(set(getattr(config, "layer_types", None) or ()) - _ATTENTION_KINDS) or paths["rotary"] is None
+    # (or rotary modules per base, GraniteMoE-SWA's, each layer handed the cos/sin of its own)
+    hybrid = bool(set(getattr(config, "layer_types", None) or ()) - _ATTENTION_KINDS) or paths["rotary"] is None \
+        or "rotary_list" in paths
     if hybrid:
         plan = _layer_plan(model, paths, layers)
         if isinstance(plan, str):
@@ -780,6 +786,7 @@ def _layer_plan(model, paths: dict, layers) -> dict | str:
                     f"hands each the previous one's ({kw.arg}), a state across layers the engine's units do not carry")
     choices = {}  # the name bound to a per-layer choice of mask kind (_kind_by_attr's "choice")
     local = {}  # OLMo-hybrid: layer_position_embeddings = position_embeddings if self.config.layer_types[i] == K else None
+    local.update(_rotary_by_base(fn, loop, index, paths))  # GraniteMoE-SWA: the cos/sin of each layer's own base
     for node in ast.walk(loop):
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
                 and isinstance(node.value, ast.IfExp) and isinstance(node.value.body, ast.Name) \
@@ -869,6 +876,40 @@ def _layer_plan(model, paths: dict, layers) -> dict | str:
     if alibi and any(src == ("alibi",) for _, src in inputs):
         plan["alibi"] = alibi[1]
     return dict(plan, rotary_rows=rows) if rows else plan
+
+
+def _rotary_by_base(fn, loop, index: str | None, paths: dict) -> dict:
+    """GraniteMoE-SWA's per-layer rotary bases, read from its forward: before the loop, cos/sin per base from the
+    base model's rotary list (ArchSpec.rotary_list),
+        by_base = {r.config.rope_parameters["rope_theta"]: r(hidden_states, position_ids) for r in self.<list>}
+    and in the loop, each layer's from its config's per-layer list, None where it says 0 (NoPE):
+        base = self.config.<bases>[i]; layer_position_embeddings = by_base[base] if base else None
+    Returns {the name the loop binds: ("rotary_by", <bases>)}; {} where the forward does not do exactly this."""
+    if "rotary_list" not in paths:
+        return {}
+    made = set()  # names bound to the cos/sin per base of the rotary list
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and isinstance(node.value, ast.DictComp) and len(node.value.generators) == 1:
+            comp, gen = node.value, node.value.generators[0]
+            var = ast.unparse(gen.target)
+            if ast.unparse(gen.iter) == f"self.{paths['rotary_list'].rpartition('.')[2]}" and not gen.ifs \
+                    and ast.unparse(comp.key) == f"{var}.config.rope_parameters['rope_theta']" \
+                    and ast.unparse(comp.value) in (f"{var}(hidden_states, position_ids)",
+                                                    f"{var}(hidden_states, position_ids=position_ids)"):
+                made.add(node.targets[0].id)
+    statements = [n for n in ast.walk(loop) if isinstance(n, ast.Assign) and len(n.targets) == 1
+                  and isinstance(n.targets[0], ast.Name)]
+    bases = {n.targets[0].id: _per_layer_attr(n.value, index) for n in statements if _per_layer_attr(n.value, index)}
+    out = {}
+    for n in statements:
+        v = n.value
+        if isinstance(v, ast.IfExp) and isinstance(v.test, ast.Name) and v.test.id in bases \
+                and isinstance(v.body, ast.Subscript) and isinstance(v.body.value, ast.Name) and v.body.value.id in made \
+                and isinstance(v.body.slice, ast.Name) and v.body.slice.id == v.test.id \
+                and isinstance(v.orelse, ast.Constant) and v.orelse.value is None:
+            out[n.targets[0].id] = ("rotary_by", bases[v.test.id])
+    return out
 
 
 def _alibi(base, call: ast.Call, target: str) -> tuple | str:
@@ -976,8 +1017,12 @@ def _layout(model) -> dict | str:
     if not embed or not head or not prefix:
         return f"its causal LM ({type(model).__name__}) has no input embedding and output head the engine can find"
     base = model.get_submodule(prefix)
-    layers = [n for n, m in base.named_children() if isinstance(m, torch.nn.ModuleList)]
+    rotary_lists = [n for n, m in base.named_children() if _is_rotary_list(n, m)]
+    layers = [n for n, m in base.named_children() if isinstance(m, torch.nn.ModuleList) and n not in rotary_lists]
     rotary = [n for n, m in base.named_children() if type(m).__name__.endswith("RotaryEmbedding")]
+    if len(rotary_lists) > 1:
+        return (f"its base model ({type(base).__name__}) holds {len(rotary_lists)} lists of rotary modules "
+                f"({', '.join(rotary_lists)}), where the engine reads at most one")
     if len(layers) != 1:
         return (f"its base model ({type(base).__name__}) holds {len(layers)} lists of layers itself, where the engine "
                 "streams exactly one list of decoder layers")
@@ -985,7 +1030,9 @@ def _layout(model) -> dict | str:
         return (f"its base model ({type(base).__name__}) has {len(rotary)} rotary modules, where the engine hands "
                 "every layer the embeddings of one")
     rotary = f"{prefix}.{rotary[0]}" if rotary else None  # none: positions made otherwise, or none at all (Mamba)
-    taken = {f"{prefix}.{layers[0]}", embed, head} | ({rotary} if rotary else set())
+    rotary_list = f"{prefix}.{rotary_lists[0]}" if rotary_lists else None
+    taken = {f"{prefix}.{layers[0]}", embed, head} | ({rotary} if rotary else set()) \
+        | ({rotary_list} if rotary_list else set())
     rest = [(f"{prefix}.{n}", m) for n, m in base.named_children()
             if f"{prefix}.{n}" not in taken and not isinstance(m, torch.nn.Dropout)]
     parts = _embedding_parts(base, prefix, layers[0], [n for n, _ in rest]) if rotary is None else {}
@@ -1009,7 +1056,18 @@ def _layout(model) -> dict | str:
                 f"({extra}), which the engine does not run")
     if any(not n.startswith(tuple(p + "." for p in taken | set(rest))) for n, _ in model.named_parameters()):
         return "its causal LM has parameters outside the embedding, the decoder layers, the final norm and the head"
-    return dict(embed=embed, layers=f"{prefix}.{layers[0]}", norm=rest[0], lm_head=head, rotary=rotary, **parts)
+    return dict(embed=embed, layers=f"{prefix}.{layers[0]}", norm=rest[0], lm_head=head, rotary=rotary, **parts,
+                **({"rotary_list": rotary_list} if rotary_list else {}))
+
+
+def _is_rotary_list(name: str, module) -> bool:
+    """A ModuleList of rotary modules without parameters (GraniteMoE-SWA's rotary_embs, one per rotary base its
+    layers use; empty where every layer is NoPE): not a list of layers, but cos/sin made once per batch."""
+    if not isinstance(module, torch.nn.ModuleList) or any(True for _ in module.parameters()):
+        return False
+    if not len(module):
+        return "rotary" in name
+    return all(type(m).__name__.endswith("RotaryEmbedding") for m in module)
 
 
 def _sqrt_of(attr: str, config) -> float:

@@ -19,7 +19,8 @@ afmoe apertus apertus1p5_text arcee aria_text axk1 axk2 bamba biogpt bitnet bloo
 ctrl cwm deepseek_v2 deepseek_v3 deepseek_v32 diffllama ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe falcon
 falcon_h1 falcon_mamba flex_olmo flint gemma gemma2 gemma3_text gemma3n_text gemma4_text gemma4_unified_text glm glm4
 glm4_moe glm4_moe_lite gpt-sw3 gpt2
-gpt_bigcode gpt_neo gpt_neox gpt_neox_japanese gpt_oss gptj granite granitemoe granitemoehybrid granitemoeshared
+gpt_bigcode gpt_neo gpt_neox gpt_neox_japanese gpt_oss gptj granite granite_swa granitemoe granitemoe_swa
+granitemoehybrid granitemoeshared
 helium hunyuan_v1_dense hunyuan_v1_moe hy_v3 hyperclovax inkling_text internlm3 iquestcoder jais2 jamba jetmoe
 kimi_linear kolibri1 laguna lfm2 lfm2_moe llama llama4_text longcat_flash mamba mamba2 mellum mimo_v2_flash minicpm3 minicpm5_moe
 minimax minimax_m2 minimax_m3_vl_text ministral ministral3 mistral mixtral nanochat nemotron nemotron_h olmo olmo2
@@ -48,9 +49,12 @@ qwen3_moe qwen3_next sarvam_mla sarvam_moe seed_oss smollm3 solar_open stablelm 
 # last layers (the tiny configs share it, tests/support/zoo.py EXTRA), Gemma 4's per-layer head_dim, Gemma 3n's AltUp.
 # LongCat-Flash's layer list is half as long as its num_hidden_layers says (two sublayers a layer): one unit per module
 # of the list (ArchSpec.depth, the config attribute the base model builds it from).
+# GraniteMoE-SWA and Granite-SWA keep a second ModuleList beside their layers: rotary modules, one per rotary base of
+# config.layer_rope_theta (no parameters), each layer handed its own base's cos/sin or none (0: NoPE); the generic
+# spec reads that choice from the forward (ArchSpec.rotary_list, layer input "rotary_by").
 REFUSED = set("""
 bailing_hybrid beam bert bert-generation big_bird camembert cpmant data2vec-text deepseek_v4 dory dots3_note_text
-electra ergo ernie glm_moe_dsa granite_swa granitemoe_swa hrm_text
+electra ergo ernie glm_moe_dsa hrm_text
 hy_v4 inkling2_loop_text inkling2_text lara_mini lfm3 megatron-bert modernbert-decoder mpt openai-gpt
 qwen4_exp_text recurrent_gemma reformer rembert roberta roberta-prelayernorm roc_bert roformer rwkv trocr xlm
 xlm-roberta xlm-roberta-xl xlnet xlstm xmod zamba zamba2 zaya

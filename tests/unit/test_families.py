@@ -875,3 +875,68 @@ def test_gemma_checkpoint_keys_of_kv_sharing_layers_are_skipped_as_from_pretrain
     masters = dict(engine.named_master_params())
     for name, p in src.named_parameters():
         assert torch.equal(masters[name], p.detach()), name
+
+
+# Rotary bases per layer (issue 35): GraniteMoE-SWA and Granite-SWA keep, beside their decoder layers, a second
+# ModuleList in the base model: rotary_embs, one rotary module per distinct non-zero base of config.layer_rope_theta
+# (no parameters). Their forward makes each base's cos/sin once a batch and hands every layer its own base's, or None
+# where the list says 0 (NoPE). The generic spec reads that (patcher/specs.py _rotary_by_base) and the engine makes
+# the same per-base cos/sin from rebuilt copies of those modules (ArchSpec.rotary_list). The tiny copies here have a
+# NoPE layer between two bases, sliding and full attention, µP multipliers away from 1 and (MoE) a shared MLP.
+ROTARY_PER_LAYER = ["granitemoe_swa", "granite_swa"]
+_SWA = dict(layer_rope_theta=[10000.0, 0, 500000.0], layer_types=["full_attention"] + ["sliding_attention"] * 2,
+            sliding_window=5, embedding_multiplier=1.5, logits_scaling=2.0, residual_multiplier=0.7,
+            attention_multiplier=2.0)
+
+
+def _swa_model(model_type, attn="eager", init=0.2):
+    """The zoo's tiny copy with _SWA's bases and multipliers, weights of std `init` (large enough that attention,
+    and so each layer's rotation, matters; the trainer's comparison over several steps takes the default, where
+    rounding does not grow). Transformers 5.17 records no router logits for GraniteMoE-SWA (its loss then fails
+    with output_router_logits on): off there; 5.25 adds them, and the router loss is compared."""
+    extra = dict(shared_intermediate_size=64, initializer_range=init) if model_type == "granitemoe_swa" \
+        else dict(initializer_range=init)
+    if model_type == "granitemoe_swa" and PINNED:
+        extra["output_router_logits"] = False
+    model = _zoo_model(model_type, attn, **_SWA, **extra)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # attention sinks start at zero: made random, so that a sink read wrong would show
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("model_type", ROTARY_PER_LAYER)
+def test_per_layer_rotary_bases_match_stock(model_type):
+    """Loss and every gradient equal stock's, each layer rotated by its own base (layer 1 not at all). The bases
+    matter here: the same model with every layer at the first base gives another loss."""
+    from hf_megatrain.patcher.specs import spec_for
+
+    model = _swa_model(model_type)  # eager only: stock refuses sdpa for these (attention sinks)
+    spec = spec_for(model.config)
+    assert spec.generic and spec.rotary_list == "model.rotary_embs"
+    assert ("position_embeddings", ("rotary_by", "layer_rope_theta")) in spec.layer_inputs
+    assert len(model.model.rotary_embs) == 2
+    out = assert_engine_matches_stock(model)
+    if getattr(model.config, "output_router_logits", False):
+        assert float(out.aux_loss) > 0
+    same = copy.deepcopy(model)
+    same.config.layer_rope_theta = [10000.0] * 3
+    batch = make_batch(batch=3, seq=12)
+    with torch.no_grad():
+        assert (same(**batch).logits - model(**batch).logits).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("model_type", ROTARY_PER_LAYER)
+def test_per_layer_rotary_bases_train_as_stock_trainer(model_type, tmp_path):
+    assert_trainer_matches_stock(lambda: _swa_model(model_type, init=0.02), tmp_path)
+
+
+@pytest.mark.parametrize("model_type", ROTARY_PER_LAYER)
+def test_per_layer_rotary_bases_count_stream_in_and_load_back(model_type, tmp_path):
+    """The planner's count (the rotary list holds nothing), a saved folder streamed in (the engine's rotary modules
+    are rebuilt from the skeleton's, whose inv_freq is computed, not read), and files that load back."""
+    model = _swa_model(model_type)
+    assert model_sizes(model.config).params == sum(p.numel() for p in model.parameters())
+    assert model_sizes(model.config).layers == 3
+    assert_streams_in_and_loads_back(lambda: _swa_model(model_type), tmp_path)
