@@ -32,6 +32,7 @@ from ..patcher.specs import spec_for
 from ..patcher.templates import Template, meta_copy, persistent_buffers, recompute_grads
 from ..patcher.tiling import tile_mlp, untile_mlp
 from .activations import Activations
+from .carried import Carried
 from .config import EngineConfig
 from .inputs import BatchInputs, require_labels
 from .layout import loss_chunk, mark_resident, slab_numel
@@ -637,8 +638,13 @@ class StreamingEngine(nn.Module):
         tmpl = self._templates[unit.template_key]
         named = dict(zip((s.local for s in unit.slots), Template.views(weights, unit.slots)))
         named.update(self._layer_buffers.get(unit.index, {}))
+        carried = ctx.carried.forward_kwargs(unit.layer) if ctx.carried else {}
         with ctx.attention():
-            out = tmpl.call(named, x, **ctx.layer_kwargs(unit), **ctx.sides.forward_kwargs(unit.layer))
+            if carried:  # GLM-5: the layer's top-k goes on to the next layer (engine/carried.py)
+                out = ctx.carried.took(unit.layer, tmpl.call_whole(named, x, **ctx.layer_kwargs(unit),
+                                                                   **ctx.sides.forward_kwargs(unit.layer), **carried))
+            else:
+                out = tmpl.call(named, x, **ctx.layer_kwargs(unit), **ctx.sides.forward_kwargs(unit.layer))
         ctx.sides.noted(unit.layer)
         return out
 
@@ -935,12 +941,13 @@ class StreamingEngine(nn.Module):
         tmpl = self._templates[unit.template_key]
 
         side = ctx.sides.leaves(unit.layer)  # what it reads that other units made (per-layer input, shared KV)
+        carried = ctx.carried.recompute_kwargs(unit.layer) if ctx.carried else {}  # what its forward was handed
 
         def run(named):
             x = x_in.detach().requires_grad_()
             with ctx.rng_for(unit, save=False), ctx.router_capture(unit) as cap, ctx.attention():
                 out = tmpl.call({**named, **self._layer_buffers.get(unit.index, {})}, x,
-                                **{**ctx.layer_kwargs(unit), **side.kwargs})
+                                **{**ctx.layer_kwargs(unit), **side.kwargs, **carried})
             outs = [out] + ([_router_logits(cap, x.shape[0])] if router_seed is not None else [])
             return outs + side.made_outputs(), [x] + side.leaves
 
@@ -1077,6 +1084,7 @@ class _BatchContext:
             self.pos_emb = engine.rotary(embeds, pos[None].expand(engine.spec.rotary_rows, pos.shape[0], -1))
         else:
             self.pos_emb = engine.rotary(embeds, position_ids=pos)
+        self.carried = Carried(*engine.spec.carried) if engine.spec.carried else None  # GLM-5's top-k, layer to layer
         # cos/sin per rotary base, as GraniteMoE-SWA's forward makes them once a batch (ArchSpec.rotary_list)
         self.pos_by_base = {r.config.rope_parameters["rope_theta"]: r(embeds, pos) for r in engine.rotary_list or ()}
         self.router = engine.spec.has_router_loss and bool(getattr(cfg, "output_router_logits", False))

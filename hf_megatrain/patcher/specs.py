@@ -174,6 +174,10 @@ class ArchSpec:
     # non-zero base its config's per-layer list names (layer_inputs' ("rotary_by", list): each layer gets the cos/sin
     # of its own base, or None where the list says 0, NoPE).
     rotary_list: str | None = None
+    # A state the model forward carries from each layer's call to the next (GLM-5's DSA indexer top-k): (the keyword
+    # a layer takes it by, the index of the layer's output it is); the first layer gets None. Read by _layer_plan; the
+    # engine keeps what each layer was handed for its recompute, and refuses one that would need a gradient.
+    carried: tuple[str, int] | None = None
 
     @property
     def embed_parts(self) -> tuple[tuple[str, str], ...]:
@@ -775,15 +779,11 @@ def _layer_plan(model, paths: dict, layers) -> dict | str:
                 f"({', '.join(ast.unparse(a) for a in call.args[1:]) or ast.unparse(call.args[0])}), which the engine "
                 "does not pass")
     # GLM-5's DSA layers return their indexer's top-k beside the hidden states, and the forward hands them to the next
-    # layer (prev_topk_indices): a state carried from layer to layer, where each of the engine's units gets only the
-    # hidden states (and what the forward makes before the loop).
-    carried = {e.id for n in ast.walk(loop) if isinstance(n, ast.Assign) and n.value is call
-               and isinstance(n.targets[0], ast.Tuple) for e in n.targets[0].elts
-               if isinstance(e, ast.Name) and e.id != "hidden_states"}
-    for kw in keywords:
-        if isinstance(kw.value, ast.Name) and kw.value.id in carried:
-            return (f"its decoder layers return {kw.value.id} beside the hidden states and its model forward ({name}) "
-                    f"hands each the previous one's ({kw.arg}), a state across layers the engine's units do not carry")
+    # layer (prev_topk_indices): a state carried from layer to layer (ArchSpec.carried).
+    carried = _carried(fn, loop, call, keywords)
+    if isinstance(carried, str):
+        return f"its decoder layers {carried} and its model forward ({name}) hands each the previous one's"
+    keywords = [kw for kw in keywords if not carried or kw.arg != carried[0]]
     choices = {}  # the name bound to a per-layer choice of mask kind (_kind_by_attr's "choice")
     local = {}  # OLMo-hybrid: layer_position_embeddings = position_embeddings if self.config.layer_types[i] == K else None
     local.update(_rotary_by_base(fn, loop, index, paths))  # GraniteMoE-SWA: the cos/sin of each layer's own base
@@ -873,9 +873,36 @@ def _layer_plan(model, paths: dict, layers) -> dict | str:
         return (f"its model forward makes no mask the engine can read for its "
                 f"{', '.join(sorted(kinds - set(makers)))} layers")
     plan = dict(kind_attr=kind_attr, mask_makers=tuple(makers.items()), layer_inputs=tuple(inputs))
+    if carried:
+        plan["carried"] = carried
     if alibi and any(src == ("alibi",) for _, src in inputs):
         plan["alibi"] = alibi[1]
     return dict(plan, rotary_rows=rows) if rows else plan
+
+
+def _carried(fn, loop, call: ast.Call, keywords) -> tuple | str | None:
+    """What a model forward carries from one layer's call to the next (ArchSpec.carried): GLM-5's
+        topk_indices = None
+        for ...: hidden_states, topk_indices = decoder_layer(hidden_states, ..., prev_topk_indices=topk_indices)
+    as (the keyword, the index of the layer's output it takes): the first layer gets None, each next one what the
+    previous returned there. None where nothing is carried; what the engine does not repeat, in a few words."""
+    assigned = [n for n in ast.walk(loop) if isinstance(n, ast.Assign) and n.value is call]
+    if not assigned or not isinstance(assigned[0].targets[0], ast.Tuple):
+        return None
+    names = [e.id if isinstance(e, ast.Name) else None for e in assigned[0].targets[0].elts]
+    passed = [(kw.arg, names.index(kw.value.id)) for kw in keywords
+              if isinstance(kw.value, ast.Name) and kw.value.id in names[1:]]
+    if not passed:
+        return None
+    name = names[passed[0][1]]
+    first = [n for n in ast.walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1
+             and isinstance(n.targets[0], ast.Name) and n.targets[0].id == name]
+    if len(passed) > 1 or names[0] != "hidden_states" or len(first) != 1 \
+            or not (isinstance(first[0].value, ast.Constant) and first[0].value.value is None) \
+            or first[0].lineno > loop.lineno:
+        return (f"return {', '.join(n or '?' for n in names[1:])} beside the hidden states in a way the engine does "
+                "not repeat")
+    return passed[0]
 
 
 def _rotary_by_base(fn, loop, index: str | None, paths: dict) -> dict:

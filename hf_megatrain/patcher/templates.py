@@ -73,12 +73,16 @@ class Template:
         """The module's forward on `named` tensors: its parameters, and any buffer that is one unit's own
         (a persistent buffer of one decoder layer: GLM-4-MoE's router bias), which takes the place of the
         template's (those of the layer it was copied from)."""
-        for name in self._required[len(args):]:
-            kwargs.setdefault(name, None)
-        out = functional_call(self.module, {**self.buffers, **named}, args, kwargs, tie_weights=False)
+        out = self.call_whole(named, *args, **kwargs)
         # A layer that returns (hidden_states, attention weights) as Falcon's does: its model forward goes on
         # with the first.
         return out[0] if isinstance(out, tuple) else out
+
+    def call_whole(self, named: dict[str, torch.Tensor], *args, **kwargs):
+        """`call`, its output as the module returns it (GLM-5's layers: the hidden states and their top-k)."""
+        for name in self._required[len(args):]:
+            kwargs.setdefault(name, None)
+        return functional_call(self.module, {**self.buffers, **named}, args, kwargs, tie_weights=False)
 
     def train(self, mode: bool) -> None:
         self.module.train(mode)

@@ -600,7 +600,9 @@ HYBRID_GPU = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "
               # sharing across the last 2 of 5 layers, Gemma 4's per-layer head_dim, Gemma 3n's AltUp stack
               "gemma3n_text", "gemma4_text", "gemma4_unified_text",
               # a rotary base per layer (NoPE where 0), from a list of rotary modules beside the layers
-              "granitemoe_swa", "granite_swa"]
+              "granitemoe_swa", "granite_swa",
+              # GLM-5's indexer top-k carried from layer to layer (a shared layer reuses it)
+              "glm_moe_dsa"]
 
 
 def _hybrid_gpu_model(model_type):

@@ -18,7 +18,7 @@ EXACT = set("""
 afmoe apertus apertus1p5_text arcee aria_text axk1 axk2 bamba biogpt bitnet bloom codegen cohere cohere2 cohere2_moe
 ctrl cwm deepseek_v2 deepseek_v3 deepseek_v32 diffllama ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe falcon
 falcon_h1 falcon_mamba flex_olmo flint gemma gemma2 gemma3_text gemma3n_text gemma4_text gemma4_unified_text glm glm4
-glm4_moe glm4_moe_lite gpt-sw3 gpt2
+glm4_moe glm4_moe_lite glm_moe_dsa gpt-sw3 gpt2
 gpt_bigcode gpt_neo gpt_neox gpt_neox_japanese gpt_oss gptj granite granite_swa granitemoe granitemoe_swa
 granitemoehybrid granitemoeshared
 helium hunyuan_v1_dense hunyuan_v1_moe hy_v3 hyperclovax inkling_text internlm3 iquestcoder jais2 jamba jetmoe
@@ -30,8 +30,7 @@ qwen3_moe qwen3_next sarvam_mla sarvam_moe seed_oss smollm3 solar_open stablelm 
 # Refused from the config with a reason: encoder models, positions made outside the layers in a way the engine does
 # not repeat (TrOCR's embedding norm after its positions, MPT's ALiBi and bool mask, OpenAI GPT without a final
 # norm), layers called with more than the hidden states (Zamba's shared blocks),
-# families whose self-check differs from stock, a state carried from layer to layer (GLM-5's `glm_moe_dsa` hands
-# each layer the previous one's indexer top-k). Absolute positions at the embedding (GPT-2 and the others with
+# families whose self-check differs from stock. Absolute positions at the embedding (GPT-2 and the others with
 # learned tables, XGLM's and CTRL's sinusoids) and BLOOM's ALiBi train through the generic spec
 # (patcher/specs.py _embedding_parts).
 # Hybrid stacks (linear attention, gated delta nets, Mamba/Mamba-2, short conv beside or instead of attention) train
@@ -52,9 +51,10 @@ qwen3_moe qwen3_next sarvam_mla sarvam_moe seed_oss smollm3 solar_open stablelm 
 # GraniteMoE-SWA and Granite-SWA keep a second ModuleList beside their layers: rotary modules, one per rotary base of
 # config.layer_rope_theta (no parameters), each layer handed its own base's cos/sin or none (0: NoPE); the generic
 # spec reads that choice from the forward (ArchSpec.rotary_list, layer input "rotary_by").
+# GLM-5 (glm_moe_dsa) carries its indexer's top-k from each layer to the next (ArchSpec.carried, engine/carried.py).
 REFUSED = set("""
 bailing_hybrid beam bert bert-generation big_bird camembert cpmant data2vec-text deepseek_v4 dory dots3_note_text
-electra ergo ernie glm_moe_dsa hrm_text
+electra ergo ernie hrm_text
 hy_v4 inkling2_loop_text inkling2_text lara_mini lfm3 megatron-bert modernbert-decoder mpt openai-gpt
 qwen4_exp_text recurrent_gemma reformer rembert roberta roberta-prelayernorm roc_bert roformer rwkv trocr xlm
 xlm-roberta xlm-roberta-xl xlnet xlstm xmod zamba zamba2 zaya

@@ -109,6 +109,8 @@ EXTRA = {
     # shared attention blocks on two layers (one alone has nothing to share with)
     "zamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1,
                   layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"]),
+    # GLM-5: a layer that reuses the previous one's indexer top-k ("shared"), so that the carried top-k is used
+    "glm_moe_dsa": dict(indexer_types=["full", "shared", "full"], index_topk=4),  # of 12 tokens: a real choice
     "zamba2": dict(num_hidden_layers=4, hybrid_layer_ids=[1, 3],
                    layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"]),
 }

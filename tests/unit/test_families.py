@@ -412,6 +412,9 @@ def assert_streams_in_and_loads_back(build, tmp_path):
     assert abs(float(loss) - float(out.loss)) < 1e-5
     grads = dict(engine.named_grads())
     for name, p in src.named_parameters():
+        if p.grad is None:  # stock gives it none (GLM-5's detached indexer): the engine's is exactly zero
+            assert not grads[name].any(), name
+            continue
         torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
     assert_saved_files_load_back(build(), tmp_path / "again")
 
@@ -940,3 +943,66 @@ def test_per_layer_rotary_bases_count_stream_in_and_load_back(model_type, tmp_pa
     assert model_sizes(model.config).params == sum(p.numel() for p in model.parameters())
     assert model_sizes(model.config).layers == 3
     assert_streams_in_and_loads_back(lambda: _swa_model(model_type), tmp_path)
+
+
+# A state carried from layer to layer (issue 35): GLM-5's DSA layers return their indexer's top-k beside the hidden
+# states, and its forward hands each layer the previous one's; a "shared" layer attends over those instead of running
+# an indexer. The generic spec reads that from the forward (ArchSpec.carried); the engine hands each layer's forward
+# what the previous one returned and its recompute what its forward got (engine/carried.py): token indices, without
+# a gradient. The tiny copy's middle layer is shared, and its top-k keeps 4 of 12 tokens.
+CARRIED = ["glm_moe_dsa"]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_type", CARRIED)
+def test_a_carried_top_k_matches_stock(model_type, attn):
+    from hf_megatrain.patcher.specs import spec_for
+
+    model = _zoo_model(model_type, attn)
+    assert spec_for(model.config).carried == ("prev_topk_indices", 1)
+    assert [layer.self_attn.indexer is None for layer in model.model.layers] == [False, True, False]
+    assert_engine_matches_stock(model)
+
+
+def test_the_recompute_gets_what_the_forward_was_handed(monkeypatch):
+    """Handing the shared layer's recompute other indices than its forward got changes its gradients: the equality
+    above rests on the carried top-k."""
+    from hf_megatrain.engine.carried import Carried
+
+    model = _zoo_model("glm_moe_dsa", "eager")
+    batch = make_batch(batch=3, seq=12)
+    ref = copy.deepcopy(model)
+    ref(**batch).loss.backward()
+    wrong = Carried.recompute_kwargs
+    monkeypatch.setattr(Carried, "recompute_kwargs", lambda self, layer: {
+        k: (v if v is None else torch.zeros_like(v)) for k, v in wrong(self, layer).items()})
+    engine = StreamingEngine(model, compute_dtype=torch.float32).train()
+    engine.forward_backward(batch)
+    grads = dict(engine.named_grads())
+    name = "model.layers.1.self_attn.q_b_proj.weight"
+    assert not torch.allclose(grads[name], ref.get_parameter(name).grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", CARRIED)
+def test_a_carried_top_k_trains_as_stock_trainer(model_type, tmp_path):
+    assert_trainer_matches_stock(lambda: _zoo_model(model_type, "eager"), tmp_path)
+
+
+@pytest.mark.parametrize("model_type", CARRIED)
+def test_a_carried_top_k_counts_streams_in_and_loads_back(model_type, tmp_path):
+    assert_streams_in_and_loads_back(lambda: _zoo_model(model_type, "eager"), tmp_path)
+
+
+def test_a_carried_state_that_could_carry_a_gradient_is_refused():
+    """What a layer hands the next must be indices: a floating tensor would need its gradient sent back across
+    units, which the engine does not do, so it refuses it by name instead of training without it."""
+    from hf_megatrain.engine.carried import Carried
+
+    carried = Carried("prev_topk_indices", 1)
+    assert carried.forward_kwargs(0) == {"prev_topk_indices": None}
+    h = torch.zeros(2, 3)
+    assert carried.took(0, (h, torch.arange(4).view(2, 2))) is h
+    assert torch.equal(carried.forward_kwargs(1)["prev_topk_indices"], torch.arange(4).view(2, 2))
+    assert carried.recompute_kwargs(0) == {"prev_topk_indices": None}
+    with pytest.raises(MegaTrainError, match="prev_topk_indices that could carry a gradient"):
+        carried.took(1, (h, torch.ones(2, requires_grad=True)))
