@@ -111,8 +111,8 @@ def assert_saved_files_load_back(src, tmp_path):
 @pytest.mark.parametrize("model_type, reason", [
     ("t5", "an encoder-decoder model"), ("zamba", "share weights (shared_transf.self_attn.q_proj: a block shared across layers)"),
     ("llava", "a wrapper around a text model"), ("trocr", "positions made outside the layers"),
-    # (NanoChat, once here for its final norm before the first layer, trains: its norm holds no weight)
-    ("glm_moe_dsa", "hands each the previous one's (prev_topk_indices), a state across layers"),
+    # (NanoChat, once here for its final norm before the first layer, trains: its norm holds no weight; so does GLM-5,
+    # once here for the indexer top-k each layer hands the next: engine/carried.py)
 ])
 def test_what_is_not_a_decoder_stack_is_refused_with_its_reason(model_type, reason, tmp_path, capsys):
     """The trainer and `hf-megatrain estimate` refuse it with the same line: the reason and the families."""
