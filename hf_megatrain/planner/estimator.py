@@ -61,6 +61,10 @@ class ModelSizes:
     per_layer_width: int = 0
     streams: int = 1
     shared_kv_width: int = 0
+    # GLM-5 (engine/carried.py): the top-k token indices each layer with an indexer of its own hands on, kept for the
+    # step (the recompute gets what its forward got): (such layers, top-k per token), int32 as the indexer casts them
+    carried_layers: int = 0
+    carried_topk: int = 0
 
 
 _UNITS: OrderedDict = OrderedDict()  # config's contents -> its units (a meta build each: ~0.1-0.3 s)
@@ -200,6 +204,10 @@ def _side_sizes(config, units, heads: int) -> dict:
         widths = _kv_widths(config, heads)
         kinds = {getattr(config, "layer_types", [None] * len(widths))[i]: w for i, w in enumerate(widths)}
         out["shared_kv_width"] = 2 * sum(kinds.values())
+    indexers = getattr(config, "indexer_types", None)
+    topk = getattr(config, "index_topk", None)
+    if isinstance(indexers, (list, tuple)) and isinstance(topk, int):  # GLM-5's carried top-k ("shared" reuse it)
+        out.update(carried_layers=sum(t != "shared" for t in indexers[: config.num_hidden_layers]), carried_topk=topk)
     return out
 
 
@@ -624,6 +632,8 @@ def estimate(config, batch: int, seq: int, engine: EngineConfig | None = None, *
         plan.gpu["per-layer inputs and their gradients"] = 2 * group * tokens * s.per_layer_width * cbytes
     if s.shared_kv_width:  # the keys and values KV sharing hands the last layers, and the gradients they send back
         plan.gpu["shared keys/values and their gradients"] = 2 * group * tokens * s.shared_kv_width * cbytes
+    if s.carried_layers:  # [batch, seq, min(top-k, seq)] int32 per layer that makes its own, kept for the recompute
+        plan.gpu["carried top-k indices"] = group * tokens * min(s.carried_topk, seq) * 4 * s.carried_layers
     if offload:  # brought back ahead of need (engine.activations: the lookahead, plus the one in use)
         plan.gpu["offloaded inputs in flight"] = group * min(offload, eng.activation_lookahead + 1) * layer_input
     if group > 1 and slab_numel(units):  # a later micro-batch's weight gradient, before it joins the first's

@@ -983,6 +983,24 @@ def test_the_recompute_gets_what_the_forward_was_handed(monkeypatch):
     assert not torch.allclose(grads[name], ref.get_parameter(name).grad, atol=1e-5)
 
 
+def test_the_planner_counts_the_carried_top_k_the_engine_keeps(monkeypatch):
+    """The estimate's line for the carried indices is what the engine holds for the recompute after a forward: one
+    [batch, seq, min(top-k, seq)] int64 tensor per layer with an indexer of its own (a "shared" one reuses it)."""
+    from hf_megatrain.engine.carried import Carried
+    from hf_megatrain.planner.estimator import estimate
+
+    model = _zoo_model("glm_moe_dsa", "eager")
+    kept = []
+    monkeypatch.setattr(Carried, "recompute_kwargs", lambda self, layer: (kept.append(self), {
+        self.keyword: self.given[layer]})[1])
+    batch = make_batch(batch=3, seq=12)
+    StreamingEngine(model, compute_dtype=torch.float32).train().forward_backward(batch)
+    # the run's (the self-check's small copy ran first): what the layers were handed, and the last one's own
+    held = {id(t): t.numel() * t.element_size() for t in [*kept[-1].given.values(), kept[-1].last] if t is not None}
+    assert len(held) == 2 and model.config.index_topk < 12  # the tiny copy's two indexers, top-k under seq
+    assert estimate(model.config, 3, 12).gpu["carried top-k indices"] == sum(held.values())
+
+
 @pytest.mark.parametrize("model_type", CARRIED)
 def test_a_carried_top_k_trains_as_stock_trainer(model_type, tmp_path):
     assert_trainer_matches_stock(lambda: _zoo_model(model_type, "eager"), tmp_path)
