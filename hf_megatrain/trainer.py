@@ -171,7 +171,7 @@ class MegaTrainTrainer(Trainer):
             setattr(args, _RECOMPUTE_FLAG, False)
         lora = args.peft_config is not None or hasattr(model, "peft_config")
         machine = Machine.measured(device, max_gpu_memory=args.max_gpu_memory, max_host_memory=args.max_host_memory)
-        # what steps the run decides which memory modes it can take (only the host AdamW steps during the backward)
+        # the optimizer is part of the request: its state sizes the plan, and Adafactor refuses the modes that cut parameters
         request = request_from_arguments(args, device, lora=lora, model=model,
                                          optimizer=run_optimizer(args, self._adamw))
         run = plan_run(base_model(model).config, request, machine)
