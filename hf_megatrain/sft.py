@@ -250,8 +250,12 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
 
     def _aux_loss_scale(self, num_items_in_batch) -> float:
         # TRL averages the MoE load-balancing loss over the accumulation steps when the token loss is
-        # normalised by num_items_in_batch (SFTTrainer.compute_loss); stock Trainer does not.
-        return 1.0 / self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1.0
+        # normalised by num_items_in_batch (SFTTrainer.compute_loss); stock Trainer does not. And TRL adds it
+        # after multiplying the token loss by the world size (data parallel, average_tokens_across_devices),
+        # where stock Trainer's model has it inside the loss it multiplies: relative to the token loss (the
+        # engine weighs it within that loss), it takes that factor off again.
+        steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+        return 1.0 / (steps * self._rank_loss_factor(num_items_in_batch))
 
 
 _APPLIED = ("revision", "attn_implementation", "trust_remote_code")

@@ -343,10 +343,10 @@ class MegaTrainTrainer(Trainer):
         divide = not scaled and self.compute_loss_func is None
         # read only where it divides, as stock does: a training_step called before train() has none
         ga = self.current_gradient_accumulation_steps if divide else 1
-        # Data parallel: DDP averages the ranks' gradients of a mean loss (TRL's preference losses), while the
-        # engine sums them (exact for a loss over num_items_in_batch gathered from every rank, which stock
-        # multiplies by the world size to undo DDP's average): the engine's gradient takes the 1/world itself.
-        world = max(1, self.args.world_size) if divide else 1
+        # Data parallel: stock DDP averages the ranks' gradients of each rank's loss, while the engine sums them,
+        # so the engine's gradient takes stock's factor on the loss over the world size (_rank_loss_factor).
+        times = self._rank_loss_factor(num_items_in_batch)
+        share = times / max(1, self.args.world_size)
         k, group = self._micro_batch(inputs)
         self._micro_index = k
         if k == 0:
@@ -361,7 +361,7 @@ class MegaTrainTrainer(Trainer):
             # the host optimizer's step placed by the engine's step policy (engine/step.py): during this
             # backward where it can be (the step's last micro-batches), else after it (_clip_grad_norm, step)
             out = backward(self.engine, self.host_optimizer, [c for parts in chunks for c in parts],
-                           num_items_in_batch=items, scale=1.0 / (ga * world) if divide else 1.0,
+                           num_items_in_batch=items, scale=share / ga,
                            max_grad_norm=self.args.max_grad_norm,
                            last=len(group) > 1 or self.accelerator.sync_gradients,
                            aux_scale=self._aux_loss_scale(items if scaled else None),
@@ -370,14 +370,28 @@ class MegaTrainTrainer(Trainer):
             self._losses = [sum(x for x, o in zip(losses, self._owner) if o == i) for i in range(len(group))] \
                 if len(losses) > len(group) else losses
         self._tokens_since_log += count_real_tokens(inputs)
-        loss = self._losses[k]
-        if divide:
-            loss = loss / ga
-        elif scaled and not self._custom and self.args.average_tokens_across_devices and self.args.world_size > 1:
-            # Stock Trainer reports loss * world here (num_items_in_batch counts every rank's
-            # tokens) and its logging averages over ranks; the gradients are already exact.
-            loss = loss * self.args.world_size
+        # each rank returns what stock's does (its logging averages them over the ranks): the loss after
+        # stock's scaling, times the world size where stock multiplies by it
+        loss = self._losses[k] / ga * times
         return loss.to(self.args.device)
+
+    def _rank_loss_factor(self, num_items_in_batch) -> int:
+        """The one rule for data parallel's scaling: the factor stock's compute_loss puts on a rank's loss that
+        the engine's loss lacks. Stock DDP averages the ranks' gradients of their losses, the engine sums them,
+        so the engine's gradient takes this factor over the world size, and the loss it reports, the factor.
+
+        It is the world size where num_items_in_batch counts every rank's tokens (average_tokens_across_devices,
+        for a model that takes loss kwargs or a compute_loss_func): stock multiplies the loss by it (Trainer's and
+        SFTTrainer's compute_loss) to undo DDP's average, and the engine's sum is already the global token mean.
+        Else 1: each rank's loss is over its own tokens (average_tokens_across_devices=False) or its own rows
+        (no num_items_in_batch: a model without loss kwargs, TRL's preference losses), and the engine's gradient
+        takes 1/world, as DDP's average does. Also 1 for a loss of the user's: that is stock's compute_loss,
+        which has put the factor on it already."""
+        a = self.args
+        counted = num_items_in_batch is not None and (self.model_accepts_loss_kwargs or self.compute_loss_func)
+        if a.world_size > 1 and a.average_tokens_across_devices and counted and not self._custom:
+            return a.world_size
+        return 1
 
     def _head_loss(self, group: list, num_items_in_batch):
         """The engine's head_loss for this step's micro-batches: None for the causal-LM loss, the user's loss
