@@ -338,9 +338,14 @@ class MegaTrainTrainer(Trainer):
         self.model.train()  # as stock's training_step leaves the model it trains (callbacks and TRL read it)
         # Same loss scaling rule as Trainer.training_step: HF causal LMs divide by
         # num_items_in_batch themselves; otherwise the mean loss is divided by the GA steps
-        # (not a compute_loss_func's, which Trainer leaves as it is).
+        # (not a compute_loss_func's, which Trainer leaves as it is), unless the trainer's
+        # loss_is_scaled_for_ga (transformers >= 5.2x; None: this rule) says otherwise.
         scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
         divide = not scaled and self.compute_loss_func is None
+        # newer transformers: what a subclass says of its loss (an older Trainer has no such attribute and ignores it)
+        said = getattr(self, "loss_is_scaled_for_ga", None) if hasattr(Trainer, "loss_is_scaled_for_ga") else None
+        if said is not None:
+            divide = not said
         # read only where it divides, as stock does: a training_step called before train() has none
         ga = self.current_gradient_accumulation_steps if divide else 1
         # Data parallel: stock DDP averages the ranks' gradients of each rank's loss, while the engine sums them,
