@@ -5,3 +5,28 @@ on PYTHONPATH."""
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
+
+def launch_ranks(world: int, module: str, args: list, out) -> dict:
+    """Start `world` processes of `python -m module *args` as torchrun starts its ranks (its environment variables,
+    a free port on this host), wait for every one, and return the run's result.json under `out`."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    os.makedirs(out, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *map(str, args)], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errors = [p.communicate(timeout=900)[1] for p in procs]  # every rank's, so none is left blocked on a pipe
+    for p, err in zip(procs, errors):
+        assert p.returncode == 0, err[-3000:]
+    with open(os.path.join(out, "result.json")) as f:
+        return json.load(f)

@@ -12,8 +12,6 @@ rank 0: the log history without timings, and the trained weights.
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import warnings
 
@@ -79,25 +77,10 @@ def main():
 
 
 def launch(world: int, out, folder: str, kind: str, impl: str, batch: int, ga: int = 1) -> dict:
-    """Start `world` processes of one run as torchrun does (environment variables), wait for them, and return the
-    run's result.json."""
-    from tests.support import ROOT
+    """Start `world` processes of one run as torchrun does and return the run's result.json."""
+    from tests.support import launch_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.support.dp_preference", str(out), folder, kind,
-                                       impl, str(batch), str(ga)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    errors = [p.communicate(timeout=900)[1] for p in procs]  # every rank's, so none is left blocked on a pipe
-    for p, err in zip(procs, errors):
-        assert p.returncode == 0, err[-3000:]
-    with open(os.path.join(out, "result.json")) as f:
-        return json.load(f)
+    return launch_ranks(world, "tests.support.dp_preference", [out, folder, kind, impl, batch, ga], out)
 
 
 if __name__ == "__main__":
