@@ -124,9 +124,10 @@ def test_sft_evaluate_equals_stock(loss_type, tmp_path):
 
 def test_trl_configs_of_other_trainers_are_refused(tmp_path):
     folder = model_folder(tmp_path, "llama")
-    with pytest.raises(MegaTrainError, match="MegaTrainSFTTrainer.*DPO"):
+    # each names the trainer that takes the config
+    with pytest.raises(MegaTrainError, match="DPOConfig, which MegaTrainTrainer does not take.*MegaTrainDPOTrainer"):
         MegaTrainTrainer(folder, trl.DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[]))
-    with pytest.raises(MegaTrainError, match="MegaTrainSFTTrainer.*DPO"):
+    with pytest.raises(MegaTrainError, match="DPOConfig, which MegaTrainSFTTrainer does not take.*MegaTrainDPOTrainer"):
         MegaTrainSFTTrainer(folder, trl.DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[]),
                             train_dataset=DATA["completion"])
 
