@@ -67,7 +67,7 @@ class Template:
     # -- binding ---------------------------------------------------------------------------
     @staticmethod
     def views(flat: torch.Tensor, slots) -> list[torch.Tensor]:
-        return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in slots]
+        return [aligned(flat[s.offset : s.offset + s.numel].view(s.shape)) for s in slots]
 
     def call(self, named: dict[str, torch.Tensor], *args, **kwargs):
         """The module's forward on `named` tensors: its parameters, and any buffer that is one unit's own
@@ -168,7 +168,7 @@ def recompute_grads(slots, flat: torch.Tensor, grad_flat: torch.Tensor | None, r
     """
     named, leaves = {}, []
     for s in slots:
-        v = _own_view(flat, s)
+        v = aligned(_own_view(flat, s))
         if s.trainable:
             v = v.detach().requires_grad_()
             leaves.append(v)
@@ -187,6 +187,17 @@ def recompute_grads(slots, flat: torch.Tensor, grad_flat: torch.Tensor | None, r
         # One kernel writes every weight gradient into its place in the flat layout.
         torch.cat([g.reshape(-1) for g in grads[n:]], out=grad_flat)
     return grads[:n]
+
+
+# CUDA kernels that load 16-byte vectors refuse a tensor whose memory starts elsewhere (torch._grouped_mm, which
+# transformers' MoE experts call on a GPU). A unit's flat buffer packs its parameters without padding, so a
+# parameter after one whose size is not a multiple of 8 elements (a tiny test config's, or a short conv's) can
+# start off the boundary; such a one is handed to the layer as an aligned copy (its gradient is the same).
+_ALIGN = 16
+
+
+def aligned(v: torch.Tensor) -> torch.Tensor:
+    return v.clone() if v.is_cuda and v.data_ptr() % _ALIGN else v
 
 
 def _own_view(flat: torch.Tensor, slot) -> torch.Tensor:
