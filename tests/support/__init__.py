@@ -30,3 +30,22 @@ def launch_ranks(world: int, module: str, args: list, out) -> dict:
         assert p.returncode == 0, err[-3000:]
     with open(os.path.join(out, "result.json")) as f:
         return json.load(f)
+
+
+def trained_weights(trainer, impl: str) -> dict:
+    """The trained weights of a rank's run: stock's from its (DDP-wrapped) model, ours gathered from the engine's
+    fp32 masters (a collective: every rank calls it)."""
+    if impl == "stock":
+        return {n: p.detach() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+    return dict(trainer.engine.named_master_params())
+
+
+def end_process_group() -> None:
+    """Take the process group down in order, every rank together, as `hf-megatrain train` does: left to
+    interpreter exit, gloo's threads end in no set order, and under load a rank can abort after training has
+    finished ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -17,6 +17,8 @@ import warnings
 
 import datasets
 
+from tests.support import end_process_group, trained_weights
+
 
 def trainers(kind):
     """(TRL config, stock trainer, our trainer, data) of `kind`."""
@@ -59,21 +61,13 @@ def main():
                                                   eval_dataset=data(WORDS[:8]))
     trainer.train()
     trainer.evaluate()
-    if impl == "stock":
-        weights = {n: p.detach() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
-    else:
-        weights = dict(trainer.engine.named_master_params())  # collective: every rank
+    weights = trained_weights(trainer, impl)  # collective: every rank
     if trainer.args.process_index == 0:
         logs = [{k: v for k, v in h.items() if not k.endswith(TIMINGS)} for h in trainer.state.log_history]
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"logs": logs, "weights": {n: t.tolist() for n, t in weights.items()},
                        "world": trainer.args.world_size}, f)
-    # the process group down in order, every rank together (as tests/support/dp_trainer.py does, and why)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_process_group()
 
 
 def launch(world: int, out, folder: str, kind: str, impl: str, batch: int, ga: int = 1) -> dict:

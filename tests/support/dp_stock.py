@@ -21,6 +21,8 @@ import warnings
 
 import datasets
 
+from tests.support import end_process_group, trained_weights
+
 RUN = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=0.5)
 LOGGED = ("step", "loss", "grad_norm", "learning_rate", "entropy", "mean_token_accuracy", "num_tokens", "aux_loss")
 
@@ -73,22 +75,14 @@ def main():
     datasets.disable_caching()
     run = build(out, impl, trainer, kind, "--no_average_tokens" not in flags, "--no_loss_kwargs" not in flags)
     run.train()
-    if impl == "stock":
-        weights = {n: p.detach() for n, p in run.accelerator.unwrap_model(run.model).named_parameters()}
-    else:
-        weights = dict(run.engine.named_master_params())  # collective: every rank
+    weights = trained_weights(run, impl)  # collective: every rank
     if run.args.process_index == 0:
         logs = [{k: h[k] for k in LOGGED if k in h} for h in run.state.log_history if "loss" in h]
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"logs": logs, "weights": {n: t.tolist() for n, t in weights.items()},
                        "world": run.args.world_size, "accepts_loss_kwargs": run.model_accepts_loss_kwargs,
                        "average_tokens": run.args.average_tokens_across_devices}, f)
-    # the process group down in order, every rank together (as tests/support/dp_trainer.py does, and why)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_process_group()
 
 
 def launch(world: int, out, impl: str, trainer: str, kind: str, *flags: str) -> dict:

@@ -17,6 +17,7 @@ import datasets
 from transformers import default_data_collator
 
 from hf_megatrain import MegaTrainArguments, MegaTrainTrainer
+from tests.support import end_process_group
 from tests.support.tiny import make_batch, make_model
 
 
@@ -56,14 +57,7 @@ def main():
                 for h in trainer.state.log_history if "loss" in h]
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"logs": logs, "masters": masters, "world": trainer.args.world_size}, f)
-    # Take the process group down in order, every rank together, as `hf-megatrain train` does: left to
-    # interpreter exit, gloo's threads end in no set order, and under load a rank can abort after
-    # training has finished ("terminate called without an active exception").
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
