@@ -117,6 +117,7 @@ G)
     part 400 gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
       tests/integration/test_failures.py tests/integration/test_checkpoints.py tests/unit/test_contracts.py \
       tests/integration/test_model_state.py tests/integration/test_dpo.py tests/integration/test_kto.py \
+      tests/integration/test_orpo.py \
       tests/integration/test_optimizers.py
   fi
   if [ "${2:-all}" != tests ]; then
