@@ -36,7 +36,7 @@
 #    tests (gradients of streamed layers on the GPU among them) and the probe; W the 14.8 B shape with
 #    clipping at 16K tokens/step (gradients of streamed layers on the GPU); X dense-18b with clipping through
 #    transient_grads' norm pass.
-# Y: issue 33's second check (needs the H200: the 13B shape does not fit an H100 box): the 13B shape at 64K
+# Y: issue 33's second check (needs the H200: the 13B shape does not fit an H100 box; Y_SHAPE=llama-3.1-8b there): the 13B shape at 64K
 #    tokens/step asked as 16 x 4 (default placement, clipping 1.0), this code beside the code before the change
 #    (.old, as in G), one checkpoint written once for both.
 # Z: issue 34 (needs the H200: 139 GiB GPU, ~123 GiB host), the machine's rates first (the probe now times the
@@ -127,9 +127,10 @@ G)
   fi ;;
 Y)
   export LARGEST_KEEP=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  shape=${Y_SHAPE:-llama-2-13b}  # Y_SHAPE=llama-3.1-8b: the same comparison on an H100 box
   for code in now old; do
     script=benchmarks/largest.py; [ "$code" = old ] && script=.old/benchmarks/largest.py  # imports .old's package
-    part 290 13b_64k_$code python3 $script --shape llama-2-13b --tokens 65536 --micro 16 --steps 5 --warmup 2 \
+    part 290 64k_$code python3 $script --shape $shape --tokens 65536 --micro 16 --steps 5 --warmup 2 \
       --skip_all_host --tag "_$code" --out "$OUT/$code"
   done ;;
 H)
