@@ -196,7 +196,7 @@ def load_model_and_tokenizer(model, attn_implementation: str | None = None, revi
         skeleton.generation_config = GenerationConfig.from_pretrained(folder)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError, ImportError) as e:  # ImportError: BioGPT's needs sacremoses
         logger.warning("no tokenizer found in %s (%s); pass processing_class= to save one", folder, e)
         tokenizer = None
     return skeleton, tokenizer, folder

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from ..errors import MegaTrainError
 from ..patcher.templates import persistent_buffers
 from ..paths import looks_local, missing_path
+from .hf_names import CheckpointNames
 from .safetensors_io import SAFE_INDEX, SAFE_WEIGHTS, TensorReader, read_header
 
 
@@ -105,7 +106,7 @@ def engine_from_checkpoint(skeleton, folder: str, *, progress: bool = True, **en
     base = base_model(skeleton)
     config = base.config
     fill = partial(load_into_store, spec=spec_for(config), config=config, folder=folder, progress=progress,
-                   buffers=persistent_buffers(base), ignored=_ignored_on_load(base))
+                   buffers=persistent_buffers(base), ignored=_ignored_on_load(base), names=CheckpointNames(base))
     return StreamingEngine(skeleton, load_weights=fill, **engine_kw)
 
 
@@ -122,11 +123,12 @@ def _ignored_on_load(model) -> tuple[str, ...]:
 
 
 def load_into_store(store, spec, config, folder: str, progress: bool = True, buffers: dict | None = None,
-                    ignored: tuple[str, ...] = ()) -> None:
+                    ignored: tuple[str, ...] = (), names: CheckpointNames | None = None) -> None:
     """Fill every unit's compute copy and this rank's part of its fp32 master from the checkpoint;
     and `buffers` (persistent_buffers of the skeleton: host tensors, e.g. a router's score correction
     bias, which the engine hands to each layer's template call) in place, every one of them.
-    `ignored`: patterns (re.search) of checkpoint tensors the model does not hold and skips (_ignored_on_load)."""
+    `ignored`: patterns (re.search) of checkpoint tensors the model does not hold and skips (_ignored_on_load).
+    `names`: transformers' own mapping of checkpoint names (hf_names.py), for the tensors the spec does not map."""
     files = shard_files(folder)
     entries = [e for path in files for e in read_header(path)]  # every header first: fail before reading
     slots = {s.name: (u.index, s) for u in store.units for s in u.slots}
@@ -134,8 +136,11 @@ def load_into_store(store, spec, config, folder: str, progress: bool = True, buf
     tied = {u.tied_local for u in store.units if u.tied_local} or getattr(config, "tie_word_embeddings", False)
     buffers = buffers or {}
     plan, filled, buffer_plan = [], {name: 0 for name in slots}, []
+    shapes = {name: s.shape for name, (_, s) in slots.items()}
     for e in entries:
         target, index = spec.from_disk(e.name, config)
+        if names is not None and target not in slots and target not in buffers:
+            target, index = names(e.name, e.shape, shapes)
         if target in buffers and not index:
             buffer_plan.append((e, target))
             continue

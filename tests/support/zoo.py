@@ -2,7 +2,8 @@
 trained one step through the engine against stock autograd (CPU, fp32). tests/unit/test_zoo.py runs it.
 
 `classify(model_type)` answers one of
-  ("exact", note)     the engine's loss and every gradient equal stock's;
+  ("exact", note)     the engine's loss and every gradient equal stock's, and the folder stock saves streams into
+                      the engine's store as the trainer reads it, every weight equal;
   ("refused", line)   the package refused it from its config alone (hf_megatrain.MegaTrainError), before
                       a weight exists: spec_for, the planner's meta layout or the generic self-check;
   ("skipped", why)    not a decoder-only text model (encoder-decoder, vision or audio towers), or its stock
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import tempfile
 
 import torch
 
@@ -250,6 +252,26 @@ def stock_step(model, batch, nib):
     return ref, out
 
 
+def assert_folder_streams_in(model_type: str, model, folder: str) -> None:
+    """The folder stock's save_pretrained wrote (the checkpoint's own names: transformers reverts its conversion
+    mapping, e.g. Nemotron-H's `backbone.`, experts one by one) streams into the engine's store as the trainer
+    reads a folder: every parameter (the master of a trained one, the compute copy of a frozen one) and every
+    persistent buffer equal to `model`'s."""
+    from hf_megatrain.checkpoint.loading import load_model_and_tokenizer
+    from hf_megatrain.checkpoint.stream_load import engine_from_checkpoint
+
+    skeleton, _, folder = load_model_and_tokenizer(folder)
+    engine = engine_from_checkpoint(skeleton, folder, compute_dtype=torch.float32, progress=False)
+    masters = dict(engine.named_master_params())
+    views = {k: v for u in engine.units for k, v in engine.store.param_views(u.index).items()}
+    for name, p in model.named_parameters():
+        assert torch.equal(masters[name] if p.requires_grad else views[name], p.detach()), f"{model_type}: {name}"
+    loaded, saved = dict(skeleton.named_buffers()), model.state_dict()
+    for name, b in model.named_buffers():
+        if name in saved:
+            assert torch.equal(loaded[name], b), f"{model_type}: buffer {name}"
+
+
 def classify(model_type: str):
     from hf_megatrain import StreamingEngine
 
@@ -285,6 +307,9 @@ def classify(model_type: str):
             ref, out = stock_step(model, batch, nib)
         except Exception as e2:
             return "skipped", f"stock cannot train it tiny ({type(e2).__name__}: {first_line(e2)})"
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)  # before the engine binds the model's parameters to its store
+        assert_folder_streams_in(model_type, ref, folder)
     engine = StreamingEngine(model, compute_dtype=torch.float32, loss_chunk_tokens=7).train()
     torch.manual_seed(1234)
     loss = engine.forward_backward(batch, num_items_in_batch=nib)

@@ -1,0 +1,77 @@
+"""Checkpoint tensor names as transformers' `from_pretrained` reads them, for the streaming loader.
+
+transformers v5 keeps, per family, a conversion mapping between the names a checkpoint holds and the model's
+own (`transformers.conversion_mapping`): renamed modules (Nemotron-H's `backbone.` is the model's `model.`,
+GPT-NeoX's `embed_out` its `lm_head`), and MoE experts saved one by one that the model holds fused
+(`experts.E.w1` and `experts.E.w3` are rows of `experts.gate_up_proj[E]`). `save_pretrained` writes the
+checkpoint's names (it reverts the mapping), so every folder of such a family holds them, including the ones
+this package writes (hf_format.py reverts the same way).
+
+The families' specs (patcher/specs.py) map the names they know; `CheckpointNames` maps the rest with the
+model's own mapping: transformers' renaming of a key, and for a converter the place of the tensor in the
+fused one. Only the converters whose result is a placement are taken (experts stacked along dim 0, pieces
+concatenated along one dim); any other (a transpose, a permutation for rotary, an interleave) is refused by
+name before a byte is read.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import MegaTrainError
+
+
+class CheckpointNames:
+    """`names(key, shape, slot_shapes) -> (target, index)`: the model's name for checkpoint tensor `key` and
+    where in that parameter it lands (() for all of it; (E,) for expert E of a stacked tensor; (E, rows) or
+    (rows,) for a piece of a concatenation). `slot_shapes`: the model's name -> shape, to size the pieces."""
+
+    def __init__(self, model):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        try:
+            transforms = get_model_conversion_mapping(model)
+        except Exception:  # a model's own code (trust_remote_code) that transformers' mapping cannot read: none
+            transforms = []  # then a name the spec does not know is refused below in load_into_store, as before
+        self.renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self.prefix = getattr(model, "base_model_prefix", None) or None
+        # what rename_source_key asks of the state dict: which names exist (it reads .get(name) is not None)
+        self.known = dict.fromkeys(model.state_dict(keep_vars=True), True)
+
+    def __call__(self, key: str, shape, slot_shapes: dict) -> tuple[str, tuple]:
+        from transformers.core_model_loading import rename_source_key
+
+        renamed, _ = rename_source_key(key, self.renamings, [], self.prefix, self.known)
+        target, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.known)
+        if pattern is None:
+            return target, ()
+        converter = next(c for c in self.converters if pattern in c.source_patterns)
+        ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+        index: tuple = ()
+        if ops and ops[0] == ("MergeModulelist", 0):
+            # the expert's number: what the pattern's '*' stands for in the renamed key
+            found = re.search(pattern.lstrip("^").rstrip("$").replace("*", r"(\d+)"), renamed)
+            if found is None or not found.groups():
+                raise MegaTrainError(f"checkpoint tensor {key!r}: cannot tell its expert from transformers' pattern "
+                                     f"{pattern!r}; load the model with from_pretrained and pass it in")
+            index, ops = (int(found.group(1)),), ops[1:]
+        if len(ops) == 1 and ops[0][0] == "Concatenate" and target in slot_shapes:
+            # piece p of n, concatenated along `dim` of each expert (or of the whole tensor): equal pieces,
+            # which the slot's size along that dim shows (n pieces of this tensor's size)
+            dim, n, p = ops[0][1], len(converter.source_patterns), converter.source_patterns.index(pattern)
+            along = dim - len(index)  # the dim within the checkpoint tensor (the stacked one lacks dim 0)
+            size, whole = shape[along], slot_shapes[target][dim]
+            if along < 0 or whole != n * size:
+                raise MegaTrainError(f"checkpoint tensor {key!r} (shape {list(shape)}) is one of {n} pieces of "
+                                     f"{target!r} (shape {list(slot_shapes[target])}) along dim {dim}, and they do "
+                                     "not divide it evenly; does config.json match these weights?")
+            index = index + (slice(None),) * along + (slice(p * size, (p + 1) * size),)
+            ops = []
+        if ops:
+            raise MegaTrainError(
+                f"checkpoint tensor {key!r} becomes {target!r} through transformers' "
+                f"{', '.join(name for name, _ in ops)}, which hf_megatrain's streaming loader does not apply; "
+                "load the model with AutoModelForCausalLM.from_pretrained and pass the model in instead of its folder")
+        return target, index
