@@ -107,14 +107,23 @@ def test_families_bf16_on_gpu(family):
     assert_bf16_as_close_as_stock(make_model(family))  # sdpa, or eager where stock refuses sdpa
 
 
+# Where x20 still leaves near-ties: GraniteMoE-SWA's tiny router flips one token of 256 at x20 in stock and engine
+# alike, not the same one (unscaled, three in the engine's last layer and none in stock's: the router gradient 8x
+# off where stock's is not); at x200 none flips. (LongCat-Flash's zero-compute experts fail at x200: not for all.)
+DECISIVE = {"granitemoe_swa": 200}
+
+
 def assert_bf16_as_close_as_stock(model):
     """The engine's bf16 loss and gradients are at most twice as far from the fp32 reference as stock's
     with bf16 parameters, plus 1e-2; the model's MoE routers are made decisive first (weights x 20)."""
-    routers = spec_for(model.config).router_paths
+    # A spec that names no router (one without a router loss to capture: GraniteMoE-SWA, Granite-4 hybrid,
+    # LongCat-Flash): the modules named router
+    routers = spec_for(model.config).router_paths or ("router",)
+    scale = DECISIVE.get(model.config.model_type, 20)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if any(f".{r}." in name for r in routers):
-                p.mul_(20)
+                p.mul_(scale)
     batch = make_batch(batch=4, seq=64, pad_rows=0)
     torch.manual_seed(1234)
     ref_loss, ref = stock_grads(model, batch)
