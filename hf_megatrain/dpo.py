@@ -15,13 +15,17 @@ log-probabilities of each chosen and rejected completion (and their token counts
 head computes those sums in a first pass without autograd (engine/loss.py row_head_loss), the
 loss and each row's coefficient d loss / d sum come from them, and a second pass backpropagates
 the coefficient-weighted token log-probabilities: the gradient of the loss, exactly. The layers
-run forward and backward once, as for SFT.
+run forward and backward once, as for SFT. ld_alpha (LD-DPO) sums a completion's tokens beyond its
+pair's shared length with weight ld_alpha, from the token log-probabilities the first pass hands the
+loss; use_weighting (WPO) scales each pair's terms by constants from a further sum of that pass
+(each token's log sum_v p_v^2).
 
 The reference is the starting policy, as in stock DPOTrainer without a ref_model. The engine
 computes its log-probabilities in a forward-only pass over the data before the first step (TRL's
 precompute_ref_log_probs path, taken whether or not the config asks for it): no second model and
 no second copy of the weights. Under LoRA the reference is the model with its adapters disabled,
-as in TRL. A ref_model that differs (a loaded CPU model, or a hub id or folder, which is streamed
+as in TRL; for a PeftModel with an adapter of its own, TRL's frozen copy of that adapter ('ref').
+A ref_model that differs (a loaded CPU model, or a hub id or folder, which is streamed
 from disk) runs through a second, forward-only engine (hf_megatrain.preference): its weights
 frozen, its store holds one compute copy and nothing else. The metrics are TRL's (rewards/*, logps/*, logits/*, entropy, mean_token_accuracy,
 num_tokens, a MoE's aux_loss), in training and, as eval_*, in evaluation.
@@ -79,12 +83,6 @@ def check_dpo(args, model, ref_model, train_dataset, peft_config, quantization_c
         raise MegaTrainError(f"loss_type {unknown} is not supported: the engine computes {', '.join(LOSS_TYPES)}.")
     if args.f_divergence_type not in F_DIVERGENCES:
         raise MegaTrainError(f"f_divergence_type={args.f_divergence_type!r} is not one of {F_DIVERGENCES}.")
-    if args.ld_alpha is not None:
-        raise MegaTrainError("ld_alpha is not supported: it weighs each token by its place beyond the pair's shared "
-                             "length, not a plain per-row sum the engine computes; leave it None.")
-    if args.use_weighting:
-        raise MegaTrainError("use_weighting (WPO) is not supported yet: it needs each token's log sum of squared "
-                             "probabilities; leave it False.")
 
 
 class MegaTrainDPOTrainer(EnginePreference, DPOTrainer, MegaTrainTrainer):
@@ -98,25 +96,29 @@ class MegaTrainDPOTrainer(EnginePreference, DPOTrainer, MegaTrainTrainer):
 
     rows_per_example = 2  # each micro-batch is its pairs' chosen rows over their rejected rows
     trl_name = "DPO"
+    ref_columns = ("ref_chosen_logps", "ref_rejected_logps")
 
     def __init__(self, model, ref_model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, compute_metrics=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None):
         args = dpo_arguments(args, model)
-        skeleton, processing_class = self._engine_init(model, ref_model, args, train_dataset, processing_class,
-                                                       peft_config, quantization_config, check_dpo)
+        skeleton, processing_class = self._engine_init(model, ref_model, args, train_dataset, eval_dataset,
+                                                       processing_class, peft_config, quantization_config, check_dpo)
         super().__init__(model=skeleton, ref_model=None, args=args, data_collator=data_collator,
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
+        # WPO's weights need each token's log sum_v p_v^2: a further sum of the head's first pass (the reference's
+        # passes, before this, do without it)
+        self.engine.row_stats = ("log_sum_sq_probs",) if args.use_weighting else ()
 
     def _head_loss(self, group, num_items_in_batch):
         return RowLoss(lambda k, per_row: self._dpo_loss(group[k], per_row, k))
 
     def compute_ref_log_probs(self, model, inputs):
         """The reference's summed log-probabilities of a batch's chosen and rejected completions: the engine's
-        forward-only pass, with LoRA adapters disabled."""
+        forward-only pass, with the reference's LoRA adapters (preference.reference_adapters)."""
         logps = self._engine_logps(inputs["input_ids"], inputs.get("attention_mask"), inputs["completion_mask"],
-                                   reference=True)
+                                   reference=True, reduce=self._sequence_logps)
         return logps.chunk(2, dim=0)
 
     # -- one micro-batch ---------------------------------------------------------------------------
@@ -130,6 +132,7 @@ class MegaTrainDPOTrainer(EnginePreference, DPOTrainer, MegaTrainTrainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         want_logits = not prediction_loss_only and self.compute_metrics is not None
+        self._batch_reference(inputs)
         out, aux = self._engine_eval(inputs, lambda per_row: self._dpo_loss(inputs, per_row, 0), want_logits)
         self._record_metrics(inputs, self._rows[0], aux, "eval")
         loss = out.loss.detach().to(self.args.device)
@@ -141,15 +144,36 @@ class MegaTrainDPOTrainer(EnginePreference, DPOTrainer, MegaTrainTrainer):
     def _dpo_loss(self, batch, per_row, k):
         """DPOTrainer's loss of one micro-batch from the engine's per-row sums (its rows: the chosen completions,
         then the rejected ones); keeps what the metrics need in self._rows[k]."""
-        logps = per_row["logps"]
+        logps = self._sequence_logps(per_row)
         chosen, rejected = logps.chunk(2)
         ref_chosen = torch.as_tensor(batch["ref_chosen_logps"]).to(logps)
         ref_rejected = torch.as_tensor(batch["ref_rejected_logps"]).to(logps)
         lengths = torch.as_tensor(batch["completion_mask"]).sum(dim=1).to(logps)  # TRL's unshifted count (IPO)
-        loss = pair_losses(self.args, chosen, rejected, ref_chosen, ref_rejected, lengths, per_row["tokens"])
-        self._rows[k] = {**{n: v.detach() for n, v in per_row.items()},
+        weights = None
+        if self.args.use_weighting:  # WPO: each row's exp(mean log(p_t / sum_v p_v^2)), constants
+            mean = (per_row["logps"].detach() - per_row["log_sum_sq_probs"]) / per_row["tokens"].clamp(min=1)
+            weights = torch.mul(*mean.exp().chunk(2))
+        loss = pair_losses(self.args, chosen, rejected, ref_chosen, ref_rejected, lengths, per_row["tokens"],
+                           plain_chosen=per_row["logps"].chunk(2)[0], pair_weights=weights)
+        self._rows[k] = {**{n: v.detach() for n, v in per_row.items()}, "logps": logps.detach(),
                          "ref_chosen": ref_chosen, "ref_rejected": ref_rejected}
         return loss
+
+    def _sequence_logps(self, per_row) -> torch.Tensor:
+        """Each row's summed completion log-probabilities as DPOTrainer weighs them: with ld_alpha (LD-DPO), the
+        tokens of a completion beyond its pair's shared length (the shorter completion's) count ld_alpha times.
+        The counted tokens come row by row, in order (loss.counted_rows)."""
+        alpha = self.args.ld_alpha
+        if alpha is None:
+            return per_row["logps"]
+        tok = per_row["token_logps"]
+        counts = per_row["tokens"].long()
+        row = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+        place = torch.arange(row.numel(), device=counts.device) - (torch.cumsum(counts, 0) - counts)[row] + 1
+        shared = (place <= torch.minimum(*counts.chunk(2)).repeat(2)[row]).to(tok)
+        row = row.to(tok.device)
+        zeros = torch.zeros_like(per_row["logps"])
+        return zeros.index_add(0, row, tok * shared) + alpha * zeros.index_add(0, row, tok * (1 - shared))
 
     def _record_metrics(self, inputs, rows, aux, mode: str) -> None:
         """The metrics DPOTrainer._compute_loss logs for one micro-batch, as device tensors until the next log."""
@@ -184,13 +208,16 @@ class MegaTrainDPOTrainer(EnginePreference, DPOTrainer, MegaTrainTrainer):
         metrics["logps/rejected"].append(all_gather(rejected).mean())
 
 
-def pair_losses(args, chosen, rejected, ref_chosen, ref_rejected, lengths, tokens) -> torch.Tensor:
+def pair_losses(args, chosen, rejected, ref_chosen, ref_rejected, lengths, tokens, plain_chosen=None,
+                pair_weights=None) -> torch.Tensor:
     """DPOConfig's weighted sum of loss types over one micro-batch's pairs, each the mean over the pairs.
 
-    chosen / rejected: the policy's summed completion log-probabilities; ref_*: the reference's;
-    lengths: each row's completion tokens (chosen rows, then rejected), as the collator's mask counts
-    them; tokens: each row's scored tokens (the shifted mask). Written from the DPOConfig docs and the
-    papers each loss cites, checked against DPOTrainer by tests/integration/test_dpo.py."""
+    chosen / rejected: the policy's summed completion log-probabilities (with ld_alpha, LD-DPO's weighted
+    sums); ref_*: the reference's; lengths: each row's completion tokens (chosen rows, then rejected), as
+    the collator's mask counts them; tokens: each row's scored tokens (the shifted mask); plain_chosen:
+    the chosen rows' plain sums, which the sft term averages (default: chosen); pair_weights: each pair's
+    factor on every term (WPO), or None. Written from the DPOConfig docs and the papers each loss
+    cites, checked against DPOTrainer by tests/integration/test_dpo.py."""
     beta, eps = args.beta, args.label_smoothing
     log_ratio_c, log_ratio_r = chosen - ref_chosen, rejected - ref_rejected
     score_c, score_r = _f_scores(args, log_ratio_c), _f_scores(args, log_ratio_r)
@@ -236,9 +263,12 @@ def pair_losses(args, chosen, rejected, ref_chosen, ref_rejected, lengths, token
             mix = torch.sigmoid(z / args.discopop_tau)
             per_pair = -F.logsigmoid(z) * (1 - mix) + torch.exp(-z) * mix
         elif kind == "sft":  # the chosen completions' mean token NLL, the same for every pair
-            per_pair = (-chosen.sum() / tokens.chunk(2)[0].sum()).expand(chosen.shape[0])
+            plain = chosen if plain_chosen is None else plain_chosen
+            per_pair = (-plain.sum() / tokens.chunk(2)[0].sum()).expand(chosen.shape[0])
         else:
             raise MegaTrainError(f"loss_type {kind!r} is not supported")
+        if pair_weights is not None:
+            per_pair = per_pair * pair_weights
         total = total + per_pair.mean() * weight
     return total
 

@@ -17,7 +17,8 @@ micro-batch of the policy's minus the reference's summed log-probabilities of th
 forward-only pass of each micro-batch's KL rows before its training pass, with the step's
 weights, as stock's no-grad forward does; the loss then goes through engine/loss.py RowLoss as
 DPO's does. The reference (of the rows and of the KL rows) is the starting policy, computed in a
-forward-only pass before the first step, or the adapter-disabled model under LoRA, or a ref_model
+forward-only pass before the first step, or under LoRA the adapter-disabled model (a PeftModel's own
+adapter: TRL's copy of it), or a ref_model
 streamed through a second, forward-only engine (see hf_megatrain.preference). The metrics are TRL's (kl, rewards/*, logps/*, logits/*, entropy,
 num_tokens, a MoE's aux_loss), each appended only where stock appends it.
 """
@@ -76,13 +77,14 @@ class MegaTrainKTOTrainer(EnginePreference, KTOTrainer, MegaTrainTrainer):
     model, or a hub id or folder) streams through a forward-only engine (see the module docstring)."""
 
     trl_name = "KTO"
+    ref_columns = ("ref_logps", "ref_KL_logps")
 
     def __init__(self, model, ref_model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, compute_metrics=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None):
         args = kto_arguments(args, model)
-        skeleton, processing_class = self._engine_init(model, ref_model, args, train_dataset, processing_class,
-                                                       peft_config, quantization_config, check_kto)
+        skeleton, processing_class = self._engine_init(model, ref_model, args, train_dataset, eval_dataset,
+                                                       processing_class, peft_config, quantization_config, check_kto)
         self._kl: dict[int, torch.Tensor] = {}
         super().__init__(model=skeleton, ref_model=None, args=args, data_collator=data_collator,
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
@@ -93,7 +95,8 @@ class MegaTrainKTOTrainer(EnginePreference, KTOTrainer, MegaTrainTrainer):
 
     def compute_ref_log_probs(self, model, inputs):
         """The reference's summed completion log-probabilities of a batch's rows and (when the loss has a KL
-        term) of its mismatched KL rows: the engine's forward-only passes, with LoRA adapters disabled."""
+        term) of its mismatched KL rows: the engine's forward-only passes, with the reference's LoRA adapters
+        (preference.reference_adapters)."""
         logps = self._engine_logps(inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"],
                                    reference=True)
         kl = None
@@ -127,6 +130,7 @@ class MegaTrainKTOTrainer(EnginePreference, KTOTrainer, MegaTrainTrainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         want_logits = not prediction_loss_only and self.compute_metrics is not None
+        self._batch_reference(inputs)
         self.engine.eval()  # the KL rows' policy pass in eval mode, as stock's evaluation runs it
         self._kl = {0: self._kl_term(inputs)}
         out, aux = self._engine_eval(inputs, lambda per_row: self._kto_loss(inputs, per_row, 0), want_logits)

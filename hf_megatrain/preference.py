@@ -32,10 +32,11 @@ from .preflight import check_outputs, check_resume
 from .sft import load_for_trl
 
 
-def check_engine_trl(args, model, train_dataset, peft_config, quantization_config, trl_name: str) -> None:
+def check_engine_trl(args, model, train_dataset, peft_config, quantization_config, trl_name: str,
+                     peft_model: bool = False) -> None:
     """What TRL's offline preference trainers (DPO, KTO, ORPO, CPO) offer that the engine cannot honour, refused
-    before any data is tokenized."""
-    if is_peft_model(model):
+    before any data is tokenized. peft_model: whether a PeftModel may be the model (DPO's and KTO's)."""
+    if is_peft_model(model) and not peft_model:
         raise MegaTrainError(f"a PeftModel as model is not supported: {trl_name}Trainer would keep a copy of its "
                              "adapter as the reference. Pass the base model with peft_config for new adapters, or "
                              "merge the adapter into the base first (merge_and_unload, save_pretrained) and train that.")
@@ -52,8 +53,8 @@ def check_engine_trl(args, model, train_dataset, peft_config, quantization_confi
     if "lm_head" in (targets if not isinstance(targets, str) else [targets]):
         raise MegaTrainError(f"a LoRA adapter on lm_head is not supported by {trl_name} (TRL refuses it too: the "
                              "log-probabilities come from lm_head's weight); remove 'lm_head' from target_modules.")
-    if train_dataset is None:
-        raise MegaTrainError("train_dataset is required (preference data: prompt and completions).")
+    if train_dataset is None:  # in stock's words
+        raise MegaTrainError("`train_dataset` is required (preference data: prompt and completions).")
     import datasets
 
     if isinstance(train_dataset, datasets.IterableDataset):
@@ -69,7 +70,12 @@ def check_engine_trl(args, model, train_dataset, peft_config, quantization_confi
 def check_preference(args, model, ref_model, train_dataset, peft_config, quantization_config, trl_name: str) -> None:
     """What TRL's DPO and KTO trainers offer that the engine cannot honour, refused before any data is tokenized:
     check_engine_trl's, and the reference's."""
-    check_engine_trl(args, model, train_dataset, peft_config, quantization_config, trl_name)
+    import datasets
+
+    if args.precompute_ref_log_probs and isinstance(train_dataset, datasets.IterableDataset):  # stock's refusal
+        raise MegaTrainError("`precompute_ref_log_probs=True` is not supported with IterableDataset. Please use a "
+                             "map-style Dataset or set `precompute_ref_log_probs=False`.")
+    check_engine_trl(args, model, train_dataset, peft_config, quantization_config, trl_name, peft_model=True)
     if ref_model is not None:
         if ref_model is model:
             raise MegaTrainError("model and ref_model are the same object; omit ref_model (the reference is then the "
@@ -212,15 +218,25 @@ class EngineTrl:
 
 class EnginePreference(EngineTrl):
     """EngineTrl for the trainers with a reference (DPO, KTO): the reference's log-probabilities computed by the
-    engine before the first step (the starting policy, the adapter-disabled model under LoRA, or a ref_model
-    streamed through a second, forward-only engine). A subclass calls `_engine_init` first in __init__."""
+    engine before the first step (the starting policy, the adapter-disabled model under LoRA, a PeftModel's own
+    adapter as TRL's copy of it ('ref') keeps it, or a ref_model streamed through a second, forward-only engine).
+    A subclass calls `_engine_init` first in __init__ and names the batch keys of the reference's log-probabilities
+    in `ref_columns` (compute_ref_log_probs' order)."""
 
-    def _engine_init(self, model, ref_model, args, train_dataset, processing_class, peft_config, quantization_config,
-                     check):
+    ref_columns: tuple[str, ...] = ()
+
+    def _engine_init(self, model, ref_model, args, train_dataset, eval_dataset, processing_class, peft_config,
+                     quantization_config, check):
         """_engine_setup, then the reference's settings. Returns (skeleton, processing_class) for the TRL trainer."""
         skeleton, processing_class = self._engine_setup(
             model, args, processing_class, peft_config,
             lambda a, peft: check(a, model, ref_model, train_dataset, peft, quantization_config))
+        import datasets
+
+        streams = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+        if (any(isinstance(d, datasets.IterableDataset) for d in streams) and args.eval_strategy != "no"
+                and ref_model is None and args.peft_config is None and not args.precompute_ref_log_probs):
+            raise MegaTrainError(self._no_reference_for_stream)  # it would be evaluated after steps
         # The reference's log-probabilities are computed before the first step whatever the config says (the
         # engine keeps no reference model to run beside each step: the reference is the starting policy, or a
         # ref_model streamed once by a forward-only engine): TRL's precompute path, with no ref_model built.
@@ -237,6 +253,12 @@ class EnginePreference(EngineTrl):
         self._post_init_engine()  # the first thing after the TRL trainer's settings; before any forward
         if self._ref_source is not None and self._ref_engine is None:
             self._ref_engine = self._reference_engine()
+        import datasets
+
+        if isinstance(dataset, datasets.IterableDataset) and not self._asked_precompute:
+            # an evaluation stream (a streamed train_dataset is refused): nothing to cache by index, its reference
+            # is computed batch by batch as it is evaluated (_batch_reference), as stock computes it
+            return dataset
         self._share_cache_file(dataset)
         if self._asked_precompute:
             return super()._precompute_ref_logps(dataset, name, batch_size)
@@ -286,7 +308,9 @@ class EnginePreference(EngineTrl):
         """A second engine over ref_model, forward only: every weight frozen, so its store holds only the compute
         copy that streams (no fp32 master, no gradient, no optimizer state), with the policy engine's settings. A
         hub id or folder is streamed in from disk (never loaded whole); a loaded CPU model's weights move into the
-        store. TRL's cache key for the precomputed log-probabilities names its weights (stock hashes ref_model)."""
+        store where they are of the compute dtype (its parameters then view the store), and are copied there where
+        not (it keeps its own). TRL's cache key for the precomputed log-probabilities names its weights (stock
+        hashes ref_model)."""
         from trl.trainer.utils import disable_dropout_in_model, hash_module
 
         from .checkpoint.stream_load import engine_from_checkpoint
@@ -300,7 +324,13 @@ class EnginePreference(EngineTrl):
                                      gpu_grad_layers=0)
         build = dict(config=config, decay_names=set(), sharding=None)
         if weights_from is None:
+            # a loaded model: the store copies its weights and points its parameters at the copy. Where the copy is
+            # of another dtype (an fp32 model, bf16 compute) the model keeps its own tensors: ref_model stays as it
+            # was passed (as stock leaves it), not rounded to the compute dtype
+            own = {p: p.data for p in skeleton.parameters() if p.dtype != config.compute_dtype}
             engine = StreamingEngine(skeleton, **build)
+            for p, data in own.items():
+                p.data = data
         else:
             engine = engine_from_checkpoint(skeleton, weights_from, progress=not self.args.disable_tqdm, **build)
         engine.eval()
@@ -314,15 +344,16 @@ class EnginePreference(EngineTrl):
         self.ref_model = skeleton
         return engine
 
-    def _engine_logps(self, input_ids, attention_mask, completion_mask, reference: bool) -> torch.Tensor:
+    def _engine_logps(self, input_ids, attention_mask, completion_mask, reference: bool, reduce=None) -> torch.Tensor:
         """Each row's summed log-probabilities of its completion tokens, from a forward-only pass of an engine:
-        the reference's (ref_model's engine, or the policy's in eval mode with its LoRA adapters disabled) or
-        the policy's as it is now (its mode kept)."""
+        the reference's (ref_model's engine, or the policy's in eval mode with its reference_adapters) or
+        the policy's as it is now (its mode kept). reduce(per_row): the rows' values from the pass's per-row sums
+        (RowLoss), other than their plain sums (DPO's ld_alpha)."""
         logps = {}
 
         def keep(per_row):
-            logps["rows"] = per_row["logps"].detach()
-            return per_row["logps"].sum().detach()
+            logps["rows"] = (per_row["logps"] if reduce is None else reduce(per_row)).detach()
+            return logps["rows"].sum()
 
         engine = self._ref_engine if reference and self._ref_engine is not None else self.engine
         training = engine.training
@@ -331,7 +362,7 @@ class EnginePreference(EngineTrl):
         labels = completion_labels({"input_ids": input_ids, "completion_mask": completion_mask})
         own = engine is self.engine
         try:
-            with torch.no_grad(), adapters_disabled(engine) if reference and own else contextlib.nullcontext(), \
+            with torch.no_grad(), reference_adapters(engine) if reference and own else contextlib.nullcontext(), \
                     self._no_head_stats() if own else contextlib.nullcontext():
                 engine(input_ids=input_ids, attention_mask=attention_mask, labels=labels, return_logits=False,
                        row_loss=keep)
@@ -339,9 +370,31 @@ class EnginePreference(EngineTrl):
             engine.train(training)
         return logps["rows"].to(self.accelerator.device)
 
+    def _reference_kept(self) -> bool:
+        """Whether the reference can be computed at any time: under LoRA (reference_adapters), or by a ref_model's
+        engine (full fine-tuning's starting policy exists only until the first step)."""
+        return self.engine.peft_model is not None or self._ref_engine is not None
+
+    _no_reference_for_stream = (
+        "a streamed (IterableDataset) eval dataset has no precomputed reference log-probabilities: the engine "
+        "computes them batch by batch from the starting policy, which full fine-tuning no longer has once training "
+        "started (no second model is kept). Pass a map-style Dataset (its reference is computed before the first "
+        "step), a ref_model, or train LoRA adapters (peft_config).")
+
+    def _batch_reference(self, inputs) -> None:
+        """An evaluation batch of a stream (whose reference TRL cannot precompute) gets the reference's
+        log-probabilities here, as stock's evaluation computes them batch by batch; a batch with them is left as is."""
+        if self.ref_columns[0] in inputs:
+            return
+        if not self._reference_kept() and self.state.global_step > 0:
+            raise MegaTrainError(self._no_reference_for_stream)
+        for key, value in zip(self.ref_columns, self.compute_ref_log_probs(self.model, inputs)):
+            if value is not None:
+                inputs[key] = value
+
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
-        if (eval_dataset is not None and not isinstance(eval_dataset, str) and self.engine.peft_model is None
-                and self._ref_engine is None and not self._asked_precompute and self.state.global_step > 0):
+        if (eval_dataset is not None and not isinstance(eval_dataset, str) and not self._reference_kept()
+                and not self._asked_precompute and self.state.global_step > 0):
             raise MegaTrainError(
                 "evaluate() was given a new dataset after training started: its reference log-probabilities are "
                 "those of the starting policy, which the engine computes before the first step (no second model is "
@@ -353,6 +406,29 @@ def completion_labels(batch) -> torch.Tensor:
     """The batch's tokens where its completion_mask is set, IGNORE_INDEX elsewhere (TRL's preference labels)."""
     ids = torch.as_tensor(batch["input_ids"])
     return ids.masked_fill(torch.as_tensor(batch["completion_mask"]).to(ids.device) == 0, IGNORE_INDEX)
+
+
+@contextlib.contextmanager
+def reference_adapters(engine):
+    """The policy engine's adapters as the reference runs them, as TRL's use_adapter gives them: a PeftModel
+    passed with an adapter of its own has TRL's frozen copy of it, adapter 'ref' (the starting adapter), made
+    the active one; new adapters (peft_config) are turned off (adapters_disabled)."""
+    peft = engine.peft_model
+    if peft is None or "ref" not in peft.peft_config:
+        with adapters_disabled(engine):
+            yield
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for t in engine._templates.values() for m in t.module.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._active_adapter for m in layers]
+    for m in layers:
+        m._active_adapter = "ref"
+    try:
+        yield
+    finally:
+        for m, b in zip(layers, before):
+            m._active_adapter = b
 
 
 @contextlib.contextmanager

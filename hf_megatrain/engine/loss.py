@@ -158,7 +158,9 @@ class RowLoss:
     summed from, for a loss of sums over other sets of tokens, e.g. ORPO's prompt-and-completion NLL
     beside its completion log-probabilities) and 'token_index' (its flat position, row * seq + t,
     the order of loss.counted_rows). The other entries are constants: only the log-probabilities
-    carry a gradient.
+    carry a gradient. Sums row_head_loss computes only when asked (its `extra`, the engine's
+    `row_stats`): 'log_sum_sq_probs', the summed log sum_v p_v^2 of the predicted distributions
+    (TRL's WPO weights).
 
     fn may set per_row['live']: a bool tensor over the counted tokens, False where a token's
     coefficient is known to be 0 (counted only for a statistic, as ORPO's and CPO's logits metrics
@@ -181,9 +183,11 @@ def row_head_loss(
     chunk: int,
     rows: torch.Tensor | None = None,
     trainable: list[bool] | None = None,
+    extra: tuple[str, ...] = (),
 ):
     """A loss of per-row sums of token log-probabilities (`row_loss(per_row)`, RowLoss's fn for one
-    micro-batch), and (when `seed` is given) the gradients of seed * loss.
+    micro-batch), and (when `seed` is given) the gradients of seed * loss. `extra`: further per-row
+    sums of the first pass (RowLoss names them).
 
     Two passes of the head over the counted tokens, `chunk` rows of logits at a time: the first,
     without autograd, takes each token's log-probability (and the statistics RowLoss names); the
@@ -200,7 +204,7 @@ def row_head_loss(
     if rows is None:
         rows = counted_rows(labels)
     rows = rows.to(hidden.device, non_blocking=True)
-    per_row = {k: torch.zeros(n_rows, dtype=torch.float32, device=hidden.device) for k in ROW_FIELDS}
+    per_row = {k: torch.zeros(n_rows, dtype=torch.float32, device=hidden.device) for k in ROW_FIELDS + tuple(extra)}
     token_logps = torch.zeros(rows.numel(), dtype=torch.float32, device=hidden.device)
 
     with torch.no_grad():  # pass 1: each token's log-probability, the statistics' sums
@@ -216,6 +220,8 @@ def row_head_loss(
             per_row["entropy"].index_add_(0, row, -(logp.exp() * logp).sum(-1))
             per_row["mean_logits"].index_add_(0, row, logits.mean(-1))
             per_row["top1"].index_add_(0, row, (logits.argmax(-1) == target).float())
+            if "log_sum_sq_probs" in extra:
+                per_row["log_sum_sq_probs"].index_add_(0, row, torch.logsumexp(2 * logp, -1))
 
     token_logps.requires_grad_(seed is not None)
     with torch.enable_grad():

@@ -298,6 +298,8 @@ class StreamingEngine(nn.Module):
         self.head_stats: list[dict] | None = None
         # The token loss of the chunked head (loss.chunked_head_loss): 'nll', or TRL's 'dft' (SFTConfig.loss_type).
         self.loss_type = "nll"
+        # The further per-row sums a RowLoss reads (loss.row_head_loss's extra; DPO's WPO: 'log_sum_sq_probs').
+        self.row_stats: tuple[str, ...] = ()
         self._inputs = BatchInputs(self.config, self.spec, self.device)  # checks and moves each batch (inputs.py)
 
     @property
@@ -841,7 +843,7 @@ class StreamingEngine(nn.Module):
                 if isinstance(head_loss, RowLoss):  # a loss of per-row sums (TRL's preference losses)
                     loss, grad_x, grad_w = row_head_loss(
                         self._run_head(names), weights, xs[k], labels, lambda r, k=k: head_loss(k, r), seed,
-                        self.loss_chunk_tokens, rows, trainable)
+                        self.loss_chunk_tokens, rows, trainable, extra=self.row_stats)
                 elif head_loss is None:
                     loss, grad_x, grad_w = chunked_head_loss(
                         self._run_head(names), weights, xs[k], labels, denom, seed, self.loss_chunk_tokens, rows,
@@ -1040,7 +1042,8 @@ class StreamingEngine(nn.Module):
             if stats is not None:
                 stats["aux_loss"] = router["aux_loss"]
         if labels is not None and kw.get("row_loss") is not None:  # a RowLoss's fn of one micro-batch
-            loss, _, _ = row_head_loss(run_head, weights, x, labels, kw["row_loss"], None, self.loss_chunk_tokens, rows)
+            loss, _, _ = row_head_loss(run_head, weights, x, labels, kw["row_loss"], None, self.loss_chunk_tokens, rows,
+                                       extra=self.row_stats)
             if routers:
                 loss = loss + weighted
         elif labels is not None:

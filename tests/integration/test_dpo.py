@@ -16,7 +16,7 @@ from hf_megatrain import MegaTrainError, MegaTrainTrainer  # noqa: E402
 from hf_megatrain.dpo import MegaTrainDPOConfig, MegaTrainDPOTrainer  # noqa: E402
 from hf_megatrain.sft import MegaTrainSFTTrainer  # noqa: E402
 from tests.support.preference import (  # noqa: E402,F401  (fresh_datasets: an autouse fixture)
-    KW, LORA, WORDS, as_folder, assert_same_weights, fresh_datasets, model_folder, pairs)
+    KW, LORA, TIMINGS, WORDS, as_folder, assert_same_weights, fresh_datasets, model_folder, pairs, run_peft_model)
 from tests.support.preference import run as run_trainer  # noqa: E402
 from tests.support.tiny import make_model  # noqa: E402
 
@@ -145,6 +145,108 @@ def test_other_loss_types_equal_stock(group, tmp_path):
     assert_same_run(logs, stock_logs, weights, stock_weights)
 
 
+def uneven_pairs(words=WORDS):
+    """pairs() whose completions differ in length within each pair (LD-DPO weighs the longer one's tail): the rejected
+    completion is the word twice on odd rows, its first two letters on even rows."""
+    import datasets
+
+    return datasets.Dataset.from_dict({"prompt": [w + ">" for w in words], "chosen": [w[::-1] for w in words],
+                                       "rejected": [w + w if i % 2 else w[:2] for i, w in enumerate(words)]})
+
+
+# LD-DPO (ld_alpha: a completion's tokens beyond its pair's shared length count ld_alpha times, in the policy's and
+# the reference's sums; the sft term averages the plain ones) and WPO (use_weighting: every term of a pair times its
+# rows' exp(mean log(p_t / sum_v p_v^2)), constants), with stock's reference batch by batch or precomputed
+WEIGHTED = {
+    "ld_alpha": dict(loss_type=["sigmoid", "sft", "ipo"], loss_weights=[1.0, 0.3, 0.5], ld_alpha=0.3),
+    "ld_alpha_precompute": dict(loss_type=["sigmoid"], ld_alpha=0.5, precompute_ref_log_probs=True),
+    # (stock's WPO scales each term in place: it fails on sft's expanded tensor and on hinge's relu output)
+    "wpo": dict(loss_type=["sigmoid", "ipo"], use_weighting=True),
+    "wpo_ld_precompute": dict(loss_type=["sigmoid", "bco_pair"], use_weighting=True, ld_alpha=0.5,
+                              precompute_ref_log_probs=True),
+}
+
+
+@pytest.mark.parametrize("case", list(WEIGHTED))
+def test_ld_alpha_and_wpo_equal_stock(case, tmp_path):
+    folder = model_folder(tmp_path, "llama")
+    train, evaluation = uneven_pairs(), uneven_pairs(WORDS[:8])
+    _, stock_logs, stock_weights = run_trainer(DPOTrainer, DPOConfig, folder, tmp_path / "stock", train, evaluation,
+                                               **WEIGHTED[case])
+    trainer, logs, weights = run_trainer(MegaTrainDPOTrainer, DPOConfig, folder, tmp_path / "mega", train, evaluation,
+                                         **WEIGHTED[case])
+    assert trainer.engine.row_stats == (("log_sum_sq_probs",) if "wpo" in case else ())
+    assert_same_run(logs, stock_logs, weights, stock_weights)
+
+
+# An IterableDataset to evaluate: TRL cannot precompute its reference (nothing to cache by index), so stock computes it
+# batch by batch from its reference model; the engine does too, where it has the reference: before the first step
+# (full fine-tuning's starting policy), under LoRA (the adapters disabled) or with a ref_model's engine
+def test_a_streamed_eval_dataset_before_training_equals_stock(tmp_path):
+    folder = model_folder(tmp_path, "llama")
+    metrics = []
+    for cls in (DPOTrainer, MegaTrainDPOTrainer):
+        trainer = cls(folder, args=DPOConfig(output_dir=str(tmp_path / cls.__name__), **KW), train_dataset=pairs())
+        metrics.append({k: v for k, v in trainer.evaluate(pairs(WORDS[:8]).to_iterable_dataset()).items()
+                        if not k.endswith(TIMINGS)})
+    assert metrics[0].keys() == metrics[1].keys() and "eval_rewards/chosen" in metrics[0]
+    for k, v in metrics[0].items():
+        assert metrics[1][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+def test_streamed_eval_datasets_under_lora_equal_stock(tmp_path):
+    """One stream as eval_dataset (evaluated after training), another evaluated after training only."""
+    folder = model_folder(tmp_path, "llama")
+
+    def stream(words):
+        return pairs(words).to_iterable_dataset()
+
+    def go(cls, out):
+        return run_trainer(cls, DPOConfig, folder, out, pairs(), stream(WORDS[:8]), LORA, stream(WORDS[30:38]))
+
+    _, stock_logs, stock_weights = go(DPOTrainer, tmp_path / "stock")
+    _, logs, weights = go(MegaTrainDPOTrainer, tmp_path / "mega")
+    assert any("after_loss" in h for h in logs)
+    assert_same_run(logs, stock_logs, weights, stock_weights, starts_at_reference=False)
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_a_peft_model_with_its_own_adapter_equals_stock(precompute, tmp_path):
+    """A PeftModel with an adapter of its own as model: TRL copies the adapter as adapter 'ref', the reference. The
+    engine computes the reference before the first step with that copy active, and a dataset's evaluated after
+    training too."""
+    folder = model_folder(tmp_path, "llama")
+    data = pairs(), pairs(WORDS[:8]), pairs(WORDS[30:38])
+    stock_logs, stock_weights, stock_adapters = run_peft_model(DPOTrainer, DPOConfig, folder, tmp_path / "stock",
+                                                               *data, precompute_ref_log_probs=precompute)
+    logs, weights, adapters = run_peft_model(MegaTrainDPOTrainer, DPOConfig, folder, tmp_path / "mega", *data,
+                                             precompute_ref_log_probs=precompute)
+    assert adapters == stock_adapters == ["default", "ref"] and any("after_loss" in h for h in logs)
+    assert_same_run(logs, stock_logs, weights, stock_weights)
+
+
+def test_a_streamed_eval_dataset_without_a_reference_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Full fine-tuning without a ref_model: a stream evaluated during training is refused when the trainer is built
+    (before tokenizing), one evaluated after training when it is."""
+    folder = model_folder(tmp_path, "llama")
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("the data was prepared before the refusal")
+
+    with monkeypatch.context() as m:
+        m.setattr(DPOTrainer, "_prepare_dataset", no_tokenizing)
+        with pytest.raises(MegaTrainError, match="streamed") as e:
+            MegaTrainDPOTrainer(folder, args=DPOConfig(output_dir=str(tmp_path / "o"), eval_strategy="steps",
+                                                       eval_steps=1, **KW),
+                                train_dataset=pairs(), eval_dataset=pairs(WORDS[:8]).to_iterable_dataset())
+    assert "\n" not in str(e.value)
+    trainer = MegaTrainDPOTrainer(folder, args=DPOConfig(output_dir=str(tmp_path / "o"), **dict(KW, max_steps=1)),
+                                  train_dataset=pairs(), eval_dataset=pairs(WORDS[:8]).to_iterable_dataset())
+    trainer.train()
+    with pytest.raises(MegaTrainError, match="streamed"):
+        trainer.evaluate()
+
+
 ONLINE = ["GRPOConfig", "RLOOConfig"]
 
 
@@ -174,14 +276,11 @@ def test_dpo_config_elsewhere_names_the_dpo_trainer(tmp_path):
 
 
 @pytest.mark.parametrize("extra, match", [
-    (dict(ld_alpha=0.5), "ld_alpha"),
-    (dict(use_weighting=True), "use_weighting"),
     (dict(sync_ref_model=True), "sync_ref_model"),
     (dict(activation_offloading=True), "activation_offloading"),
     (dict(loss_type=["kto"]), r"loss_type \['kto'\]"),
     (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
     (dict(ref_peft=True), "a PeftModel as ref_model"),
-    (dict(peft_model=True), "a PeftModel as model"),
     (dict(iterable=True), "IterableDataset"),
 ])
 def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tmp_path, monkeypatch):
@@ -195,14 +294,50 @@ def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tm
 
     ref = get_peft_model(make_model("llama", num_hidden_layers=2), LoraConfig(**LORA)) if extra.pop("ref_peft", None) \
         else None
-    if extra.pop("peft_model", None):  # a model with an adapter of its own: TRL's reference would be a copy of it
-        folder = get_peft_model(make_model("llama", num_hidden_layers=2), LoraConfig(**LORA))
     data = pairs().to_iterable_dataset() if extra.pop("iterable", None) else pairs()
     with pytest.raises(MegaTrainError, match=match) as e:
         MegaTrainDPOTrainer(folder, ref_model=ref, args=DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True,
                                                                   report_to=[], bf16=False, **extra),
                             train_dataset=data)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+def test_what_stock_refuses_before_training_is_refused_in_its_words(kind, tmp_path):
+    """No train_dataset; precompute_ref_log_probs=True with a streamed train_dataset: stock's ValueError, its message
+    first (the engine's says more after it)."""
+    config, stock, _, ours, data = _trainers(kind)
+    folder = model_folder(tmp_path, "llama")
+    for extra, train in ((dict(), None), (dict(precompute_ref_log_probs=True), data().to_iterable_dataset())):
+        messages = []
+        for cls in (stock, ours):
+            args = config(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[], bf16=False, max_steps=1, **extra)
+            with pytest.raises(ValueError) as e:
+                cls(folder, args=args, train_dataset=train)
+            messages.append(str(e.value))
+        assert messages[1].startswith(messages[0]), messages
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+def test_a_loaded_ref_model_is_left_as_stock_leaves_it(kind, tmp_path):
+    """TRL's default bf16 compute with an fp32 ref_model loaded on the CPU: stock leaves the model as it was passed;
+    the engine's reference store takes a bf16 copy of it and the model keeps its own fp32 tensors (its parameters
+    once viewed that copy: the user's model came back in bf16, its weights rounded)."""
+    from transformers import AutoModelForCausalLM
+
+    config, stock, _, ours, data = _trainers(kind)
+    folder, ref_folder = model_folder(tmp_path, "llama"), model_folder(tmp_path, "llama", name="reference", seed=1)
+    for cls in (stock, ours):
+        ref = AutoModelForCausalLM.from_pretrained(ref_folder)
+        before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+        assert all(p.dtype == torch.float32 for p in before.values())
+        args = config(output_dir=str(tmp_path / cls.__name__), use_cpu=True, max_steps=1, per_device_train_batch_size=4,
+                      report_to=[], save_strategy="no", disable_tqdm=True, seed=0)
+        assert args.bf16
+        cls(folder, ref_model=ref, args=args, train_dataset=data()).train()
+        after = dict(ref.named_parameters())
+        for n, p in before.items():  # dtype and every bit
+            torch.testing.assert_close(after[n], p, rtol=0, atol=0, msg=lambda m, n=n: f"{cls.__name__} {n}: {m}")
 
 
 def test_a_new_dataset_after_full_fine_tuning_is_refused_in_one_line(tmp_path):

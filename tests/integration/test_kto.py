@@ -16,7 +16,8 @@ from trl import KTOConfig, KTOTrainer  # noqa: E402
 from hf_megatrain import MegaTrainError, MegaTrainTrainer  # noqa: E402
 from hf_megatrain.kto import MegaTrainKTOConfig, MegaTrainKTOTrainer  # noqa: E402
 from tests.support.preference import (  # noqa: E402,F401  (fresh_datasets: an autouse fixture)
-    KW, LORA, WORDS, as_folder, assert_same_weights, fresh_datasets, model_folder, pairs, unpaired)
+    KW, LORA, TIMINGS, WORDS, as_folder, assert_same_weights, fresh_datasets, model_folder, pairs, run_peft_model,
+    unpaired)
 from tests.support.preference import run as run_trainer  # noqa: E402
 from tests.support.tiny import make_model  # noqa: E402
 
@@ -110,6 +111,56 @@ def test_engine_modes_equal_stock(mode, tmp_path):
     assert_same_run(logs, stock_logs, weights, stock_weights)
 
 
+# An IterableDataset to evaluate: TRL cannot precompute its reference (nothing to cache by index), so stock computes it
+# batch by batch from its reference model; the engine does too, where it has the reference: before the first step
+# (full fine-tuning's starting policy), under LoRA (the adapters disabled) or with a ref_model's engine
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_a_streamed_eval_dataset_before_training_equals_stock(loss_type, tmp_path):
+    folder = model_folder(tmp_path, "llama")
+    metrics = []
+    for cls in (KTOTrainer, MegaTrainKTOTrainer):
+        args = KTOConfig(output_dir=str(tmp_path / cls.__name__), loss_type=loss_type, **KW)
+        trainer = cls(folder, args=args, train_dataset=unpaired())
+        metrics.append({k: v for k, v in trainer.evaluate(unpaired(WORDS[:8]).to_iterable_dataset()).items()
+                        if not k.endswith(TIMINGS)})
+    assert metrics[0].keys() == metrics[1].keys() and "eval_rewards/chosen" in metrics[0]
+    for k, v in metrics[0].items():
+        assert metrics[1][k] == pytest.approx(v, rel=1e-5, abs=1e-5 if k.endswith("kl") else 1e-6), k
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_streamed_eval_datasets_under_lora_equal_stock(loss_type, tmp_path):
+    """One stream as eval_dataset (evaluated after training), another evaluated after training only."""
+    folder = model_folder(tmp_path, "llama")
+
+    def stream(words):
+        return unpaired(words).to_iterable_dataset()
+
+    def go(cls, out):
+        return run_trainer(cls, KTOConfig, folder, out, unpaired(), stream(WORDS[:8]), LORA, stream(WORDS[30:38]),
+                           loss_type=loss_type)
+
+    _, stock_logs, stock_weights = go(KTOTrainer, tmp_path / "stock")
+    _, logs, weights = go(MegaTrainKTOTrainer, tmp_path / "mega")
+    assert any("after_loss" in h for h in logs)
+    assert_same_run(logs, stock_logs, weights, stock_weights)
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_a_peft_model_with_its_own_adapter_equals_stock(precompute, tmp_path):
+    """A PeftModel with an adapter of its own as model: TRL copies the adapter as adapter 'ref', the reference (rows
+    and KL rows). The engine computes the reference before the first step with that copy active, and a dataset's
+    evaluated after training too."""
+    folder = model_folder(tmp_path, "llama")
+    data = unpaired(), unpaired(WORDS[:8]), unpaired(WORDS[30:38])
+    stock_logs, stock_weights, stock_adapters = run_peft_model(KTOTrainer, KTOConfig, folder, tmp_path / "stock",
+                                                               *data, precompute_ref_log_probs=precompute)
+    logs, weights, adapters = run_peft_model(MegaTrainKTOTrainer, KTOConfig, folder, tmp_path / "mega", *data,
+                                             precompute_ref_log_probs=precompute)
+    assert adapters == stock_adapters == ["default", "ref"] and any("after_loss" in h for h in logs)
+    assert_same_run(logs, stock_logs, weights, stock_weights)
+
+
 def test_kto_config_elsewhere_names_the_kto_trainer(tmp_path):
     folder = model_folder(tmp_path, "llama")
     args = KTOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[])
@@ -123,7 +174,6 @@ def test_kto_config_elsewhere_names_the_kto_trainer(tmp_path):
     (dict(activation_offloading=True), "activation_offloading"),
     (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
     (dict(ref_peft=True), "a PeftModel as ref_model"),
-    (dict(peft_model=True), "a PeftModel as model is not supported: KTOTrainer"),
     (dict(iterable=True), "IterableDataset"),
 ])
 def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tmp_path, monkeypatch):
@@ -137,8 +187,6 @@ def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tm
 
     ref = get_peft_model(make_model("llama", num_hidden_layers=2), LoraConfig(**LORA)) if extra.pop("ref_peft", None) \
         else None
-    if extra.pop("peft_model", None):
-        folder = get_peft_model(make_model("llama", num_hidden_layers=2), LoraConfig(**LORA))
     data = unpaired().to_iterable_dataset() if extra.pop("iterable", None) else unpaired()
     with pytest.raises(MegaTrainError, match=match) as e:
         MegaTrainKTOTrainer(folder, ref_model=ref, args=KTOConfig(output_dir=str(tmp_path / "o"), use_cpu=True,

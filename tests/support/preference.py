@@ -86,6 +86,27 @@ def run(cls, config_cls, folder, out, train, evaluation, lora=None, evaluate_aft
     return trainer, logs, load_file(os.path.join(out, name))
 
 
+def peft_model(folder, seed=0):
+    """The model in `folder` with a LoRA adapter of its own (LORA's random B: the adapter is not the base's)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**LORA))
+
+
+def run_peft_model(cls, config_cls, folder, out, train, evaluation, after, **extra):
+    """run() for a PeftModel as model: (logs without timings, the saved adapter, the model's adapters)."""
+    trainer = cls(model=peft_model(folder), args=config_cls(output_dir=str(out), **{**KW, **extra}),
+                  train_dataset=train, eval_dataset=evaluation)
+    trainer.train()
+    trainer.evaluate()
+    trainer.evaluate(after, metric_key_prefix="after")  # first seen after training: the reference is the 'ref' copy
+    trainer.save_model(str(out))
+    logs = [{k: v for k, v in h.items() if not k.endswith(TIMINGS)} for h in trainer.state.log_history]
+    return logs, load_file(os.path.join(out, "adapter_model.safetensors")), sorted(trainer.model.peft_config)
+
+
 class as_folder(str):
     """A ref_model folder that `run` hands over as the folder (a hub id or path), not as a loaded model."""
 
