@@ -9,7 +9,9 @@
   family (read from the installed trl package). `Qwen/Qwen3-4B` is there as a config and tokenizer only (a
   chat-template source for `chat_template_path`), `tiny-RemoteForCausalLM` as custom code.
 * `datasets/<org>/<name>/<config>/<split>.parquet`: the `zen`, `harmony` and `toolcall` configs that the
-  tests load, with the real columns and split sizes (train 17 / test 2 for zen), rows generated here.
+  SFT, DPO and KTO tests load (language modeling, prompt-completion, paired and unpaired preference), with
+  the real columns and split sizes (train 17 / test 2 for zen), rows generated here: a pair's rejected
+  completion is another row's, shifted by OTHER rows.
 
 With `HF_HUB_CACHE=<root>/hub` and `HF_HUB_OFFLINE=1`, `from_pretrained` of those ids works offline for
 stock TRL and for the engine alike; the plugin points `load_dataset` at the parquet files.
@@ -107,9 +109,9 @@ class RemoteForCausalLM(LlamaForCausalLM):
 # ---------------------------------------------------------------------------------------------- data
 
 def zen_lines() -> list[str]:
-    import this  # prints the poem on import
-
     with contextlib.redirect_stdout(io.StringIO()):
+        import this  # prints the poem on import
+
         return [line for line in codecs.decode(this.s, "rot13").splitlines()[2:] if line]
 
 
@@ -126,6 +128,7 @@ def question(line: str) -> tuple[str, str]:
 
 
 EFFORTS = ["low", "medium", "high"]
+OTHER = 7  # a preference row's rejected completion is the completion of the row OTHER rows on
 IDENTITY = "You are a tiny test model."
 
 
@@ -207,11 +210,13 @@ def dataset_rows() -> dict[tuple[str, str], list[dict]]:
     thinking = [dict(a, thinking=f"The line begins with '{p}'.") for a, (p, _) in zip(answer, halves)]
     kwargs = [{"reasoning_effort": EFFORTS[i % 3], "model_identity": IDENTITY} for i in range(len(lines))]
     schemas = {name: get_json_schema(f) for name, f in tool_functions().items()}
+    n = len(lines)
+    other = [(i + OTHER) % n for i in range(n)]  # the row whose completion is this row's rejected one
+    desirable = [i % 2 == 0 for i in range(n)]  # unpaired rows: own completion (True) or another's (False)
     rows = {
         (zen, "standard_language_modeling"): [{"text": line} for line in lines],
         (zen, "standard_prompt_completion"): [{"prompt": p, "completion": c} for p, c in halves],
-        (zen, "standard_implicit_prompt_preference"): [
-            {"chosen": line, "rejected": lines[(i + 7) % len(lines)]} for i, line in enumerate(lines)],
+
         (zen, "conversational_language_modeling"): [{"messages": [u, a]} for u, a in zip(user, answer)],
         (zen, "conversational_prompt_completion"): [{"prompt": [u], "completion": [a]} for u, a in zip(user, answer)],
         (harmony, "language_modeling"): [{"messages": [u, t], "chat_template_kwargs": k}
@@ -226,8 +231,36 @@ def dataset_rows() -> dict[tuple[str, str], list[dict]]:
                 {"role": "assistant", "content": ans}],
              "tools": json.dumps([schemas[n] for n in offered])}
             for q, f, a, r, ans, offered in TOOL_ROWS],
+        # preference data (DPO, KTO)
+        (zen, "standard_preference"): [{"prompt": p, "chosen": c, "rejected": halves[j][1]}
+                                       for (p, c), j in zip(halves, other)],
+        (zen, "standard_implicit_prompt_preference"): [{"chosen": p + c, "rejected": p + halves[j][1]}
+                                                       for (p, c), j in zip(halves, other)],
+        (zen, "standard_unpaired_preference"): [{"prompt": p, "completion": c if d else halves[j][1], "label": d}
+                                                for (p, c), j, d in zip(halves, other, desirable)],
+        (zen, "conversational_preference"): [{"prompt": [u], "chosen": [a], "rejected": [answer[j]]}
+                                             for u, a, j in zip(user, answer, other)],
+        (zen, "conversational_implicit_prompt_preference"): [{"chosen": [u, a], "rejected": [u, answer[j]]}
+                                                             for u, a, j in zip(user, answer, other)],
+        (harmony, "preference"): [{"prompt": [u], "chosen": [t], "rejected": [thinking[j]], "chat_template_kwargs": k}
+                                  for u, t, j, k in zip(user, thinking, other, kwargs)],
+        (toolcall, "preference"): [
+            {"prompt": [{"role": "user", "content": q}],
+             "chosen": tool_turns(f, a, r, ans),
+             "rejected": (tool_turns(f, a, r, TOOL_ROWS[(i + 1) % len(TOOL_ROWS)][4]) if i % 2  # a wrong reply
+                          else [{"role": "assistant", "content": TOOL_ROWS[(i + 1) % len(TOOL_ROWS)][4]}]),  # no call
+             "tools": json.dumps([schemas[n] for n in offered])}
+            for i, (q, f, a, r, ans, offered) in enumerate(TOOL_ROWS)],
     }
     return rows
+
+
+def tool_turns(tool: str, arguments: dict, result: str, answer: str) -> list[dict]:
+    """An assistant's tool call, the tool's answer and the assistant's reply."""
+    call = {"type": "function", "function": {"name": tool, "arguments": arguments}}
+    return [{"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "name": tool, "content": result},
+            {"role": "assistant", "content": answer}]
 
 
 def write_datasets(folder: Path) -> None:

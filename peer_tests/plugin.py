@@ -1,22 +1,27 @@
-"""pytest plugin that runs TRL's own SFT tests offline, stock or on the engine (`-p plugin`).
+"""pytest plugin that runs TRL's own trainer tests offline, stock or on the engine (`-p plugin`).
 
 * Points the hub at the fixtures of fixtures.py (folder $PEER_FIXTURES, built there if missing or
   stale) through HF_HUB_CACHE / HF_HUB_OFFLINE, set when pytest imports the plugin (before TRL's
   conftest imports huggingface_hub), and `datasets.load_dataset` of the fixture dataset ids at their
   parquet files. Any other hub id stays offline and fails as it would without a network.
-* `--peer-engine` swaps `SFTTrainer` / `SFTConfig` in the test modules for hf_megatrain's
-  `MegaTrainSFTTrainer` / `MegaTrainSFTConfig`; TRL's test file itself is run unmodified.
+* `--peer-engine` swaps the names of the suite (`--peer-suite`, a key of suites.SUITES: sft, the
+  default, dpo or kto) in its test module for hf_megatrain's classes: `SFTTrainer` / `SFTConfig` for
+  `MegaTrainSFTTrainer` / `MegaTrainSFTConfig`, and likewise DPO's and KTO's; TRL's test file itself is
+  run unmodified.
 * The test files are from TRL's newest source, which differs from the installed trl (1.16.0) in places:
   they import names that 1.16.0 does not have (SKEW). Those get placeholders, so the modules import:
   three private helpers of trl.trainer.sft_trainer raise when called (only test classes outside
   TestSFTTrainer call them) and `is_joblib_available` says False (it gates sklearn tests only).
-* Skips tests that need vision-language fixtures (none is built offline), gives each test a time
+* Skips tests that need vision-language fixtures (none is built offline): those marked
+  `@require_vision` themselves (TestSFTTrainer's VLM tests; TestKTOTrainer carries the mark as a
+  class, though its tests load text models only, so a class's mark does not count), gives each test a time
   limit (`--peer-timeout`, seconds) and supplies pytest-datadir's `lazy_shared_datadir` when that
   plugin is not installed.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import shutil
@@ -33,8 +38,9 @@ os.environ.update({"HF_HUB_CACHE": str(ROOT / "hub"), "HF_HUB_OFFLINE": "1", "HF
                    "HF_DATASETS_CACHE": str(ROOT.parent / "datasets_cache")})
 
 
-def _fixtures_module():
-    spec = importlib.util.spec_from_file_location("_peer_fixtures", HERE / "fixtures.py")
+def _module(name: str):
+    """A module of this folder, by file."""
+    spec = importlib.util.spec_from_file_location(f"_peer_{name}", HERE / f"{name}.py")
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -42,7 +48,8 @@ def _fixtures_module():
 
 def pytest_addoption(parser):
     group = parser.getgroup("peer", "hf_megatrain peer run of TRL's tests")
-    group.addoption("--peer-engine", action="store_true", help="swap in MegaTrainSFTTrainer / MegaTrainSFTConfig")
+    group.addoption("--peer-engine", action="store_true", help="swap in hf_megatrain's trainer and config")
+    group.addoption("--peer-suite", default="sft", help="which names to swap: a key of suites.SUITES (sft, dpo, kto)")
     group.addoption("--peer-timeout", type=int, default=900, help="seconds per test before it fails (0: none)")
 
 
@@ -51,12 +58,18 @@ def pytest_configure(config):
 
     if not constants.HF_HUB_OFFLINE or Path(constants.HF_HUB_CACHE) != ROOT / "hub":
         raise pytest.UsageError("huggingface_hub was imported before the peer plugin set its environment; "
-                                "pass the plugin with -p (run_trl_sft.py does)")
-    fixtures = _fixtures_module()
+                                "pass the plugin with -p (run_trl.py does)")
+    fixtures = _module("fixtures")
     fixtures.build(ROOT)
     _redirect_load_dataset(fixtures, ROOT)
     _placeholders_for_skew()
+    suites = _module("suites").SUITES
+    name = config.getoption("--peer-suite")
+    if name not in suites:
+        raise pytest.UsageError(f"--peer-suite={name!r}: one of {sorted(suites)}")
     config.peer_engine = config.getoption("--peer-engine")
+    config.peer_suite = name
+    config.peer_swap = suites[name].swap
 
 
 def _redirect_load_dataset(fixtures, root: Path) -> None:
@@ -78,19 +91,22 @@ def pytest_collection_modifyitems(config, items):
     vision = pytest.mark.skip(reason="no offline fixture for vision-language models (peer run)")
     swapped = set()
     for item in items:
-        if any(m.name == "skipif" and "requires vision" in str(m.kwargs.get("reason", "")) for m in item.iter_markers()):
+        # the test's own marks (its function's, its parameters'), not its class's
+        if any(m.name == "skipif" and "requires vision" in str(m.kwargs.get("reason", "")) for m in item.own_markers):
             item.add_marker(vision)
         module = getattr(item, "module", None)
-        if config.peer_engine and module is not None and module not in swapped and hasattr(module, "SFTTrainer"):
-            from hf_megatrain.sft import MegaTrainSFTConfig, MegaTrainSFTTrainer
-
-            module.SFTTrainer, module.SFTConfig = MegaTrainSFTTrainer, MegaTrainSFTConfig
+        if config.peer_engine and module is not None and module not in swapped \
+                and all(hasattr(module, name) for name in config.peer_swap):
+            for name, target in config.peer_swap.items():
+                where, attr = target.split(":")
+                setattr(module, name, getattr(importlib.import_module(where), attr))
             swapped.add(module)
 
 
 def pytest_report_header(config):
-    side = "engine (hf_megatrain.sft.MegaTrainSFTTrainer / MegaTrainSFTConfig)" if config.peer_engine else "stock"
-    return f"peer run: {side}; fixtures {os.environ['HF_HUB_CACHE']}"
+    names = ", ".join(f"{n} -> {t.replace(':', '.')}" for n, t in config.peer_swap.items())
+    side = f"engine ({names})" if config.peer_engine else "stock"
+    return f"peer run ({config.peer_suite}): {side}; fixtures {os.environ['HF_HUB_CACHE']}"
 
 
 SKEW = {"trl.trainer.sft_trainer": ("_chunked_cross_entropy_loss", "_patch_chunked_ce_lm_head", "dft_loss"),

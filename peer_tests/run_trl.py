@@ -1,6 +1,11 @@
-"""Run TRL's `tests/test_sft_trainer.py::TestSFTTrainer` stock and on the engine, offline, and compare.
+"""Run one of TRL's trainer test suites stock and on the engine, offline, and compare.
 
-    python peer_tests/run_trl_sft.py /path/to/trl-checkout [--only stock|engine] [-k EXPR] [--out DIR]
+    python peer_tests/run_trl.py /path/to/trl-checkout [--suite sft|dpo|kto] [--only stock|engine] [-k EXPR]
+                                 [--out DIR] [--fixtures DIR]
+
+The suites (suites.py): sft, `tests/test_sft_trainer.py::TestSFTTrainer` (the default); dpo,
+`tests/test_dpo_trainer.py::TestDPOTrainer`; kto, `tests/test_kto_trainer.py::TestKTOTrainer`. The engine
+side swaps the suite's trainer and config for hf_megatrain's.
 
 Only the checkout's `tests/` (and its pytest settings in pyproject.toml) are used, copied to
 OUT/suite so that `trl` is the installed package, not the checkout's source. Each side writes
@@ -21,8 +26,16 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TARGET = "tests/test_sft_trainer.py::TestSFTTrainer"
 SIDES = ("stock", "engine")
+PEER = Path("/tmp/hf_megatrain_peer")
+
+
+def load(name: str):
+    """A module of this folder, by file (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_peer_{name}", HERE / f"{name}.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def stage_suite(checkout: Path, out: Path) -> Path:
@@ -55,8 +68,9 @@ def run_side(side: str, suite: Path, out: Path, fixtures: Path, args) -> float:
     folder = out / side
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "versions.txt").write_text(versions(args.checkout.resolve()) + "\n")
-    cmd = [sys.executable, "-m", "pytest", TARGET, "-p", "plugin", "-p", "no:cacheprovider", "-q", "-rfE",
-           f"--junitxml={folder / 'junit.xml'}", f"--peer-timeout={args.test_timeout}"]
+    cmd = [sys.executable, "-m", "pytest", *args.suite_spec.targets(), "-p", "plugin", "-p", "no:cacheprovider",
+           "-q", "-rfE", f"--junitxml={folder / 'junit.xml'}", f"--peer-timeout={args.test_timeout}",
+           f"--peer-suite={args.suite}"]
     cmd += ["--peer-engine"] if side == "engine" else []
     cmd += ["-k", args.k] if args.k else []
     env = dict(os.environ, PYTHONPATH=str(HERE), PEER_FIXTURES=str(fixtures), TOKENIZERS_PARALLELISM="false")
@@ -84,9 +98,9 @@ def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
     return result
 
 
-def summary(out: Path) -> None:
+def summary(out: Path, suite) -> None:
     results = {s: outcomes(out / s / "junit.xml") for s in SIDES if (out / s / "junit.xml").is_file()}
-    print("\n== TRL TestSFTTrainer, stock vs engine ==")
+    print(f"\n== TRL {', '.join(suite.targets())}, stock vs engine ==")
     for side, res in results.items():
         counts = {k: sum(o == k for o, _ in res.values()) for k in ("passed", "failed", "error", "skipped")}
         seconds = (out / side / "seconds").read_text() if (out / side / "seconds").is_file() else "?"
@@ -110,26 +124,30 @@ def summary(out: Path) -> None:
 
 
 def main() -> None:
+    suites = load("suites")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkout", type=Path, help="a TRL source checkout (its tests/ folder is used)")
+    parser.add_argument("--suite", choices=sorted(suites.SUITES), default="sft", help="which TRL tests (suites.py)")
     parser.add_argument("--only", choices=SIDES, help="run one side (the summary still reads the other's last run)")
     parser.add_argument("-k", help="pytest -k expression")
-    parser.add_argument("--out", type=Path, default=Path("/tmp/hf_megatrain_peer/run"), help="junit/log folder")
-    parser.add_argument("--fixtures", type=Path, default=Path("/tmp/hf_megatrain_peer/fixtures"))
+    parser.add_argument("--out", type=Path, help="junit/log folder (default: /tmp/hf_megatrain_peer/run, run_dpo, "
+                        "run_kto)")
+    parser.add_argument("--fixtures", type=Path, default=PEER / "fixtures",
+                        help="the offline hub and datasets (built there if missing or stale; shared by the suites)")
     parser.add_argument("--test-timeout", type=int, default=900, help="seconds per test")
     args = parser.parse_args()
-    if not (args.checkout / TARGET.split("::")[0]).is_file():
-        parser.error(f"{args.checkout} has no {TARGET.split('::')[0]}")
-    spec = importlib.util.spec_from_file_location("_peer_fixtures", HERE / "fixtures.py")
-    fixtures = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fixtures)
+    args.suite_spec = suites.SUITES[args.suite]
+    args.out = args.out or PEER / ("run" if args.suite == "sft" else f"run_{args.suite}")
+    if not (args.checkout / args.suite_spec.path).is_file():
+        parser.error(f"{args.checkout} has no {args.suite_spec.path}")
+    fixtures = load("fixtures")
     start = time.time()
     fixtures.build(args.fixtures)
     print(f"fixtures: {args.fixtures} ({time.time() - start:.0f}s)")
     suite = stage_suite(args.checkout.resolve(), args.out)
     for side in [args.only] if args.only else SIDES:
         run_side(side, suite, args.out, args.fixtures.resolve(), args)
-    summary(args.out)
+    summary(args.out, args.suite_spec)
 
 
 if __name__ == "__main__":
