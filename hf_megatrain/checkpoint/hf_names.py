@@ -22,9 +22,11 @@ from ..errors import MegaTrainError
 
 
 class CheckpointNames:
-    """`names(key, shape, slot_shapes) -> (target, index)`: the model's name for checkpoint tensor `key` and
-    where in that parameter it lands (() for all of it; (E,) for expert E of a stacked tensor; (E, rows) or
-    (rows,) for a piece of a concatenation). `slot_shapes`: the model's name -> shape, to size the pieces."""
+    """`names(entry, slot_shapes) -> [(entry, target, index), ...]`: the model's name for checkpoint tensor
+    `entry` and where in that parameter it lands (() for all of it; (E,) for expert E of a stacked tensor;
+    (E, rows) or (rows,) for a piece of a concatenation); a tensor that transformers splits into several
+    parameters (a fused query_key_value) gives one entry per piece, each a range of its rows. `slot_shapes`: the
+    model's name -> shape, to size the pieces."""
 
     def __init__(self, model):
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -40,15 +42,18 @@ class CheckpointNames:
         # what rename_source_key asks of the state dict: which names exist (it reads .get(name) is not None)
         self.known = dict.fromkeys(model.state_dict(keep_vars=True), True)
 
-    def __call__(self, key: str, shape, slot_shapes: dict) -> tuple[str, tuple]:
+    def __call__(self, entry, slot_shapes: dict) -> list[tuple]:
         from transformers.core_model_loading import rename_source_key
 
+        key, shape = entry.name, entry.shape
         renamed, _ = rename_source_key(key, self.renamings, [], self.prefix, self.known)
         target, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.known)
         if pattern is None:
-            return target, ()
+            return [(entry, target, ())]
         converter = next(c for c in self.converters if pattern in c.source_patterns)
         ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+        if ops == [("Split", 0)]:
+            return _split_rows(entry, target, converter.target_patterns, slot_shapes)
         index: tuple = ()
         if ops and ops[0] == ("MergeModulelist", 0):
             # the expert's number: what the pattern's '*' stands for in the renamed key
@@ -74,4 +79,27 @@ class CheckpointNames:
                 f"checkpoint tensor {key!r} becomes {target!r} through transformers' "
                 f"{', '.join(name for name, _ in ops)}, which hf_megatrain's streaming loader does not apply; "
                 "load the model with AutoModelForCausalLM.from_pretrained and pass the model in instead of its folder")
-        return target, index
+        return [(entry, target, index)]
+
+
+def _split_rows(entry, target: str, patterns: list[str], slot_shapes: dict) -> list[tuple]:
+    """A tensor transformers splits along its rows into several parameters, each as large as its parameter (a
+    fused query_key_value into q_proj, k_proj and v_proj): one entry per parameter, its range of the rows."""
+    from dataclasses import replace
+
+    targets = [target.replace(patterns[0], p) for p in patterns]
+    missing = [t for t in targets if t not in slot_shapes]
+    if missing:
+        raise MegaTrainError(f"checkpoint tensor {entry.name!r} splits into {targets}, and the model has no "
+                             f"{missing[0]!r}; does config.json match these weights?")
+    rows = [slot_shapes[t][0] for t in targets]
+    if sum(rows) != entry.shape[0]:
+        raise MegaTrainError(f"checkpoint tensor {entry.name!r} (shape {list(entry.shape)}) splits into {targets} "
+                             f"of {rows} rows, {sum(rows)} in all; does config.json match these weights?")
+    row_bytes = entry.nbytes // entry.shape[0]
+    pieces, first = [], 0
+    for t, n in zip(targets, rows):
+        part = replace(entry, shape=(n, *entry.shape[1:]), start=entry.start + first * row_bytes, nbytes=n * row_bytes)
+        pieces.append((part, t, ()))
+        first += n
+    return pieces

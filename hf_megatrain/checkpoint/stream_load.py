@@ -137,10 +137,14 @@ def load_into_store(store, spec, config, folder: str, progress: bool = True, buf
     buffers = buffers or {}
     plan, filled, buffer_plan = [], {name: 0 for name in slots}, []
     shapes = {name: s.shape for name, (_, s) in slots.items()}
+    placed = []
     for e in entries:
         target, index = spec.from_disk(e.name, config)
         if names is not None and target not in slots and target not in buffers:
-            target, index = names(e.name, e.shape, shapes)
+            placed += names(e, shapes)
+        else:
+            placed.append((e, target, index))
+    for e, target, index in placed:
         if target in buffers and not index:
             buffer_plan.append((e, target))
             continue
