@@ -7,9 +7,9 @@ GPT-NeoX's `embed_out` its `lm_head`), and MoE experts saved one by one that the
 checkpoint's names (it reverts the mapping), so every folder of such a family holds them, including the ones
 this package writes (hf_format.py reverts the same way).
 
-The families' specs (patcher/specs.py) map the names they know; `CheckpointNames` maps the rest with the
-model's own mapping: transformers' renaming of a key, and for a converter the place of the tensor in the
-fused one. Only the converters whose result is a placement are taken (experts stacked along dim 0, pieces
+`CheckpointNames` maps every checkpoint tensor with the model's own mapping, as from_pretrained does:
+transformers' renaming of a key, and for a converter the place of the tensor in the fused one (a name no
+transform matches is the model's own). Only the converters whose result is a placement are taken (experts stacked along dim 0, pieces
 concatenated along one dim); any other (a transpose, a permutation for rotary, an interleave) is refused by
 name before a byte is read.
 """
@@ -35,7 +35,7 @@ class CheckpointNames:
         try:
             transforms = get_model_conversion_mapping(model)
         except Exception:  # a model's own code (trust_remote_code) that transformers' mapping cannot read: none
-            transforms = []  # then a name the spec does not know is refused below in load_into_store, as before
+            transforms = []  # then every name is the model's own, and one it does not hold is refused by the loader
         self.renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
         self.prefix = getattr(model, "base_model_prefix", None) or None
@@ -46,8 +46,9 @@ class CheckpointNames:
         from transformers.core_model_loading import rename_source_key
 
         key, shape = entry.name, entry.shape
-        renamed, _ = rename_source_key(key, self.renamings, [], self.prefix, self.known)
-        target, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.known)
+        # transformers' order: every renaming, then at most one converter, then the base model's prefix
+        renamed, _ = rename_source_key(key, self.renamings, [])
+        target, pattern = rename_source_key(renamed, [], self.converters, self.prefix, self.known)
         if pattern is None:
             return [(entry, target, ())]
         converter = next(c for c in self.converters if pattern in c.source_patterns)

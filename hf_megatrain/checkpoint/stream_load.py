@@ -101,12 +101,11 @@ def engine_from_checkpoint(skeleton, folder: str, *, progress: bool = True, **en
 
     from ..engine.schedule import StreamingEngine
     from ..patcher.adapters import base_model
-    from ..patcher.specs import spec_for
 
     base = base_model(skeleton)
     config = base.config
-    fill = partial(load_into_store, spec=spec_for(config), config=config, folder=folder, progress=progress,
-                   buffers=persistent_buffers(base), ignored=_ignored_on_load(base), names=CheckpointNames(base))
+    fill = partial(load_into_store, names=CheckpointNames(base), config=config, folder=folder, progress=progress,
+                   buffers=persistent_buffers(base), ignored=_ignored_on_load(base))
     return StreamingEngine(skeleton, load_weights=fill, **engine_kw)
 
 
@@ -122,13 +121,13 @@ def _ignored_on_load(model) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def load_into_store(store, spec, config, folder: str, progress: bool = True, buffers: dict | None = None,
-                    ignored: tuple[str, ...] = (), names: CheckpointNames | None = None) -> None:
+def load_into_store(store, names: CheckpointNames, config, folder: str, progress: bool = True,
+                    buffers: dict | None = None, ignored: tuple[str, ...] = ()) -> None:
     """Fill every unit's compute copy and this rank's part of its fp32 master from the checkpoint;
     and `buffers` (persistent_buffers of the skeleton: host tensors, e.g. a router's score correction
     bias, which the engine hands to each layer's template call) in place, every one of them.
-    `ignored`: patterns (re.search) of checkpoint tensors the model does not hold and skips (_ignored_on_load).
-    `names`: transformers' own mapping of checkpoint names (hf_names.py), for the tensors the spec does not map."""
+    `names`: where each checkpoint tensor goes, by transformers' own mapping of checkpoint names (hf_names.py).
+    `ignored`: patterns (re.search) of checkpoint tensors the model does not hold and skips (_ignored_on_load)."""
     files = shard_files(folder)
     entries = [e for path in files for e in read_header(path)]  # every header first: fail before reading
     slots = {s.name: (u.index, s) for u in store.units for s in u.slots}
@@ -137,14 +136,7 @@ def load_into_store(store, spec, config, folder: str, progress: bool = True, buf
     buffers = buffers or {}
     plan, filled, buffer_plan = [], {name: 0 for name in slots}, []
     shapes = {name: s.shape for name, (_, s) in slots.items()}
-    placed = []
-    for e in entries:
-        target, index = spec.from_disk(e.name, config)
-        if names is not None and target not in slots and target not in buffers:
-            placed += names(e, shapes)
-        else:
-            placed.append((e, target, index))
-    for e, target, index in placed:
+    for e, target, index in (piece for e in entries for piece in names(e, shapes)):
         if target in buffers and not index:
             buffer_plan.append((e, target))
             continue
@@ -201,7 +193,7 @@ def _landing(flat, slot, index: tuple, e, target: str):
             f"{e.path}: tensor {e.name!r} has shape {list(e.shape)}, but the model expects "
             f"{list(dest.shape)} for {target}. Does config.json match these weights?"
         )
-    if not dest.is_contiguous():  # every spec's index picks leading rows, so this is a new spec's bug
+    if not dest.is_contiguous():  # hf_names places whole experts and row ranges: a new conversion's bug
         raise MegaTrainError(f"{target}{list(index)}: a checkpoint tensor must land in one flat range")
     return dest
 

@@ -63,10 +63,6 @@ def _kind_by_attr(attr: str, config, index: int) -> str:
     return getattr(config, attr)[index]
 
 
-def _same_name(name: str, config) -> tuple[str, tuple]:
-    return name, ()
-
-
 @dataclass(frozen=True)
 class ArchSpec:
     """What the engine needs to know about one model family."""
@@ -95,8 +91,6 @@ class ArchSpec:
     # Whether the decoder layers pass extra keyword arguments on to attention (StableLM's do not):
     # document-by-document attention needs them.
     attention_kwargs: bool = True
-    # Where a tensor of an on-disk checkpoint goes: (model parameter name, index into it).
-    from_disk: Callable = _same_name
     # What the family's model forward does outside its layers, done exactly as it does it:
     # the config attribute the embeddings are multiplied by (Granite's embedding_multiplier),
     # and (config, logits) -> logits after lm_head (soft-capping, scaling).
@@ -240,39 +234,6 @@ class ArchSpec:
             return fn(tuple(r for stacked in layers for r in stacked.unbind(0)), *args)
 
         return per_router
-
-
-def _fused_experts_disk(inter: str, gate: str, up: str, down: str, renames: tuple = ()):
-    """Checkpoints that store experts one by one (`experts.E.<gate|up|down>.weight`), where HF v5
-    fuses them: gate_up_proj[E] = cat(gate, up) along rows, down_proj[E] = down (transformers'
-    conversion_mapping). `inter`: the config attribute with one expert's intermediate size;
-    `renames`: (old, new) substrings applied first (module renames between disk and model)."""
-    pattern = re.compile(rf"(.*)\.experts\.(\d+)\.({gate}|{up}|{down})\.weight$")
-
-    def from_disk(name: str, config) -> tuple[str, tuple]:
-        for old, new in renames:
-            name = name.replace(old, new)
-        m = pattern.match(name)
-        if m is None:
-            return name, ()
-        prefix, e, w = m.group(1), int(m.group(2)), m.group(3)
-        if w == down:
-            return f"{prefix}.experts.down_proj", (e,)
-        size = getattr(config, inter)
-        rows = slice(0, size) if w == gate else slice(size, 2 * size)
-        return f"{prefix}.experts.gate_up_proj", (e, rows)
-
-    return from_disk
-
-
-def _renamed_disk(*renames):
-    """Checkpoint names that differ from the model's by whole substrings (GraniteMoE's fused experts)."""
-    def from_disk(name: str, config) -> tuple[str, tuple]:
-        for old, new in renames:
-            name = name.replace(old, new)
-        return name, ()
-
-    return from_disk
 
 
 def _softcap_logits(config, logits):
@@ -431,9 +392,6 @@ def _generic(config) -> ArchSpec | str:
         return outside
     router = _router_loss(model, layers)
     fields = router if isinstance(router, dict) else {"router_unmatched": router}
-    disk = _generic_experts_disk(model.config, layers)
-    if disk is not None:
-        fields["from_disk"] = disk
     if plan:  # recurrent layers do not see document boundaries: rows are never split into documents for them
         fields["attention_kwargs"] = False
     spec = ArchSpec(model_type, kind, mlp=mlp, generic=True, depth=depth, **paths, **outside, **fields, **plan)
@@ -1178,24 +1136,6 @@ def _embedding_parts(base, prefix: str, layers: str, rest: list[str]) -> dict | 
     return out
 
 
-def _generic_experts_disk(config, layers):
-    """Checkpoints of a generic MoE family whose experts HF v5 fuses (experts.gate_up_proj [E, 2I, H], down_proj)
-    and stores one by one (experts.E.gate_proj / up_proj / down_proj), as Qwen3-Next's and Jamba's: the disk
-    mapping, with I read from the config attribute that equals the fused tensor's half height; None where the
-    layers hold no such experts or no attribute says I."""
-    for layer in layers:
-        for name, module in layer.named_modules():
-            fused = getattr(module, "gate_up_proj", None)
-            if name.endswith("experts") and isinstance(fused, torch.Tensor) and fused.dim() == 3:
-                inter = fused.shape[1] // 2
-                for attr in ("moe_intermediate_size", "expert_intermediate_size", "expert_ffn_hidden_size",
-                             "intermediate_size"):  # expert_ffn_hidden_size: LongCat-Flash's
-                    if getattr(config, attr, None) == inter:
-                        return _fused_experts_disk(attr, "gate_proj", "up_proj", "down_proj")
-                return None
-    return None
-
-
 def _has(module, path: str) -> bool:
     try:
         module.get_submodule(path)
@@ -1239,8 +1179,6 @@ register(
         _uniform_window,
         router="mlp.gate",
         aux_loss_fn="load_balancing_loss_func",
-        # experts one by one on disk (w1 gate, w3 up, w2 down) under block_sparse_moe
-        from_disk=_fused_experts_disk("intermediate_size", "w1", "w3", "w2", ((".block_sparse_moe.", ".mlp."),)),
     )
 )
 # Dense families whose causal LM is the Llama layout end to end (tests/unit/test_families.py proves each).
@@ -1274,20 +1212,13 @@ _LBL = "load_balancing_loss_func"
 for _type, _kind, _inter in (("qwen2_moe", _per_layer_types, "moe_intermediate_size"),
                              ("qwen3_moe", _uniform_window, "moe_intermediate_size"),
                              ("olmoe", _per_layer_types, "intermediate_size")):
-    register(ArchSpec(_type, _kind, router="mlp.gate", aux_loss_fn=_LBL, experts="num_experts",
-                      from_disk=_fused_experts_disk(_inter, "gate_proj", "up_proj", "down_proj")))
-register(ArchSpec("phimoe", _uniform_window, router="mlp.router", aux_loss_fn=_LBL,
-                  from_disk=_fused_experts_disk("intermediate_size", "w1", "w3", "w2",
-                                                ((".block_sparse_moe.", ".mlp."), (".mlp.gate.weight", ".mlp.router.weight")))))
+    register(ArchSpec(_type, _kind, router="mlp.gate", aux_loss_fn=_LBL, experts="num_experts"))
+register(ArchSpec("phimoe", _uniform_window, router="mlp.router", aux_loss_fn=_LBL))
 # GLM-4-MoE: sigmoid router with grouped top-k over scores plus a per-layer persistent e_score_correction_bias
 # (read from the checkpoint, handed to each layer's call), a shared expert, dense first layers; no
 # load-balancing loss in its causal LM. Experts one by one on disk.
-register(ArchSpec("glm4_moe", _per_layer_types,
-                  from_disk=_fused_experts_disk("moe_intermediate_size", "gate_proj", "up_proj", "down_proj")))
+register(ArchSpec("glm4_moe", _per_layer_types))
 # gpt-oss: attention sinks need attn_implementation="eager" (HF refuses sdpa for it); experts fused on disk too
 register(ArchSpec("gpt_oss", _per_layer_types, router="mlp.router", aux_loss_fn=_LBL))
 register(ArchSpec("granitemoe", _always_full, mlp="block_sparse_moe", router="block_sparse_moe.router",
-                  router_index=None, aux_loss_fn=_LBL, embed_multiplier="embedding_multiplier", logits=_divided_logits,
-                  from_disk=_renamed_disk(("block_sparse_moe.input_linear.weight", "block_sparse_moe.experts.gate_up_proj"),
-                                          ("block_sparse_moe.output_linear.weight", "block_sparse_moe.experts.down_proj"),
-                                          ("block_sparse_moe.router.layer.weight", "block_sparse_moe.router.weight"))))
+                  router_index=None, aux_loss_fn=_LBL, embed_multiplier="embedding_multiplier", logits=_divided_logits))

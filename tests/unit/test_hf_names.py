@@ -1,5 +1,5 @@
-"""The streaming loader reads checkpoint names through transformers' own conversion mapping where a family's spec
-does not map them (checkpoint/hf_names.py). The zoo (tests/support/zoo.py) streams every exact family's saved
+"""The streaming loader reads checkpoint names through transformers' own conversion mapping, as from_pretrained
+does (checkpoint/hf_names.py). The zoo (tests/support/zoo.py) streams every exact family's saved
 folder in; these tests pin the placements and the refusals."""
 
 import pytest
