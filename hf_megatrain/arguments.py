@@ -209,8 +209,6 @@ def check_arguments(args) -> None:
             "torch_compile=True is not supported: the engine runs HF's layer code one unit at a time. "
             "Set torch_compile=False."
         )
-    if args.neftune_noise_alpha:
-        raise MegaTrainError("neftune_noise_alpha is not supported; leave it unset.")
     if args.use_liger_kernel:
         raise MegaTrainError("use_liger_kernel is not supported; the loss is already chunked.")
     optim = str(getattr(args.optim, "value", args.optim))  # a string before __post_init__, an enum after

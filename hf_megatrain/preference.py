@@ -45,6 +45,9 @@ def check_engine_trl(args, model, train_dataset, peft_config, quantization_confi
                              "activations itself (offload_activations). Leave it False.")
     if args.use_liger_kernel:
         raise MegaTrainError("use_liger_kernel is not supported; the engine's head is already chunked.")
+    if args.neftune_noise_alpha:  # stock's hook would also noise a PEFT reference's forward (the adapter off)
+        raise MegaTrainError(f"neftune_noise_alpha is not supported by the engine's {trl_name}Trainer (only by "
+                             "MegaTrainTrainer and MegaTrainSFTTrainer); leave it unset.")
     if quantization_config is not None or (args.model_init_kwargs or {}).get("quantization_config"):
         raise MegaTrainError("quantization_config is not supported: hf_megatrain trains at full precision (fp32 "
                              "master weights); a frozen LoRA base streams in bf16. Remove it.")

@@ -259,6 +259,8 @@ class MegaTrainTrainer(Trainer):
         resume_from_checkpoint = check_resume(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint is not None:
             check_optimizer_kind(resume_from_checkpoint, self.optimizer_kind)
+        # NEFTune's noise in the engine's embedding for this training only, as Trainer hooks it for train() only
+        self.engine.set_neftune(self.args.neftune_noise_alpha)
         try:
             result = super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException:
@@ -267,6 +269,8 @@ class MegaTrainTrainer(Trainer):
             except Exception:
                 pass  # a failed host job raises again here: the exception on its way up says it first
             raise
+        finally:
+            self.engine.set_neftune(None)
         self.engine.synchronize()  # the last optimizer step lands before anyone reads the model
         return result
 

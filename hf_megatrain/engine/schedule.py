@@ -61,12 +61,18 @@ class _Embed(nn.Module):
         self.positions = positions
         self.project_in = project_in
         self.dropout = dropout
+        # NEFTune (Trainer's neftune_noise_alpha): noise on the token embedding's output while training, drawn as
+        # transformers' neftune_post_forward_hook draws it on get_input_embeddings(); set by the trainer
+        self.noise_alpha: float | None = None
         # OPT's and BioGPT's learned tables take the 2D mask (to count positions from it when given none)
         self._with_mask = positions is not None and not isinstance(positions, _Table) \
             and "attention_mask" in inspect.signature(positions.forward).parameters
 
     def forward(self, input_ids, position_ids=None, attention_mask=None):
         x = self.embed(input_ids)
+        if self.training and self.noise_alpha:  # the hook's own expressions, so the same numbers come out
+            mag_norm = self.noise_alpha / torch.sqrt(torch.tensor(x.size(1) * x.size(2)))
+            x = x + torch.zeros_like(x).uniform_(-mag_norm, mag_norm)
         if self.multiplier is not None:
             x = x * self.multiplier
         if self.embed_norm is not None:
@@ -326,6 +332,8 @@ class StreamingEngine(nn.Module):
         if spec.embed_scale is not None:
             multiplier = spec.embed_scale(self.config)
         embed, norm, head = (model.get_submodule(p) for p in (spec.embed, spec.norm, spec.lm_head))
+        # where NEFTune's hook would sit: the embedding template's first module must be it (set_neftune)
+        self._embed_is_input = _input_embeddings(model) is embed
         # the embedding unit's other parts (absolute positions, OPT's project_in) and the head's (project_out)
         parts = {part: _submodule_or_none(model, path) for part, path in spec.embed_parts + spec.head_parts}
         parts = {k: m for k, m in parts.items() if m is not None}  # OPT's projections exist for some widths only
@@ -491,6 +499,15 @@ class StreamingEngine(nn.Module):
             if key.startswith("layer") and self.spec.mlp and _has_submodule(tmpl.module, self.spec.mlp):
                 mlp = tmpl.module.get_submodule(self.spec.mlp)
                 tile_mlp(mlp, tokens) if tokens else untile_mlp(mlp)
+
+    def set_neftune(self, alpha: float | None) -> None:
+        """Add NEFTune's noise (Trainer's neftune_noise_alpha) to the token embeddings of every training
+        forward, as transformers' hook on get_input_embeddings() adds it; None turns it off. Evaluation (the
+        engine in eval mode) draws none, as the hook draws none with the model in eval mode."""
+        if alpha and not self._embed_is_input:
+            raise MegaTrainError(f"neftune_noise_alpha: {self.spec.model_type}'s input embeddings are not the "
+                                 f"module the engine embeds with ({self.spec.embed}); leave neftune_noise_alpha unset.")
+        self._templates["embed"].module.noise_alpha = alpha or None
 
     def _build_rotary_list(self, model) -> nn.ModuleList | None:
         """GraniteMoE-SWA's rotary modules, one per base (ArchSpec.rotary_list), rebuilt from their own configs
@@ -675,10 +692,10 @@ class StreamingEngine(nn.Module):
 
     @contextmanager
     def _embed_rng_for(self, k: int, save: bool):
-        """The embedding dropout's random numbers (GPT-2's embd_pdrop): those of micro-batch k's forward drawn
-        again by its recompute, as a layer's are (_BatchContext.rng_for)."""
+        """The embedding dropout's random numbers (GPT-2's embd_pdrop) and NEFTune's noise: those of micro-batch
+        k's forward drawn again by its recompute, as a layer's are (_BatchContext.rng_for)."""
         tmpl = self._templates["embed"]
-        if not (self.training and tmpl.module.dropout):
+        if not (self.training and (tmpl.module.dropout or tmpl.module.noise_alpha)):
             yield
             return
         dev = self.device
@@ -1154,6 +1171,14 @@ class _BatchContext:
         if not self.router:
             return nullcontext(None)
         return self.engine._templates[unit.template_key].capturing()
+
+
+def _input_embeddings(model: nn.Module) -> nn.Module | None:
+    """model.get_input_embeddings(), or None where the model has none to give."""
+    try:
+        return model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def _submodule_or_none(module: nn.Module, path: str) -> nn.Module | None:

@@ -278,6 +278,7 @@ def test_dpo_config_elsewhere_names_the_dpo_trainer(tmp_path):
 @pytest.mark.parametrize("extra, match", [
     (dict(sync_ref_model=True), "sync_ref_model"),
     (dict(activation_offloading=True), "activation_offloading"),
+    (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
     (dict(loss_type=["kto"]), r"loss_type \['kto'\]"),
     (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
     (dict(ref_peft=True), "a PeftModel as ref_model"),

@@ -172,6 +172,7 @@ def test_kto_config_elsewhere_names_the_kto_trainer(tmp_path):
     (dict(loss_type="bco"), "loss_type='bco'"),
     (dict(sync_ref_model=True), "sync_ref_model"),
     (dict(activation_offloading=True), "activation_offloading"),
+    (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
     (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
     (dict(ref_peft=True), "a PeftModel as ref_model"),
     (dict(iterable=True), "IterableDataset"),

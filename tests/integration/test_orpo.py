@@ -109,6 +109,7 @@ def test_engine_modes_equal_stock(mode, tmp_path):
 REFUSED = [(dict(generate_during_eval=True), "generate_during_eval"),
            (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
            (dict(lm_head=True), "LoRA adapter on lm_head"),
+           (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
            (dict(peft_model=True), "a PeftModel as model"),
            (dict(iterable=True), "IterableDataset")]
 

@@ -22,7 +22,8 @@ COMMON = dict(
 KEYS = ("loss", "grad_norm", "learning_rate", "eval_loss")
 
 
-def run_pair(kind, tmp_path, **overrides):
+def run_pair(kind, tmp_path, engine_kw=None, **overrides):
+    """Stock Trainer and MegaTrainTrainer on the same data; engine_kw: MegaTrainArguments' own fields."""
     train, ev = rows(24, 0), rows(6, 100)
     model = make_model(kind)
     ref = copy.deepcopy(model)
@@ -30,7 +31,7 @@ def run_pair(kind, tmp_path, **overrides):
     stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "stock"), **kw),
                     train_dataset=train, eval_dataset=ev, data_collator=default_data_collator)
     stock.train()
-    mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "mega"), **kw),
+    mega = MegaTrainTrainer(model, MegaTrainArguments(output_dir=str(tmp_path / "mega"), **kw, **(engine_kw or {})),
                             train_dataset=train, eval_dataset=ev, data_collator=default_data_collator)
     mega.train()
     return stock, mega, ref
@@ -56,6 +57,25 @@ def test_trainer_matches_stock(kind, tmp_path):
     masters = dict(mega.engine.named_master_params())
     for name, p in ref.named_parameters():
         torch.testing.assert_close(masters[name], p.detach(), atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("kind,together", [("llama_tied", "true"), ("llama", "false"), ("granite", "true"),
+                                           ("gemma3_text", "true"), ("mixtral", "false")])
+def test_neftune_matches_stock(kind, together, tmp_path):
+    """neftune_noise_alpha: the same noise on the token embeddings as stock's hook draws (so the same losses, norms
+    and weights), before a multiplier the base model applies (Granite) or after one inside the embedding module
+    (Gemma 3), with a step's micro-batches through each layer together or one at a time; none in evaluation (the
+    eval losses equal stock's), and the user's model keeps no hook after training, as stock's."""
+    stock, mega, ref = run_pair(kind, tmp_path, dict(layer_major_accumulation=together), neftune_noise_alpha=5.0)
+    assert_logs_equal(stock.state.log_history, mega.state.log_history)
+    masters = dict(mega.engine.named_master_params())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(masters[name], p.detach(), atol=1e-5, rtol=1e-5, msg=name)
+    quiet = run_pair(kind, tmp_path / "quiet", dict(layer_major_accumulation=together))[1]
+    noisy = [h["loss"] for h in mega.state.log_history if "loss" in h]
+    assert noisy != [h["loss"] for h in quiet.state.log_history if "loss" in h]  # the noise was drawn
+    assert not mega.model.get_input_embeddings()._forward_hooks
+    assert mega.engine._templates["embed"].module.noise_alpha is None
 
 
 def test_no_clipping_and_cosine(tmp_path):

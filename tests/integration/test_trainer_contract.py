@@ -180,7 +180,7 @@ def test_positional_arguments_mean_what_they_mean_in_trainer(tmp_path):
     assert mega.data_collator is default_data_collator and mega.train_dataset is rows and mega.eval_dataset is rows
 
 
-@pytest.mark.parametrize("option", [dict(torch_compile=True), dict(neftune_noise_alpha=5.0), dict(optim="adamw_bnb_8bit"),
+@pytest.mark.parametrize("option", [dict(torch_compile=True), dict(optim="adamw_bnb_8bit"),
                                     dict(use_liger_kernel=True)])
 def test_arguments_build_and_the_trainer_refuses(option, tmp_path):
     """Code that only parses arguments (a shared HfArgumentParser setup) keeps working; the trainer refuses."""
