@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from dataclasses import MISSING, dataclass, field, fields
 
 import torch
@@ -38,10 +39,11 @@ except ImportError as e:  # an optional extra
 
 from .arguments import MegaTrainArguments, check_arguments, compute_dtype, megatrain_arguments
 from .checkpoint.loading import load_model_and_tokenizer
+from .checkpoint.stream_load import read_parameters
 from .engine.loss import LOSS_TYPES
 from .errors import MegaTrainError
 from .logs import show_logs
-from .patcher.adapters import check_adapter_config
+from .patcher.adapters import base_model, check_adapter_config
 from .preflight import check_outputs, check_resume
 from .trainer import MegaTrainTrainer, refuse_other_trl_config
 
@@ -149,13 +151,28 @@ def check_sft(args, kwargs: dict) -> None:
     check_adapter_config(kwargs.get("peft_config") or args.peft_config)  # prompt learning: refused in one line
     if kwargs.get("compute_loss_func") is not None:
         raise MegaTrainError("compute_loss_func is not supported: the engine computes the causal-LM loss itself.")
-    template = args.chat_template_path
-    if template is not None and not template.endswith((".jinja", ".j2")):
+    if clones_template(args) and (kwargs.get("peft_config") or args.peft_config) is not None:
         raise MegaTrainError(
-            f"chat_template_path={template!r} copies a tokenizer's template and resizes the embeddings for its "
-            "tokens, which the engine's host store cannot follow. Resize and save the model first (trl's "
-            "clone_chat_template), then train the saved folder, or pass a .jinja template file."
-        )
+            f"chat_template_path={args.chat_template_path!r} with peft_config: SFTTrainer then makes the template's "
+            "new tokens trainable through PEFT's trainable_token_indices and modules_to_save=['lm_head'], which the "
+            "engine's LoRA does not train. Train without LoRA, or resize and save the model first (trl's "
+            "clone_chat_template), then train the saved folder with LoRA.")
+
+
+def clones_template(args) -> bool:
+    """Whether SFTTrainer clones a tokenizer's chat template (adding its tokens, resizing the embeddings) rather
+    than reading a .jinja file: the same test as SFTTrainer's."""
+    path = args.chat_template_path
+    return path is not None and not (os.path.isfile(path) and path.endswith((".jinja", ".j2")))
+
+
+def embedding_names(model) -> list[str]:
+    """The names (in the base model) of the input embedding's and the output head's weights, the parameters
+    resize_token_embeddings changes; a tied head's once."""
+    base = base_model(model)
+    wanted = [m.weight for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None]
+    names = {id(p): name for name, p in base.named_parameters()}  # named_parameters gives a tied weight once
+    return list(dict.fromkeys(names[id(w)] for w in wanted if id(w) in names))
 
 
 class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
@@ -178,7 +195,12 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         check_outputs(args)
         check_resume(args.resume_from_checkpoint, args.output_dir)
         self._loaded = load_for_trl(model, args)
-        skeleton, tokenizer, _ = self._loaded
+        skeleton, tokenizer, weights_from = self._loaded
+        if clones_template(args) and weights_from is not None:
+            # SFTTrainer's clone_chat_template resizes the embeddings with rows drawn from the old ones' mean
+            # and covariance: those two weights are read for real first (the rest stays on disk), and the
+            # engine takes them from the skeleton as resized
+            read_parameters(skeleton, weights_from, embedding_names(skeleton))
         if processing_class is None:
             # the folder's tokenizer; for a loaded model None, and SFTTrainer loads it as stock does, from the
             # model's config._name_or_path (AutoProcessor, with args.trust_remote_code)

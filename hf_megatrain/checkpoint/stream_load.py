@@ -104,9 +104,56 @@ def engine_from_checkpoint(skeleton, folder: str, *, progress: bool = True, **en
 
     base = base_model(skeleton)
     config = base.config
+    # parameters already real on the skeleton (read_parameters, then changed: embeddings resized for a cloned chat
+    # template) are taken as they are; the checkpoint fills the rest
+    given = {name: p for name, p in base.named_parameters() if p.device.type != "meta"}
     fill = partial(load_into_store, names=CheckpointNames(base), config=config, folder=folder, progress=progress,
-                   buffers=persistent_buffers(base), ignored=_ignored_on_load(base))
+                   buffers=persistent_buffers(base), ignored=_ignored_on_load(base), given=given)
     return StreamingEngine(skeleton, load_weights=fill, **engine_kw)
+
+
+def read_parameters(skeleton, folder: str, names: list[str], device="cpu") -> None:
+    """Make the meta skeleton's parameters `names` real, on `device` in fp32 (as stock's from_pretrained loads
+    them by default), read from the checkpoint in `folder` as load_into_store would read them; every module
+    holding one of them (a tied head) gets the real one. engine_from_checkpoint then takes them from the
+    skeleton as they are by then, not from the checkpoint: what changes them in between (resize_token_embeddings
+    for a cloned chat template) is what the engine trains, and the rest of the model is never loaded whole."""
+    import torch.nn as nn
+
+    from ..patcher.adapters import base_model
+
+    base = base_model(skeleton)
+    params = dict(base.named_parameters())
+    wanted = {name: params[name] for name in names}
+    shapes = {name: p.shape for name, p in params.items()}
+    real = {name: torch.zeros(p.shape, dtype=torch.float32, device=device) for name, p in wanted.items()}
+    filled = dict.fromkeys(wanted, 0)
+    mapper = CheckpointNames(base)
+    reader = TensorReader()
+    try:
+        for e in (e for path in shard_files(folder) for e in read_header(path)):
+            for e, target, index in mapper(e, shapes):
+                if target in real:
+                    dest = _landing(real[target].view(-1), _Whole(real[target].shape), index, e, target)
+                    reader.read_into(e, dest.reshape(-1))
+                    filled[target] += dest.numel()
+    finally:
+        reader.close()
+    missing = [n for n, count in filled.items() if count != real[n].numel()]
+    if missing:
+        raise MegaTrainError(f"the checkpoint in {folder} lacks {missing[0]!r}, which the model needs.")
+    swap = {id(p): nn.Parameter(real[name], requires_grad=p.requires_grad) for name, p in wanted.items()}
+    for module in base.modules():
+        for key, p in list(module._parameters.items()):
+            if p is not None and id(p) in swap:
+                module._parameters[key] = swap[id(p)]
+
+
+class _Whole:
+    """A parameter's own shape as _landing reads a slot's: the whole of it, from offset 0."""
+
+    def __init__(self, shape):
+        self.shape = shape
 
 
 def _ignored_on_load(model) -> tuple[str, ...]:
@@ -122,21 +169,26 @@ def _ignored_on_load(model) -> tuple[str, ...]:
 
 
 def load_into_store(store, names: CheckpointNames, config, folder: str, progress: bool = True,
-                    buffers: dict | None = None, ignored: tuple[str, ...] = ()) -> None:
+                    buffers: dict | None = None, ignored: tuple[str, ...] = (), given: dict | None = None) -> None:
     """Fill every unit's compute copy and this rank's part of its fp32 master from the checkpoint;
     and `buffers` (persistent_buffers of the skeleton: host tensors, e.g. a router's score correction
     bias, which the engine hands to each layer's template call) in place, every one of them.
     `names`: where each checkpoint tensor goes, by transformers' own mapping of checkpoint names (hf_names.py).
-    `ignored`: patterns (re.search) of checkpoint tensors the model does not hold and skips (_ignored_on_load)."""
+    `ignored`: patterns (re.search) of checkpoint tensors the model does not hold and skips (_ignored_on_load).
+    `given`: parameter name -> a real tensor that fills that slot instead of the checkpoint's (whose tensor for it,
+    of another shape once the embeddings were resized, is not read)."""
     files = shard_files(folder)
     entries = [e for path in files for e in read_header(path)]  # every header first: fail before reading
     slots = {s.name: (u.index, s) for u in store.units for s in u.slots}
+    given = given or {}
     # a tied lm_head (CTRL's beside a bias of its own, which the layout does not mark) saved anyway: skipped
     tied = {u.tied_local for u in store.units if u.tied_local} or getattr(config, "tie_word_embeddings", False)
     buffers = buffers or {}
     plan, filled, buffer_plan = [], {name: 0 for name in slots}, []
     shapes = {name: s.shape for name, (_, s) in slots.items()}
     for e, target, index in (piece for e in entries for piece in names(e, shapes)):
+        if target in given:
+            continue
         if target in buffers and not index:
             buffer_plan.append((e, target))
             continue
@@ -164,6 +216,9 @@ def load_into_store(store, names: CheckpointNames, config, folder: str, progress
     quiet = not progress or (store.sharding is not None and store.sharding.rank != 0)  # one bar, not one a rank
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=quiet)
     try:
+        for target, tensor in given.items():
+            u, slot = slots[target]
+            filled[target] += _take_tensor(store, tensor, u, slot)
         for e, target in buffer_plan:  # a few small tensors, read whole (every data-parallel rank reads them)
             buf = buffers[target]
             if tuple(buf.shape) != tuple(e.shape):
@@ -233,6 +288,25 @@ def _read_tensor(store, reader, e, u: int, slot, index: tuple, target: str) -> i
         if x < y:
             reader.read_into(e, dest[x - a : y - a], first=x - a)
     return b - a
+
+
+def _take_tensor(store, tensor: torch.Tensor, u: int, slot) -> int:
+    """A real tensor into its slot of unit u, as HostStore.from_model copies a loaded model's: all of it into the
+    compute copy (where the unit has one and it is not the master), this rank's part into the fp32 master."""
+    if tuple(tensor.shape) != tuple(slot.shape):
+        raise MegaTrainError(f"{slot.name} has shape {list(tensor.shape)}, but the model's layout expects "
+                             f"{list(slot.shape)}")
+    flat = tensor.detach().reshape(-1)
+    a, b = slot.offset, slot.offset + slot.numel
+    lo, hi = store.bounds[u]
+    master, compute = store.master[u], store.compute[u]
+    with torch.no_grad():
+        if compute is not None and compute is not master:
+            compute[a:b].copy_(flat)
+        p, q = max(a, lo), min(b, hi)
+        if slot.trainable and p < q:
+            master[p - lo : q - lo].copy_(flat[p - a : q - a])
+    return slot.numel
 
 
 def _read_master_only(store, reader, e, u: int, slot, index: tuple, target: str) -> int:

@@ -135,7 +135,6 @@ def test_trl_configs_of_other_trainers_are_refused(tmp_path):
 @pytest.mark.parametrize("extra, match", [
     (dict(activation_offloading=True), "activation_offloading"),
     (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
-    (dict(chat_template_path="Qwen/Qwen2.5-0.5B-Instruct"), "clone_chat_template"),
 ])
 def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tmp_path, monkeypatch):
     folder = model_folder(tmp_path, "llama")
@@ -147,6 +146,65 @@ def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tm
     with pytest.raises(MegaTrainError, match=match):
         MegaTrainSFTTrainer(folder, SFTConfig(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[], **extra),
                             train_dataset=DATA["completion"])
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}>{{ m['content'] }}<|im_end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant>{% endif %}")
+
+
+def template_source(tmp_path):
+    """A tokenizer folder whose chat template and added tokens SFTTrainer clones (chat_template_path): 77 new
+    tokens take the 99-token model to 128 rows (a multiple of 64), 29 of them drawn from the old rows' mean and
+    covariance by resize_token_embeddings."""
+    tok = build_tokenizer()
+    tok.add_tokens(["<|im_start|>", "<|im_end|>"] + [f"<tool_{i}>" for i in range(75)], special_tokens=True)
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = CHAT_TEMPLATE
+    folder = tmp_path / "template-source"
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("kind, loaded", [("llama", False), ("llama_tied", False), ("llama", True)])
+def test_cloned_chat_template_equals_stock(kind, loaded, tmp_path):
+    """chat_template_path naming a tokenizer: SFTTrainer's clone_chat_template adds its tokens and resizes the
+    embeddings (new rows drawn at random); from a folder the engine reads only the embedding and head for that and
+    streams the rest. The same rows, losses and weights as stock SFTTrainer, and the saved folder loads back."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, source = model_folder(tmp_path, kind), template_source(tmp_path)
+    data = datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": w}, {"role": "assistant",
+                                                                                    "content": w[::-1]}]
+                                                    for w in WORDS]})
+    results = {}
+    for name, cls in (("stock", SFTTrainer), ("mega", MegaTrainSFTTrainer)):
+        model = AutoModelForCausalLM.from_pretrained(folder) if loaded else folder
+        args = SFTConfig(output_dir=str(tmp_path / name), chat_template_path=source, **KW)
+        trainer = cls(model=model, args=args, train_dataset=data, processing_class=AutoTokenizer.from_pretrained(folder))
+        trainer.train()
+        trainer.save_model(str(tmp_path / name))
+        logs = [{k: h[k] for k in METRICS if k in h} for h in trainer.state.log_history if "loss" in h]
+        results[name] = logs, load_file(str(tmp_path / name / "model.safetensors"))
+    (stock_logs, stock_weights), (logs, weights) = results["stock"], results["mega"]
+    assert len(logs) == len(stock_logs) == KW["max_steps"]
+    for ours, theirs in zip(logs, stock_logs):
+        assert ours.keys() == theirs.keys()
+        for k in ours:
+            assert ours[k] == pytest.approx(theirs[k], rel=1e-5, abs=1e-6), (k, ours, theirs)
+    assert weights.keys() == stock_weights.keys()
+    assert weights["model.embed_tokens.weight"].shape[0] == 128
+    for k in weights:
+        torch.testing.assert_close(weights[k], stock_weights[k], atol=1e-5, rtol=1e-5, msg=k)
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "mega"))
+    assert back.config.vocab_size == 128 and back.config.eos_token_id == AutoTokenizer.from_pretrained(
+        str(tmp_path / "mega")).convert_tokens_to_ids("<|im_end|>")
+
+
+def test_cloned_chat_template_with_lora_is_refused(tmp_path):
+    with pytest.raises(MegaTrainError, match="trainable_token_indices"):
+        MegaTrainSFTTrainer(model_folder(tmp_path, "llama"), SFTConfig(
+            output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[], chat_template_path=template_source(tmp_path)),
+            train_dataset=DATA["completion"], peft_config=LoraConfig(**LORA))
 
 
 def test_sft_config_carries_the_engine_options(tmp_path):
