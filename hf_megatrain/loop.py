@@ -15,6 +15,8 @@ optimizer.step() step, exactly.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers import Trainer
 
@@ -55,7 +57,7 @@ def prepare(model, *, device=None, compute_dtype=None, lr: float = 1e-5, betas=(
     """
     from .errors import MegaTrainError
     from .planner.estimator import mlp_tile
-    from .patcher.adapters import base_model
+    from .patcher.adapters import base_model, decay_names
     from .planner import LONG_CONTEXT_TOKENS, Machine, Request, plan_run
 
     if gpu_resident_layers is not None:
@@ -79,7 +81,7 @@ def prepare(model, *, device=None, compute_dtype=None, lr: float = 1e-5, betas=(
     if run.refusal is not None:
         raise MegaTrainError(run.refusal)  # before a single weight is read or a large allocation made
     config = run.engine
-    decay = Trainer.get_decay_parameter_names(None, model)
+    decay = decay_names(partial(Trainer.get_decay_parameter_names, None), model)
     if weights_from is None:
         engine = StreamingEngine(model, config, decay_names=decay)
     else:

@@ -47,7 +47,7 @@ from .errors import MegaTrainError, counted
 from .checkpoint.stream_load import engine_from_checkpoint
 from .logs import show_logs
 from .planner import Machine, plan_run, request_from_arguments
-from .patcher.adapters import base_model
+from .patcher.adapters import base_model, decay_names
 from .preflight import check_data, check_disk, check_outputs, check_resume
 
 logger = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class MegaTrainTrainer(Trainer):
             model = with_adapters(model, args.peft_config, weights_from, engine_config.compute_dtype)
             weights_from = None
         self.args = args  # what a subclass's get_decay_parameter_names may read (Trainer sets it again)
-        decay = self.get_decay_parameter_names(base_model(model))
+        decay = decay_names(self.get_decay_parameter_names, model)
         sharding = None
         if args.world_size > 1:  # data parallel: each rank keeps a slice of the optimizer state
             from .engine.distributed import Sharding

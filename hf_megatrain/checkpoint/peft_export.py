@@ -41,6 +41,10 @@ def _lora_layers(base) -> dict[str, object]:
 def save_merged(engine, out_dir: str, dtype: torch.dtype | None = None) -> list[str]:
     """A full HF checkpoint of base + merged adapters; from_pretrained loads it as the base class.
     dtype: by default the model's own, as its writer remembered it (ModelWriter.dtype)."""
+    if engine.virtual_tokens:
+        raise MegaTrainError("save_merged merges LoRA adapters into the base weights; a prompt-tuning or p-tuning "
+                             "prompt has no weight to merge into (it stays before every input): save_model writes "
+                             "it as PEFT does, for PeftModel.from_pretrained.")
     engine.synchronize()
     dtype = dtype or getattr(engine.writer, "dtype", None)
     store, base = engine.store, engine.peft_model.get_base_model()

@@ -39,6 +39,7 @@ from .layout import loss_chunk, mark_resident, slab_numel
 from .loss import RowLoss, chunked_head_loss, full_logits, loss_denominator, row_head_loss
 from .per_layer import LayerSides, PerLayerInputs, altup_collapse, altup_stack, base_buffers
 from .pipeline import HostPipeline, Pipeline
+from .prompts import attached, prompt_encoder, with_virtual_tokens
 from .selfcheck import stock_leaves_without_grad, verify
 from .store import HostStore, build_units
 
@@ -52,9 +53,13 @@ class _Embed(nn.Module):
 
     def __init__(self, embed: nn.Module, multiplier: float | None = None, positions: nn.Module | None = None,
                  project_in: nn.Module | None = None, dropout: float = 0.0, embed_norm: nn.Module | None = None,
-                 altup: nn.Module | None = None):
+                 altup: nn.Module | None = None, prompt: nn.Module | None = None, virtual_tokens: int = 0):
         super().__init__()
         self.embed = embed
+        # PEFT's prompt encoder (prompt tuning, p-tuning: engine/prompts.py): its output takes the place of the
+        # first `virtual_tokens` ids of each row, which with_virtual_tokens put there
+        self.prompt = prompt
+        self.virtual_tokens = virtual_tokens
         self.altup = altup  # Gemma 3n's altup_projections: the embeddings become [inputs, batch, seq, hidden]
         self.embed_norm = embed_norm
         self.multiplier = multiplier
@@ -68,11 +73,23 @@ class _Embed(nn.Module):
         self._with_mask = positions is not None and not isinstance(positions, _Table) \
             and "attention_mask" in inspect.signature(positions.forward).parameters
 
+    @property
+    def stochastic(self) -> bool:
+        """Whether a training forward draws random numbers (which its recompute must draw again)."""
+        prompt = self.prompt is not None and any(
+            isinstance(m, (nn.Dropout, nn.LSTM)) and getattr(m, "p", getattr(m, "dropout", 0))
+            for m in self.prompt.modules())
+        return self.training and bool(self.dropout or self.noise_alpha or prompt)
+
     def forward(self, input_ids, position_ids=None, attention_mask=None):
-        x = self.embed(input_ids)
+        n = self.virtual_tokens
+        x = self.embed(input_ids[:, n:] if n else input_ids)
         if self.training and self.noise_alpha:  # the hook's own expressions, so the same numbers come out
             mag_norm = self.noise_alpha / torch.sqrt(torch.tensor(x.size(1) * x.size(2)))
             x = x + torch.zeros_like(x).uniform_(-mag_norm, mag_norm)
+        if n:  # as PeftModel.get_prompt: the encoder on [rows, n] indices 0..n-1, after the token embeddings
+            tokens = torch.arange(n, device=x.device).unsqueeze(0).expand(x.shape[0], -1)
+            x = torch.cat([self.prompt(tokens).to(x.dtype), x], dim=1)
         if self.multiplier is not None:
             x = x * self.multiplier
         if self.embed_norm is not None:
@@ -236,47 +253,54 @@ class StreamingEngine(nn.Module):
         _check_model(model, self.spec, skeleton=load_weights is not None)
         if self.spec.generic:  # outside the registry: trained only once a small copy equals stock
             verify(self.spec, model.config)
-        self.device = config.device
-        self.model_class = type(model)
-        self.compute_dtype = config.compute_dtype
-        self.config = copy.deepcopy(model.config)  # the engine's own: see the class docstring
-        if decay_names is None:
-            decay_names = [n for n, _ in model.named_parameters()]
-        # a parameter stock's step leaves without a gradient is never moved by its optimizer; here its gradient
-        # is zero, and out of weight decay no optimizer moves it either (selfcheck.stock_leaves_without_grad)
-        decay_names = [n for n in decay_names if not stock_leaves_without_grad(self.spec.model_type, n, self.spec.layers)]
-        self.units = build_units(model, self.spec, decay_names)
-        self._tied = tied_head(model, self.spec, self.units)
-        if sharding is not None and config.transient_grads:
-            raise MegaTrainError("transient_grads is not combined with data parallel yet: the ranks' gradients are "
-                                 "summed before each step; leave it off.")
-        if sharding is not None and config.lean_streamed:
-            raise MegaTrainError("lean_streamed is not combined with data parallel yet: each rank holds only a "
-                                 "slice of the fp32 master, so the master cannot be what streams; leave it off.")
-        if sharding is not None and config.gpu_grad_layers:
-            raise MegaTrainError("gpu_grad_layers is not combined with data parallel yet: each rank keeps a slice "
-                                 "of every gradient in host RAM; leave it at 0.")
-        self.resident_layers = mark_resident(self.units, config.resident_layers, config.lean_resident,
-                                             config.lean_streamed, config.gpu_grad_layers)
-        self.engine_config = replace(config, resident_layers=self.resident_layers,
-                                     lean_resident=any(u.no_compute_copy and u.resident for u in self.units),
-                                     lean_streamed=any(u.no_compute_copy and not u.resident for u in self.units),
-                                     gpu_grad_layers=sum(u.grad_on_gpu for u in self.units))
-        pin = self.device.type == "cuda"
-        if load_weights is None:
-            self.store = HostStore.from_model(model, self.units, self.compute_dtype, pin=pin, device=self.device,
-                                              sharding=sharding, transient_grads=config.transient_grads)
-        else:  # a meta skeleton: its weights come from the loader
-            self.store = HostStore(self.units, self.compute_dtype, pin=pin, device=self.device, sharding=sharding,
-                                   transient_grads=config.transient_grads)
-            load_weights(self.store)
-            self.store.bind(model)
-        _say_what_the_model_shows(self.store, sharding)
-        # The model's own Parameter objects (views of the store), in a plain list: not registered as the
-        # engine's, but what parameters() yields, so that what counts the wrapped model's parameters
-        # (Trainer's "Number of trainable parameters") counts the model's.
-        self._model_params = list(model.parameters())
-        self._templates = self._build_templates(model)
+        # prompt tuning / p-tuning: the PeftModel's prompt encoder is part of the embedding unit (engine/prompts.py)
+        prompt = prompt_encoder(self.peft_model)
+        self.virtual_tokens = prompt[2] if prompt else 0
+        if prompt:
+            self.spec = replace(self.spec, prompt=prompt[1])
+        with attached(model, *prompt[:2]) if prompt else nullcontext():
+            self.device = config.device
+            self.model_class = type(model)
+            self.compute_dtype = config.compute_dtype
+            self.config = copy.deepcopy(model.config)  # the engine's own: see the class docstring
+            if decay_names is None:
+                decay_names = [n for n, _ in model.named_parameters()]
+            # a parameter stock's step leaves without a gradient is never moved by its optimizer; here its gradient
+            # is zero, and out of weight decay no optimizer moves it either (selfcheck.stock_leaves_without_grad)
+            decay_names = [n for n in decay_names
+                           if not stock_leaves_without_grad(self.spec.model_type, n, self.spec.layers)]
+            self.units = build_units(model, self.spec, decay_names)
+            self._tied = tied_head(model, self.spec, self.units)
+            if sharding is not None and config.transient_grads:
+                raise MegaTrainError("transient_grads is not combined with data parallel yet: the ranks' gradients are "
+                                     "summed before each step; leave it off.")
+            if sharding is not None and config.lean_streamed:
+                raise MegaTrainError("lean_streamed is not combined with data parallel yet: each rank holds only a "
+                                     "slice of the fp32 master, so the master cannot be what streams; leave it off.")
+            if sharding is not None and config.gpu_grad_layers:
+                raise MegaTrainError("gpu_grad_layers is not combined with data parallel yet: each rank keeps a slice "
+                                     "of every gradient in host RAM; leave it at 0.")
+            self.resident_layers = mark_resident(self.units, config.resident_layers, config.lean_resident,
+                                                 config.lean_streamed, config.gpu_grad_layers)
+            self.engine_config = replace(config, resident_layers=self.resident_layers,
+                                         lean_resident=any(u.no_compute_copy and u.resident for u in self.units),
+                                         lean_streamed=any(u.no_compute_copy and not u.resident for u in self.units),
+                                         gpu_grad_layers=sum(u.grad_on_gpu for u in self.units))
+            pin = self.device.type == "cuda"
+            if load_weights is None:
+                self.store = HostStore.from_model(model, self.units, self.compute_dtype, pin=pin, device=self.device,
+                                                  sharding=sharding, transient_grads=config.transient_grads)
+            else:  # a meta skeleton: its weights come from the loader
+                self.store = HostStore(self.units, self.compute_dtype, pin=pin, device=self.device, sharding=sharding,
+                                       transient_grads=config.transient_grads)
+                load_weights(self.store)
+                self.store.bind(model)
+            _say_what_the_model_shows(self.store, sharding)
+            # The model's own Parameter objects (views of the store), in a plain list: not registered as the
+            # engine's, but what parameters() yields, so that what counts the wrapped model's parameters
+            # (Trainer's "Number of trainable parameters") counts the model's.
+            self._model_params = list(model.parameters())
+            self._templates = self._build_templates(model)
         self.set_mlp_tiling(config.mlp_tile_tokens)
         cfg = self.config
         self.stochastic = any(
@@ -341,12 +365,12 @@ class StreamingEngine(nn.Module):
             parts["positions"] = _Table(model.get_buffer(spec.positions)) if spec.positions_buffer \
                 else model.get_submodule(spec.positions)
         copies = {k: meta_copy(m, cfg) for k, m in parts.items()}
-        embed_sources = {"embed": embed, **{k: parts[k] for k in ("positions", "project_in", "embed_norm", "altup")
-                                            if k in parts}}
+        embed_sources = {"embed": embed, **{k: parts[k] for k in ("positions", "project_in", "embed_norm", "altup",
+                                                                  "prompt") if k in parts}}
         templates = {
             "embed": Template(_Embed(meta_copy(embed, cfg), multiplier, copies.get("positions"),
                                      copies.get("project_in"), self._embed_dropout(model), copies.get("embed_norm"),
-                                     copies.get("altup")),
+                                     copies.get("altup"), copies.get("prompt"), self.virtual_tokens),
                               self._template_buffers(embed_sources)),
             "head": Template(_Head(meta_copy(norm, cfg), meta_copy(head, cfg), spec.logits, self.config,
                                    copies.get("project_out"), copies.get("altup_out")),
@@ -695,7 +719,7 @@ class StreamingEngine(nn.Module):
         """The embedding dropout's random numbers (GPT-2's embd_pdrop) and NEFTune's noise: those of micro-batch
         k's forward drawn again by its recompute, as a layer's are (_BatchContext.rng_for)."""
         tmpl = self._templates["embed"]
-        if not (self.training and (tmpl.module.dropout or tmpl.module.noise_alpha)):
+        if not (self.training and tmpl.module.stochastic):
             yield
             return
         dev = self.device
@@ -837,6 +861,7 @@ class StreamingEngine(nn.Module):
                                  "step its units as they finish: call the host optimizer's step_during_backward() before it "
                                  "(to clip, with clip_norm=(gradient_norm(...), max_norm)), with the step's "
                                  "micro-batches together in one call.")
+        batches = [with_virtual_tokens(b, self.virtual_tokens) for b in batches]
         preps = [self._positions(self._inputs.prepare(b), b) for b in batches]
         require_labels(preps)
         pipe = self.pipeline
@@ -1040,6 +1065,7 @@ class StreamingEngine(nn.Module):
                                  "computes no gradients. Training runs through MegaTrainTrainer.training_step (an "
                                  "override must call super().training_step) or engine.forward_backward.")
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "position_ids": position_ids}
+        batch = with_virtual_tokens(batch, self.virtual_tokens)
         prep = self._positions(self._inputs.prepare(batch), batch)
         mask, labels, rows = prep.mask, prep.labels, prep.rows
         pipe = self.pipeline

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from ..errors import MegaTrainError
-
 
 def is_peft_model(model) -> bool:
     from peft import PeftModel
@@ -17,15 +15,12 @@ def base_model(model):
 
 
 def check_adapter_config(peft_config) -> None:
-    """Refuse, in one line, a PEFT method the engine cannot train exactly: prompt learning (prompt
-    tuning, prefix tuning, p-tuning...). Its virtual tokens enter through PeftModel.forward (prompt
-    embeddings before the input's, or a prefix key/value cache), which the engine never calls: it runs
-    the base model's layers itself, so the prompt encoder would get no gradient."""
-    if getattr(peft_config, "is_prompt_learning", False):
-        kind = getattr(getattr(peft_config, "peft_type", None), "value", None) or type(peft_config).__name__
-        raise MegaTrainError(f"peft_config is {kind} (prompt learning), which hf_megatrain does not train: its "
-                             "virtual tokens enter through PeftModel.forward, which the engine does not run; use "
-                             "LoRA (LoraConfig, also with target_parameters) instead.")
+    """Refuse, in one line, a PEFT method the engine cannot train exactly: prefix tuning and the other prompt
+    methods whose virtual tokens enter each layer's attention (engine/prompts.py). LoRA, prompt tuning and
+    p-tuning train."""
+    from ..engine.prompts import check_prompt_learning
+
+    check_prompt_learning(peft_config)
 
 
 def check_peft_model(model) -> None:
@@ -33,3 +28,13 @@ def check_peft_model(model) -> None:
     if is_peft_model(model):
         for config in model.peft_config.values():
             check_adapter_config(config)
+
+
+def decay_names(get_names, model) -> list[str]:
+    """The parameters Trainer decays (`get_names`: its get_decay_parameter_names, or an override), named as the
+    engine names them: in the base model, and a PeftModel's prompt encoder (prompt tuning, p-tuning) under its own
+    name there (prompt_encoder.<adapter>.*), which the engine maps to its embedding unit."""
+    names = list(get_names(base_model(model)))
+    if is_peft_model(model):
+        names += [n for n in get_names(model) if n.startswith("prompt_encoder.")]
+    return names

@@ -172,6 +172,9 @@ class ArchSpec:
     # a layer takes it by, the index of the layer's output it is); the first layer gets None. Read by _layer_plan; the
     # engine keeps what each layer was handed for its recompute, and refuses one that would need a gradient.
     carried: tuple[str, int] | None = None
+    # A PEFT prompt encoder (prompt tuning, p-tuning) held in the embedding unit while the engine is built: its
+    # path in the base model then (engine/prompts.py); never a family's own
+    prompt: str | None = None
 
     @property
     def embed_parts(self) -> tuple[tuple[str, str], ...]:
@@ -180,7 +183,8 @@ class ArchSpec:
         return tuple((part, path) for part, path in (("positions", self.positions if self.positions_learned else None),
                                                      ("project_in", self.project_in),
                                                      ("embed_norm", self.embed_norm),
-                                                     ("altup", self.altup[0] if self.altup else None)) if path)
+                                                     ("altup", self.altup[0] if self.altup else None),
+                                                     ("prompt", self.prompt)) if path)
 
     @property
     def head_parts(self) -> tuple[tuple[str, str], ...]:

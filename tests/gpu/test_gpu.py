@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainTrainer, StreamingEngine
 from hf_megatrain.patcher.specs import spec_for
-from tests.support.tiny import FAMILIES, make_batch, make_model, make_packed_batch
+from tests.support.tiny import FAMILIES, make_batch, make_model, make_packed_batch, make_prompted
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -57,6 +57,30 @@ def assert_fp32_matches_stock(model, batch):
 @pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen2", "mixtral"])
 def test_fp32_gradients_match_stock_on_gpu(kind):
     assert_fp32_matches_stock(make_model(kind), make_batch(batch=3, seq=24))
+
+
+@pytest.mark.parametrize("method", ["prompt_tuning", "p_tuning_lstm"])
+@pytest.mark.parametrize("resident", [0, 2])
+def test_prompt_learning_on_gpu(method, resident):
+    """Prompt tuning and p-tuning (the prompt encoder in the embedding unit, streamed or resident, an LSTM's cuDNN
+    kernels among them): fp32 gradients equal stock peft's on the GPU; bf16 within the bf16 tolerance."""
+    model = make_prompted("llama_tied", method)
+    batch = make_batch(batch=3, seq=24)
+    ref_loss, ref = stock_grads(model, batch)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    for dtype in (torch.float32, torch.bfloat16):
+        engine = StreamingEngine(copy.deepcopy(model), device=DEV, compute_dtype=dtype, resident_layers=resident)
+        loss = engine.train().forward_backward(batch)
+        grads = dict(engine.named_grads())
+        assert sorted(grads) == sorted(trained)
+        if dtype == torch.float32:
+            assert abs(float(loss) - ref_loss) < 1e-5
+            for name, g in grads.items():
+                torch.testing.assert_close(g, ref[name], atol=1e-6, rtol=1e-5, msg=name)
+        else:
+            assert abs(float(loss) - ref_loss) < 1e-2
+            for name, g in grads.items():
+                assert rel_err(g, ref[name]) < 3e-2, name
 
 
 def test_bf16_gradients_close_to_fp32_reference():

@@ -283,6 +283,7 @@ def test_dpo_config_elsewhere_names_the_dpo_trainer(tmp_path):
     (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
     (dict(ref_peft=True), "a PeftModel as ref_model"),
     (dict(iterable=True), "IterableDataset"),
+    (dict(prompt_tuning=True), "PROMPT_TUNING \\(prompt learning\\), which the engine's DPOTrainer does not train"),
 ])
 def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tmp_path, monkeypatch):
     folder = model_folder(tmp_path, "llama")
@@ -296,10 +297,14 @@ def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tm
     ref = get_peft_model(make_model("llama", num_hidden_layers=2), LoraConfig(**LORA)) if extra.pop("ref_peft", None) \
         else None
     data = pairs().to_iterable_dataset() if extra.pop("iterable", None) else pairs()
+    from peft import PromptTuningConfig
+
+    prompt = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4) if extra.pop("prompt_tuning", None) \
+        else None
     with pytest.raises(MegaTrainError, match=match) as e:
         MegaTrainDPOTrainer(folder, ref_model=ref, args=DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True,
                                                                   report_to=[], bf16=False, **extra),
-                            train_dataset=data)
+                            train_dataset=data, peft_config=prompt)
     assert "\n" not in str(e.value)
 
 

@@ -4,11 +4,11 @@ import copy
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
+from peft import LoraConfig, PeftModel, PrefixTuningConfig, get_peft_model
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
-from tests.support.tiny import make_batch, make_model, make_rows as rows
+from tests.support.tiny import PROMPT_METHODS, make_batch, make_model, make_prompted, make_rows as rows
 
 PREFIX = "base_model.model."
 
@@ -36,6 +36,82 @@ def test_lora_gradients_match_stock_peft(kind):
     assert list(grads) == list(expected) and all("lora_" in n for n in grads)
     for name, g in grads.items():
         torch.testing.assert_close(g, expected[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("method", list(PROMPT_METHODS))
+@pytest.mark.parametrize("kind", ["llama_tied", "gemma2", "mixtral", "gpt2"])
+def test_prompt_learning_gradients_match_stock_peft(kind, method):
+    """Prompt tuning and p-tuning (MLP and LSTM encoders): the prompt encoder's output before each row's token
+    embeddings (after Gemma's scaling, before GPT-2's positions, in the router loss's mask), as PeftModel.forward
+    puts it: the same loss and prompt-encoder gradients as stock peft, a padded row among them; only those train."""
+    pm = make_prompted(kind, method)
+    ref = copy.deepcopy(pm)
+    batch = make_batch()
+    out = ref(**batch)
+    out.loss.backward()
+    engine = StreamingEngine(pm, compute_dtype=torch.float32).train()
+    loss = engine.forward_backward(batch)
+    assert float(loss) == pytest.approx(float(out.loss), abs=1e-6)
+    grads = dict(engine.named_grads())
+    expected = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    assert list(grads) == list(expected) and all(n.startswith("prompt_encoder.default.") for n in grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, expected[name], atol=1e-6, rtol=1e-5, msg=name)
+    engine.eval()
+    with torch.no_grad():
+        ours, theirs = engine(**batch), ref.eval()(**batch)
+    assert ours.logits.shape == theirs.logits.shape  # the virtual tokens' positions too, as stock returns them
+    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=1e-5)
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+def test_prompt_tuning_resumes_bit_for_bit(tmp_path):
+    """A prompt-tuning run saved at step 3 and resumed ends where the run without a stop ends: the prompt
+    encoder's masters and Adam moments come back with the optimizer state."""
+    kw = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=0.5, learning_rate=1e-2,
+              weight_decay=0.1, logging_steps=1, report_to=[], seed=0, use_cpu=True, max_steps=6,
+              dataloader_num_workers=0, disable_tqdm=True, save_strategy="steps", save_steps=3)
+    train = rows(24, 0)
+    finals = []
+    for resume in (False, True):
+        out = tmp_path / ("resumed" if resume else "straight")
+        trainer = MegaTrainTrainer(make_prompted("llama", "p_tuning_mlp"), MegaTrainArguments(output_dir=str(out), **kw),
+                                   train_dataset=train, data_collator=default_data_collator)
+        if resume:  # the run stops after its checkpoint at step 3, its schedule still planned for 6
+            trainer.add_callback(StopAt(3))
+            trainer.train()
+            # the same base, another prompt encoder: what trained comes from the checkpoint
+            trainer = MegaTrainTrainer(make_prompted("llama", "p_tuning_mlp", adapter_seed=1),
+                                       MegaTrainArguments(output_dir=str(out), **kw), train_dataset=train,
+                                       data_collator=default_data_collator)
+            trainer.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+        else:
+            trainer.train()
+        finals.append({n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad})
+    assert finals[0].keys() == finals[1].keys() and finals[0]
+    for n in finals[0]:
+        assert torch.equal(finals[0][n], finals[1][n]), n
+    # saved as PEFT saves it (the encoder's output, which PeftModel.from_pretrained loads); nothing to merge
+    trainer.save_model(str(tmp_path / "adapter"))
+    back = PeftModel.from_pretrained(make_model("llama"), str(tmp_path / "adapter"))
+    torch.testing.assert_close(back.prompt_encoder["default"].embedding.weight.detach(),  # inference mode: the output
+                               trainer.model.get_prompt_embedding_to_save("default"))
+    with pytest.raises(MegaTrainError, match="no weight to merge"):
+        trainer.save_merged(str(tmp_path / "merged"))
+
+
+def test_prefix_tuning_is_refused_by_the_engine():
+    model = get_peft_model(make_model("llama"), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(MegaTrainError, match="PREFIX_TUNING, which hf_megatrain does not train"):
+        StreamingEngine(model, compute_dtype=torch.float32)
 
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

@@ -1,6 +1,6 @@
 """MegaTrainSFTTrainer as a drop-in for TRL's SFTTrainer (issue 32, items 2 to 4), each through the classes a
 user swaps, against stock SFTTrainer on the CPU in fp32: evaluation metrics under eval_ names (and as
-metric_for_best_model), prompt learning refused in one line, the tokenizer of a loaded model found as stock
+metric_for_best_model), prompt tuning and p-tuning as stock trains them (prefix tuning refused in one line), the tokenizer of a loaded model found as stock
 finds it, trust_remote_code reaching the loader, and a dtype in model_init_kwargs said to be unapplied. The
 MoE aux_loss log and LoRA on MoE expert parameters are cases of test_trl.test_sft_equals_stock_sfttrainer."""
 
@@ -76,33 +76,67 @@ def test_eval_metrics_as_stock_and_metric_for_best_model(tmp_path):
 
 
 PROMPT_LEARNING = {
-    "prompt_tuning": PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
-    "prefix_tuning": PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
-    "p_tuning": PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, encoder_hidden_size=16),
+    "prompt_tuning": lambda: PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+    "p_tuning": lambda: PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, encoder_hidden_size=16),
 }
 
 
+@pytest.mark.parametrize("as_model", [False, True], ids=["peft_config", "peft_model"])
 @pytest.mark.parametrize("kind", list(PROMPT_LEARNING))
-def test_prompt_learning_is_refused_at_construction_in_one_line(kind, tmp_path, monkeypatch):
-    """Prompt/prefix tuning and p-tuning would get no gradient (their virtual tokens enter through
-    PeftModel.forward, which the engine does not run): refused before any data is tokenized, as a
-    peft_config and as a PEFT model, instead of failing in train() with an empty parameter list."""
+def test_prompt_learning_equals_stock_sfttrainer(kind, as_model, tmp_path):
+    """Prompt tuning and p-tuning: the prompt encoder's output before each row's token embeddings, as
+    PeftModel.forward puts it, trained in the embedding unit. The same losses, TRL metrics and grad norms as stock
+    SFTTrainer (gradient accumulation, clipping, weight decay), the same saved prompt embeddings, the base model
+    untouched; given as a peft_config with a folder, or as a PeftModel."""
+    from safetensors.torch import load_file
+
     folder = model_folder(tmp_path, "llama")
-    config = PROMPT_LEARNING[kind]
+    kw = dict(KW, weight_decay=0.1, save_strategy="no")
+    runs = {}
+    for name, cls in (("stock", SFTTrainer), ("mega", MegaTrainSFTTrainer)):
+        args = SFTConfig(output_dir=str(tmp_path / name), **kw)
+        if as_model:
+            torch.manual_seed(0)
+            model = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), PROMPT_LEARNING[kind]())
+            trainer = cls(model, args, train_dataset=DATA["completion"])
+        else:
+            trainer = cls(folder, args, train_dataset=DATA["completion"], peft_config=PROMPT_LEARNING[kind]())
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.train()
+        trainer.save_model(str(tmp_path / name))
+        logs = [{k: h[k] for k in TRAIN if k in h} for h in trainer.state.log_history if "loss" in h]
+        trained = sorted(n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n]))
+        runs[name] = logs, trained, load_file(str(tmp_path / name / "adapter_model.safetensors"))
+    (stock_logs, stock_trained, stock_saved), (logs, trained, saved) = runs["stock"], runs["mega"]
+    assert len(logs) == len(stock_logs) == KW["max_steps"]
+    for ours, theirs in zip(logs, stock_logs):
+        assert ours.keys() == theirs.keys()
+        for k in ours:
+            assert close(ours[k], theirs[k]), (k, ours, theirs)
+    assert trained == stock_trained and trained and all(n.startswith("prompt_encoder.") for n in trained)
+    assert saved.keys() == stock_saved.keys() == {"prompt_embeddings"}
+    torch.testing.assert_close(saved["prompt_embeddings"], stock_saved["prompt_embeddings"], atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_tuning_is_refused_at_construction_in_one_line(tmp_path, monkeypatch):
+    """Prefix tuning puts its virtual tokens in each layer's attention as a key/value cache, which the engine does
+    not run: refused before any data is tokenized, as a peft_config and as a PEFT model."""
+    folder = model_folder(tmp_path, "llama")
+    config = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
 
     def no_tokenizing(*a, **k):
         raise AssertionError("the data was prepared before the refusal")
 
     monkeypatch.setattr(SFTTrainer, "_prepare_dataset", no_tokenizing)
     args = SFTConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, report_to=[])
-    with pytest.raises(MegaTrainError, match=f"{config.peft_type.value}.*prompt learning") as refused:
+    match = "PREFIX_TUNING, which hf_megatrain does not train.*Prompt tuning"
+    with pytest.raises(MegaTrainError, match=match) as refused:
         MegaTrainSFTTrainer(folder, args, train_dataset=DATA["completion"], peft_config=config)
     assert "\n" not in str(refused.value)
     prompted = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), config)
-    with pytest.raises(MegaTrainError, match="prompt learning") as refused:
+    with pytest.raises(MegaTrainError, match=match) as refused:
         MegaTrainSFTTrainer(prompted, args, train_dataset=DATA["completion"])
-    assert "\n" not in str(refused.value)
-    with pytest.raises(MegaTrainError, match="prompt learning"):
+    with pytest.raises(MegaTrainError, match=match):
         MegaTrainTrainer(AutoModelForCausalLM.from_pretrained(folder),
                          MegaTrainArguments(output_dir=str(tmp_path / "t"), use_cpu=True, report_to=[]),
                          peft_config=config)

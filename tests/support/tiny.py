@@ -167,3 +167,30 @@ def make_packed_batch():
     ids[1, 30:] = 0
     labels[1, 30:] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels, "position_ids": pos}, docs
+
+
+# PEFT's prompt learning that the engine trains (engine/prompts.py): name -> keyword arguments of its config
+PROMPT_METHODS = {
+    "prompt_tuning": ("PromptTuningConfig", {}),
+    "p_tuning_mlp": ("PromptEncoderConfig", {"encoder_hidden_size": 32}),
+    "p_tuning_lstm": ("PromptEncoderConfig", {"encoder_hidden_size": 32, "encoder_reparameterization_type": "LSTM"}),
+}
+
+
+def make_prompted(kind: str, method: str, seed: int = 0, adapter_seed: int | None = None, virtual_tokens: int = 5):
+    """A tiny model of `kind` (or GPT-2, whose absolute positions count the virtual tokens too) under a PEFT
+    prompt-learning method of PROMPT_METHODS; the prompt encoder drawn from `adapter_seed` (default `seed`)."""
+    import peft
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if kind == "gpt2":
+        cfg = AutoConfig.for_model("gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    else:
+        model = make_model(kind, seed=seed)
+    name, kw = PROMPT_METHODS[method]
+    torch.manual_seed(seed if adapter_seed is None else adapter_seed)
+    config = getattr(peft, name)(task_type="CAUSAL_LM", num_virtual_tokens=virtual_tokens, **kw)
+    return peft.get_peft_model(model, config)
