@@ -50,6 +50,40 @@ def test_custom_loop_example_runs(tmp_path):
     assert (out / "tokenizer_config.json").exists()
 
 
+@pytest.mark.parametrize("method", ["lora", "p_tuning_mlp"])
+def test_prepare_decays_a_peft_model_as_trainer_does(method):
+    """A PeftModel through prepare(): the parameters Trainer's grouping decays (LoRA's A and B, a prompt encoder's
+    weights, not its biases) are decayed by the engine's AdamW too, so two steps equal torch's AdamW over Trainer's
+    groups. (prepare() once matched Trainer's names of a PeftModel against the base model's and decayed nothing.)"""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.support.tiny import make_prompted
+
+    if method == "lora":
+        torch.manual_seed(0)
+        model = get_peft_model(make_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                               init_lora_weights=False))
+    else:
+        model = make_prompted("llama", method)
+    ref = copy.deepcopy(model)
+    decay = Trainer.get_decay_parameter_names(None, ref)
+    trained = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
+    assert any(n in decay for n, _ in trained)
+    ref_opt = torch.optim.AdamW([{"params": [p for n, p in trained if n in decay], "weight_decay": 0.5},
+                                 {"params": [p for n, p in trained if n not in decay], "weight_decay": 0.0}], lr=1e-2)
+    engine, opt = hf_megatrain.prepare(model, device="cpu", lr=1e-2, weight_decay=0.5)
+    for step in range(2):
+        batch = make_batch(seed=step)
+        ref(**batch).loss.backward()
+        ref_opt.step(), ref_opt.zero_grad()
+        engine.forward_backward(batch)
+        opt.step(), engine.zero_grad()
+    masters = dict(engine.named_master_params())
+    for name, p in trained:
+        torch.testing.assert_close(masters[name.removeprefix("base_model.model.")], p.detach(), atol=1e-6, rtol=1e-5,
+                                   msg=name)
+
+
 def test_prepare_saves_a_full_model_and_lora_adapters(tmp_path):
     """engine.save_pretrained from prepare(): from_pretrained (or PeftModel.from_pretrained) gives the
     trained weights back; the tokenizer is saved beside them."""
