@@ -258,49 +258,8 @@ class StreamingEngine(nn.Module):
         self.virtual_tokens = prompt[2] if prompt else 0
         if prompt:
             self.spec = replace(self.spec, prompt=prompt[1])
-        with attached(model, *prompt[:2]) if prompt else nullcontext():
-            self.device = config.device
-            self.model_class = type(model)
-            self.compute_dtype = config.compute_dtype
-            self.config = copy.deepcopy(model.config)  # the engine's own: see the class docstring
-            if decay_names is None:
-                decay_names = [n for n, _ in model.named_parameters()]
-            # a parameter stock's step leaves without a gradient is never moved by its optimizer; here its gradient
-            # is zero, and out of weight decay no optimizer moves it either (selfcheck.stock_leaves_without_grad)
-            decay_names = [n for n in decay_names
-                           if not stock_leaves_without_grad(self.spec.model_type, n, self.spec.layers)]
-            self.units = build_units(model, self.spec, decay_names)
-            self._tied = tied_head(model, self.spec, self.units)
-            if sharding is not None and config.transient_grads:
-                raise MegaTrainError("transient_grads is not combined with data parallel yet: the ranks' gradients are "
-                                     "summed before each step; leave it off.")
-            if sharding is not None and config.lean_streamed:
-                raise MegaTrainError("lean_streamed is not combined with data parallel yet: each rank holds only a "
-                                     "slice of the fp32 master, so the master cannot be what streams; leave it off.")
-            if sharding is not None and config.gpu_grad_layers:
-                raise MegaTrainError("gpu_grad_layers is not combined with data parallel yet: each rank keeps a slice "
-                                     "of every gradient in host RAM; leave it at 0.")
-            self.resident_layers = mark_resident(self.units, config.resident_layers, config.lean_resident,
-                                                 config.lean_streamed, config.gpu_grad_layers)
-            self.engine_config = replace(config, resident_layers=self.resident_layers,
-                                         lean_resident=any(u.no_compute_copy and u.resident for u in self.units),
-                                         lean_streamed=any(u.no_compute_copy and not u.resident for u in self.units),
-                                         gpu_grad_layers=sum(u.grad_on_gpu for u in self.units))
-            pin = self.device.type == "cuda"
-            if load_weights is None:
-                self.store = HostStore.from_model(model, self.units, self.compute_dtype, pin=pin, device=self.device,
-                                                  sharding=sharding, transient_grads=config.transient_grads)
-            else:  # a meta skeleton: its weights come from the loader
-                self.store = HostStore(self.units, self.compute_dtype, pin=pin, device=self.device, sharding=sharding,
-                                       transient_grads=config.transient_grads)
-                load_weights(self.store)
-                self.store.bind(model)
-            _say_what_the_model_shows(self.store, sharding)
-            # The model's own Parameter objects (views of the store), in a plain list: not registered as the
-            # engine's, but what parameters() yields, so that what counts the wrapped model's parameters
-            # (Trainer's "Number of trainable parameters") counts the model's.
-            self._model_params = list(model.parameters())
-            self._templates = self._build_templates(model)
+        with attached(model, *prompt[:2]) if prompt else nullcontext():  # the engine reads it from the base model
+            self._lay_out(model, config, decay_names, sharding, load_weights)
         self.set_mlp_tiling(config.mlp_tile_tokens)
         cfg = self.config
         self.stochastic = any(
@@ -331,6 +290,51 @@ class StreamingEngine(nn.Module):
         # The further per-row sums a RowLoss reads (loss.row_head_loss's extra; DPO's WPO: 'log_sum_sq_probs').
         self.row_stats: tuple[str, ...] = ()
         self._inputs = BatchInputs(self.config, self.spec, self.device)  # checks and moves each batch (inputs.py)
+
+    def _lay_out(self, model, config: EngineConfig, decay_names, sharding, load_weights) -> None:
+        """The units, the host store (filled and bound to the model's parameters) and the templates."""
+        self.device = config.device
+        self.model_class = type(model)
+        self.compute_dtype = config.compute_dtype
+        self.config = copy.deepcopy(model.config)  # the engine's own: see the class docstring
+        if decay_names is None:
+            decay_names = [n for n, _ in model.named_parameters()]
+        # a parameter stock's step leaves without a gradient is never moved by its optimizer; here its gradient
+        # is zero, and out of weight decay no optimizer moves it either (selfcheck.stock_leaves_without_grad)
+        decay_names = [n for n in decay_names
+                       if not stock_leaves_without_grad(self.spec.model_type, n, self.spec.layers)]
+        self.units = build_units(model, self.spec, decay_names)
+        self._tied = tied_head(model, self.spec, self.units)
+        if sharding is not None and config.transient_grads:
+            raise MegaTrainError("transient_grads is not combined with data parallel yet: the ranks' gradients are "
+                                 "summed before each step; leave it off.")
+        if sharding is not None and config.lean_streamed:
+            raise MegaTrainError("lean_streamed is not combined with data parallel yet: each rank holds only a "
+                                 "slice of the fp32 master, so the master cannot be what streams; leave it off.")
+        if sharding is not None and config.gpu_grad_layers:
+            raise MegaTrainError("gpu_grad_layers is not combined with data parallel yet: each rank keeps a slice "
+                                 "of every gradient in host RAM; leave it at 0.")
+        self.resident_layers = mark_resident(self.units, config.resident_layers, config.lean_resident,
+                                             config.lean_streamed, config.gpu_grad_layers)
+        self.engine_config = replace(config, resident_layers=self.resident_layers,
+                                     lean_resident=any(u.no_compute_copy and u.resident for u in self.units),
+                                     lean_streamed=any(u.no_compute_copy and not u.resident for u in self.units),
+                                     gpu_grad_layers=sum(u.grad_on_gpu for u in self.units))
+        pin = self.device.type == "cuda"
+        if load_weights is None:
+            self.store = HostStore.from_model(model, self.units, self.compute_dtype, pin=pin, device=self.device,
+                                              sharding=sharding, transient_grads=config.transient_grads)
+        else:  # a meta skeleton: its weights come from the loader
+            self.store = HostStore(self.units, self.compute_dtype, pin=pin, device=self.device, sharding=sharding,
+                                   transient_grads=config.transient_grads)
+            load_weights(self.store)
+            self.store.bind(model)
+        _say_what_the_model_shows(self.store, sharding)
+        # The model's own Parameter objects (views of the store), in a plain list: not registered as the
+        # engine's, but what parameters() yields, so that what counts the wrapped model's parameters
+        # (Trainer's "Number of trainable parameters") counts the model's.
+        self._model_params = list(model.parameters())
+        self._templates = self._build_templates(model)
 
     @property
     def background_host_jobs(self) -> bool:
