@@ -151,12 +151,6 @@ def check_sft(args, kwargs: dict) -> None:
     check_adapter_config(kwargs.get("peft_config") or args.peft_config)  # prefix tuning: refused in one line
     if kwargs.get("compute_loss_func") is not None:
         raise MegaTrainError("compute_loss_func is not supported: the engine computes the causal-LM loss itself.")
-    if clones_template(args) and (kwargs.get("peft_config") or args.peft_config) is not None:
-        raise MegaTrainError(
-            f"chat_template_path={args.chat_template_path!r} with peft_config: SFTTrainer then makes the template's "
-            "new tokens trainable through PEFT's trainable_token_indices and modules_to_save=['lm_head'], which the "
-            "engine's LoRA does not train. Train without LoRA, or resize and save the model first (trl's "
-            "clone_chat_template), then train the saved folder with LoRA.")
 
 
 def clones_template(args) -> bool:
@@ -205,10 +199,18 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
             # the folder's tokenizer; for a loaded model None, and SFTTrainer loads it as stock does, from the
             # model's config._name_or_path (AutoProcessor, with args.trust_remote_code)
             processing_class = tokenizer
+        template = None
+        if clones_template(args) and args.peft_config is not None:
+            processing_class, template = self._clone_for_adapters(skeleton, processing_class, args)
         if args.device.type == "cuda":
             args._n_gpu = 1  # one GPU per process: SFTTrainer would refuse nn.DataParallel on a multi-GPU host
-        super().__init__(model=skeleton, args=args, data_collator=data_collator, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
+        try:
+            super().__init__(model=skeleton, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                             eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
+        finally:
+            if template is not None:  # the config says what the user asked, as stock's does
+                for own in {id(a): a for a in (args, getattr(self, "args", None)) if a is not None}.values():
+                    own.chat_template_path = template
         # SFTTrainer settles the MoE load-balancing loss on the model's config after the engine took
         # its own copy of that config: carry the two settings over.
         text, own = self.model.config.get_text_config(), self.engine.config.get_text_config()
@@ -218,6 +220,41 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         # entropy, top-1 hits and the MoE aux loss for TRL's metrics, from the engine's loss
         self.engine.head_stats = []
         self.engine.loss_type = args.loss_type  # 'dft' weights each token's NLL in the engine's chunked head
+
+    def _clone_for_adapters(self, skeleton, processing_class, args):
+        """A cloned chat template (chat_template_path naming a tokenizer) with LoRA, done here as SFTTrainer does
+        it: seeded with args.seed, the embeddings resized with random rows, then TRL's two changes to the PEFT
+        config (the new tokens trainable through trainable_token_indices, lm_head fully trained through
+        modules_to_save, with TRL's warning). SFTTrainer makes the adapters right after its clone, from the RNG
+        as the resize left it; the engine makes them later (after the data), so that state is kept for it
+        (MegaTrainTrainer._build_engine). Returns the tokenizer and the path SFTTrainer must not clone again
+        (args.chat_template_path is None while it runs, and given back after)."""
+        from transformers import AutoTokenizer
+        from transformers.trainer_utils import set_seed
+        from trl import clone_chat_template
+
+        from .checkpoint.loading import lora_config
+
+        if processing_class is None:  # as SFTTrainer would load it
+            processing_class = AutoTokenizer.from_pretrained(skeleton.config._name_or_path,
+                                                             trust_remote_code=args.trust_remote_code)
+        set_seed(args.seed)
+        _, processing_class, added = clone_chat_template(skeleton, processing_class, args.chat_template_path)
+        self._adapter_rng = torch.get_rng_state()
+        config = copy.deepcopy(lora_config(args.peft_config))
+        if added:
+            indices = dict(config.trainable_token_indices or {})
+            indices["embed_tokens"] = list(indices.get("embed_tokens", [])) + list(added)
+            config.trainable_token_indices = indices
+            if not config.modules_to_save or "lm_head" not in config.modules_to_save:
+                logger.warning("Cloning chat template added new tokens to the tokenizer, but 'lm_head' is not in "
+                               "PEFT's `modules_to_save`. As a result, the model may not learn to generate outputs "
+                               "with these new tokens, leading to degraded generation quality. To fix this, add "
+                               "`modules_to_save=['lm_head']` to your PEFT configuration.")
+                config.modules_to_save = list(config.modules_to_save or []) + ["lm_head"]
+        args.peft_config = config
+        template, args.chat_template_path = args.chat_template_path, None
+        return processing_class, template
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         # SFTTrainer's own training_step only adds its activation offloading (refused above). Ours puts

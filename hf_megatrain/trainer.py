@@ -214,9 +214,11 @@ class MegaTrainTrainer(Trainer):
         """The engine over the model's weights (read now, from the checkpoint where one is named), with a
         LoRA run's adapters made first; returns the model Trainer keeps (the PEFT one for LoRA)."""
         if args.peft_config is not None:
-            # Seeded as TRL's SFTTrainer seeds them: args.seed just before the adapters are made
-            # (Trainer seeds again later, for the training itself).
-            set_seed(args.seed)
+            # Seeded as TRL's SFTTrainer seeds them: args.seed just before the adapters are made (Trainer seeds
+            # again later, for the training itself); after a cloned chat template, where its resize left the RNG
+            # (sft.py), as stock makes them right after it
+            rng = getattr(self, "_adapter_rng", None)
+            torch.set_rng_state(rng) if rng is not None else set_seed(args.seed)
             model = with_adapters(model, args.peft_config, weights_from, engine_config.compute_dtype)
             weights_from = None
         self.args = args  # what a subclass's get_decay_parameter_names may read (Trainer sets it again)

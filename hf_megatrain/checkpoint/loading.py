@@ -36,10 +36,30 @@ def with_adapters(model, peft_config, folder: str | None, compute_dtype: torch.d
         # with the skeleton's attention, and its own modeling code where the skeleton was built from it
         # (load_model_and_tokenizer with trust_remote_code)
         own_code = not type(model).__module__.startswith("transformers.")
+        skeleton = model
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=compute_dtype, device_map="cpu",
                                                      attn_implementation=model.config._attn_implementation,
                                                      **({"trust_remote_code": True} if own_code else {}))
+        _take_resized_embeddings(model, skeleton)
     return get_peft_model(model, peft_config)
+
+
+def _take_resized_embeddings(model, skeleton) -> None:
+    """The embeddings the skeleton holds for real (read, then resized for a cloned chat template: sft.py), in the
+    loaded model in place of the checkpoint's, with the eos token the clone set; nothing where it holds none."""
+    own = skeleton.get_input_embeddings().weight
+    if own.device.type == "meta":
+        return
+    with torch.random.fork_rng():  # its new rows are overwritten below: their draws must not move the RNG
+        model.resize_token_embeddings(own.shape[0], mean_resizing=False)
+    with torch.no_grad():
+        for name, p in skeleton.named_parameters():
+            if p.device.type != "meta":
+                model.get_parameter(name).copy_(p)
+    text, theirs = model.config.get_text_config(), skeleton.config.get_text_config()
+    text.eos_token_id = theirs.eos_token_id
+    if model.generation_config is not None and skeleton.generation_config is not None:
+        model.generation_config.eos_token_id = skeleton.generation_config.eos_token_id
 
 
 def lora_config(peft_config):

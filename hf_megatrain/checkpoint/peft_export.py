@@ -23,6 +23,13 @@ def save_adapter(engine, out_dir: str) -> None:
     store = engine.store
     masters = [store.full(store.master, u.index).cpu() for u in store.units]
     state = {PEFT_PREFIX + name: t for name, t in store.named(masters)}
+    # the frozen embedding and head as the model shows them (their compute copy): PEFT saves them beside the
+    # adapter where the embeddings were resized (a cloned chat template), as from the model's own state dict
+    for unit in (store.units[0], store.units[-1]):
+        for slot in unit.slots:
+            if not slot.trainable:
+                flat = store.compute[unit.index]
+                state[PEFT_PREFIX + slot.name] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).cpu()
     engine.peft_model.save_pretrained(out_dir, state_dict=state)
 
 
