@@ -218,7 +218,10 @@ class MegaTrainTrainer(Trainer):
             # again later, for the training itself); after a cloned chat template, where its resize left the RNG
             # (sft.py), as stock makes them right after it
             rng = getattr(self, "_adapter_rng", None)
-            torch.set_rng_state(rng) if rng is not None else set_seed(args.seed)
+            if rng is not None:
+                torch.set_rng_state(rng)
+            else:
+                set_seed(args.seed)
             model = with_adapters(model, args.peft_config, weights_from, engine_config.compute_dtype)
             weights_from = None
         self.args = args  # what a subclass's get_decay_parameter_names may read (Trainer sets it again)
