@@ -257,6 +257,10 @@ class StreamingEngine(nn.Module):
         prompt = prompt_encoder(self.peft_model)
         self.virtual_tokens = prompt[2] if prompt else 0
         if prompt:
+            if self.spec.per_layer or self.spec.altup:  # made from the token ids, which PEFT does not pass
+                raise MegaTrainError(f"prompt tuning and p-tuning on {self.spec.model_type}: its per-layer embeddings "
+                                     "are made from the token ids, which PeftModel.forward replaces by embeddings; "
+                                     "use LoRA for this family.")
             self.spec = replace(self.spec, prompt=prompt[1])
         with attached(model, *prompt[:2]) if prompt else nullcontext():  # the engine reads it from the base model
             self._lay_out(model, config, decay_names, sharding, load_weights)

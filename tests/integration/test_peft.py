@@ -114,6 +114,19 @@ def test_prefix_tuning_is_refused_by_the_engine():
         StreamingEngine(model, compute_dtype=torch.float32)
 
 
+def test_prompt_tuning_of_per_layer_embeddings_is_refused():
+    """Gemma 3n makes its per-layer embeddings from the token ids, which PeftModel.forward does not pass: refused
+    rather than made from the placeholders."""
+    from peft import PromptTuningConfig
+
+    from tests.support.zoo import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("gemma3n_text"), dtype=torch.float32)
+    model = get_peft_model(model, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(MegaTrainError, match="per-layer embeddings are made from the token ids"):
+        StreamingEngine(model, compute_dtype=torch.float32)
+
+
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
