@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from ..errors import MegaTrainError
 from ..patcher.adapters import check_adapter_config, check_peft_model, is_peft_model
 from ..patcher.specs import spec_for
-from .stream_load import resolve_folder, shard_files
+from .stream_load import read_names, resolve_folder, shard_files
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +47,14 @@ def with_adapters(model, peft_config, folder: str | None, compute_dtype: torch.d
 def _take_resized_embeddings(model, skeleton) -> None:
     """The embeddings the skeleton holds for real (read, then resized for a cloned chat template: sft.py), in the
     loaded model in place of the checkpoint's, with the eos token the clone set; nothing where it holds none."""
-    own = skeleton.get_input_embeddings().weight
-    if own.device.type == "meta":
+    read = read_names(skeleton)
+    if not read:
         return
     with torch.random.fork_rng():  # its new rows are overwritten below: their draws must not move the RNG
-        model.resize_token_embeddings(own.shape[0], mean_resizing=False)
+        model.resize_token_embeddings(skeleton.get_input_embeddings().weight.shape[0], mean_resizing=False)
     with torch.no_grad():
-        for name, p in skeleton.named_parameters():
-            if p.device.type != "meta":
-                model.get_parameter(name).copy_(p)
+        for name in read:
+            model.get_parameter(name).copy_(skeleton.get_parameter(name))
     text, theirs = model.config.get_text_config(), skeleton.config.get_text_config()
     text.eos_token_id = theirs.eos_token_id
     if model.generation_config is not None and skeleton.generation_config is not None:

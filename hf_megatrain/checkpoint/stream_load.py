@@ -104,9 +104,9 @@ def engine_from_checkpoint(skeleton, folder: str, *, progress: bool = True, **en
 
     base = base_model(skeleton)
     config = base.config
-    # parameters already real on the skeleton (read_parameters, then changed: embeddings resized for a cloned chat
-    # template) are taken as they are; the checkpoint fills the rest
-    given = {name: p for name, p in base.named_parameters() if p.device.type != "meta"}
+    # parameters read_parameters made real (then changed: embeddings resized for a cloned chat template) are taken
+    # as they are; the checkpoint fills the rest (a skeleton's other real parameters, a module's own init, too)
+    given = {name: p for name, p in base.named_parameters() if name in read_names(base)}
     fill = partial(load_into_store, names=CheckpointNames(base), config=config, folder=folder, progress=progress,
                    buffers=persistent_buffers(base), ignored=_ignored_on_load(base), given=given)
     return StreamingEngine(skeleton, load_weights=fill, **engine_kw)
@@ -147,6 +147,12 @@ def read_parameters(skeleton, folder: str, names: list[str], device="cpu") -> No
         for key, p in list(module._parameters.items()):
             if p is not None and id(p) in swap:
                 module._parameters[key] = swap[id(p)]
+    base._hf_megatrain_read = tuple(read_names(base)) + tuple(names)
+
+
+def read_names(model) -> tuple[str, ...]:
+    """The parameters read_parameters made real on this (base) model: what the engine takes from it as it is."""
+    return getattr(model, "_hf_megatrain_read", ())
 
 
 class _Whole:
