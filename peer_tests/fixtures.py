@@ -1,4 +1,4 @@
-"""Offline stand-ins for the hub fixtures that TRL's SFT tests load.
+"""Offline stand-ins for the hub fixtures that TRL's SFT, DPO, KTO, ORPO and CPO tests load.
 
 `build(root)` writes, under `root`:
 
@@ -8,10 +8,14 @@
   trained on the fixture text, the model's special tokens and the chat template that TRL ships for that
   family (read from the installed trl package). `Qwen/Qwen3-4B` is there as a config and tokenizer only (a
   chat-template source for `chat_template_path`), `tiny-RemoteForCausalLM` as custom code.
+  `tiny-T5ForConditionalGeneration` (the encoder-decoder that the ORPO and CPO tests load in every
+  `setup_method`) is flan-t5-small's architecture at hidden 64, stored in fp32 as the real one is, with
+  no chat template and a tokenizer that ends each text with `</s>` as T5's does.
 * `datasets/<org>/<name>/<config>/<split>.parquet`: the `zen`, `harmony` and `toolcall` configs that the
-  SFT, DPO and KTO tests load (language modeling, prompt-completion, paired and unpaired preference), with
-  the real columns and split sizes (train 17 / test 2 for zen), rows generated here: a pair's rejected
-  completion is another row's, shifted by OTHER rows.
+  SFT, DPO, KTO, ORPO and CPO tests load (language modeling, prompt-completion, paired and unpaired
+  preference), with the real columns and split sizes (train 17 / test 2 for zen), rows generated here: a
+  pair's rejected completion is another row's, shifted by OTHER rows (in `standard_implicit_prompt_preference`
+  the first from there on that shares only whole words with the chosen one).
 
 With `HF_HUB_CACHE=<root>/hub` and `HF_HUB_OFFLINE=1`, `from_pretrained` of those ids works offline for
 stock TRL and for the engine alike; the plugin points `load_dataset` at the parquet files.
@@ -31,6 +35,8 @@ from pathlib import Path
 
 ORG = "trl-internal-testing"
 HIDDEN = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+SEQ2SEQ = dict(d_model=64, d_kv=16, d_ff=128, num_heads=4, num_layers=2, num_decoder_layers=2,
+               feed_forward_proj="gated-gelu", tie_word_embeddings=False)  # flan-t5-small's, scaled down
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=64)  # MoE intermediate >= 64 (transformers 5.17 grouped mm)
 TOKEN_PATTERNS = r"<\|[^|<>\s]+\|>|</?(?:think|tool_call|tool_response|tools|arg_key|arg_value)>|\[gMASK\]|<sop>"
 
@@ -82,6 +88,7 @@ MODELS = {
                                                         block_auto_adjust_ff_dim=False, conv_L_cache=3)),
     f"{ORG}/tiny-GPTNeoXForCausalLM": Spec("gpt_neox", None, "<|endoftext|>", None, "<|endoftext|>", dtype="float16"),
     f"{ORG}/tiny-RemoteForCausalLM": Spec("remote", "llama3_2", "<|eot_id|>", None, "<|begin_of_text|>"),
+    f"{ORG}/tiny-T5ForConditionalGeneration": Spec("t5", None, "</s>", "<pad>", dtype="float32"),
     "Qwen/Qwen3-4B": Spec("qwen3", "qwen3", "<|im_end|>", "<|endoftext|>", weights=False),
 }
 
@@ -212,6 +219,12 @@ def dataset_rows() -> dict[tuple[str, str], list[dict]]:
     schemas = {name: get_json_schema(f) for name, f in tool_functions().items()}
     n = len(lines)
     other = [(i + OTHER) % n for i in range(n)]  # the row whose completion is this row's rejected one
+    # Implicit-prompt pairs: the prompt is what chosen and rejected share (trl's extract_prompt), which in TRL's
+    # rows ends at a word. From OTHER rows on, the first completion that shares whole words only, so that it does
+    # here too (" explicitly" against " explain" would cut the prompt mid-word, and ORPO's and CPO's tokenize_row
+    # refuse such a pair: "Chosen and rejected prompt_input_ids might only differ on the last token ...").
+    implicit = [next(k % n for k in range(i + OTHER, i + OTHER + n) if whole_words(halves[i][1], halves[k % n][1]))
+                for i in range(n)]
     desirable = [i % 2 == 0 for i in range(n)]  # unpaired rows: own completion (True) or another's (False)
     rows = {
         (zen, "standard_language_modeling"): [{"text": line} for line in lines],
@@ -235,7 +248,7 @@ def dataset_rows() -> dict[tuple[str, str], list[dict]]:
         (zen, "standard_preference"): [{"prompt": p, "chosen": c, "rejected": halves[j][1]}
                                        for (p, c), j in zip(halves, other)],
         (zen, "standard_implicit_prompt_preference"): [{"chosen": p + c, "rejected": p + halves[j][1]}
-                                                       for (p, c), j in zip(halves, other)],
+                                                       for (p, c), j in zip(halves, implicit)],
         (zen, "standard_unpaired_preference"): [{"prompt": p, "completion": c if d else halves[j][1], "label": d}
                                                 for (p, c), j, d in zip(halves, other, desirable)],
         (zen, "conversational_preference"): [{"prompt": [u], "chosen": [a], "rejected": [answer[j]]}
@@ -253,6 +266,13 @@ def dataset_rows() -> dict[tuple[str, str], list[dict]]:
             for i, (q, f, a, r, ans, offered) in enumerate(TOOL_ROWS)],
     }
     return rows
+
+
+def whole_words(a: str, b: str) -> bool:
+    """Whether what two completions (each with its leading space) share ends at a word: the last character
+    they have in common is a space."""
+    shared = os.path.commonprefix([a, b])
+    return shared.endswith(" ") and shared not in (a, b)
 
 
 def tool_turns(tool: str, arguments: dict, result: str, answer: str) -> list[dict]:
@@ -315,6 +335,12 @@ def make_tokenizer(bpe_json: str, spec: Spec):
     specials |= set(re.findall(TOKEN_PATTERNS, template or ""))
     tok = Tokenizer.from_str(bpe_json)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in sorted(specials)])
+    if spec.model_type == "t5":  # T5's tokenizer appends its EOS to every text
+        from tokenizers.processors import TemplateProcessing
+
+        eos = (spec.eos, tok.token_to_id(spec.eos))
+        tok.post_processor = TemplateProcessing(single=f"$A {spec.eos}", pair=f"$A {spec.eos} $B {spec.eos}",
+                                                special_tokens=[eos])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=spec.bos, eos_token=spec.eos, pad_token=spec.pad)
     fast.model_max_length = 32768
     if template:
@@ -324,18 +350,20 @@ def make_tokenizer(bpe_json: str, spec: Spec):
 
 def make_model(spec: Spec, tokenizer, seed: int):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     ids = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids(spec.eos),
                bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
     if spec.eos_extra:
         ids["eos_token_id"] = [ids["eos_token_id"], *tokenizer.convert_tokens_to_ids(list(spec.eos_extra))]
     kwargs = {**HIDDEN, **spec.config, **ids}
+    if spec.model_type == "t5":  # an encoder-decoder: its own sizes, decoding starts at the pad token
+        kwargs = {**SEQ2SEQ, **spec.config, **ids, "decoder_start_token_id": ids["pad_token_id"]}
     if spec.model_type == "nemotron_h":
         kwargs.pop("num_hidden_layers")  # its layers_block_type sets the depth
     config = AutoConfig.for_model("llama" if spec.model_type == "remote" else spec.model_type, **kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = (AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM).from_config(config)
     return model.to(getattr(torch, spec.dtype))
 
 

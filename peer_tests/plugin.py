@@ -5,9 +5,9 @@
   conftest imports huggingface_hub), and `datasets.load_dataset` of the fixture dataset ids at their
   parquet files. Any other hub id stays offline and fails as it would without a network.
 * `--peer-engine` swaps the names of the suite (`--peer-suite`, a key of suites.SUITES: sft, the
-  default, dpo or kto) in its test module for hf_megatrain's classes: `SFTTrainer` / `SFTConfig` for
-  `MegaTrainSFTTrainer` / `MegaTrainSFTConfig`, and likewise DPO's and KTO's; TRL's test file itself is
-  run unmodified.
+  default, dpo, kto, orpo or cpo) in its test module for hf_megatrain's classes: `SFTTrainer` /
+  `SFTConfig` for `MegaTrainSFTTrainer` / `MegaTrainSFTConfig`, and likewise DPO's, KTO's, ORPO's and
+  CPO's; TRL's test file itself is run unmodified.
 * The test files are from TRL's newest source, which differs from the installed trl (1.16.0) in places:
   they import names that 1.16.0 does not have (SKEW). Those get placeholders, so the modules import:
   three private helpers of trl.trainer.sft_trainer raise when called (only test classes outside
@@ -49,7 +49,8 @@ def _module(name: str):
 def pytest_addoption(parser):
     group = parser.getgroup("peer", "hf_megatrain peer run of TRL's tests")
     group.addoption("--peer-engine", action="store_true", help="swap in hf_megatrain's trainer and config")
-    group.addoption("--peer-suite", default="sft", help="which names to swap: a key of suites.SUITES (sft, dpo, kto)")
+    group.addoption("--peer-suite", default="sft",
+                    help="which names to swap: a key of suites.SUITES (sft, dpo, kto, orpo, cpo)")
     group.addoption("--peer-timeout", type=int, default=900, help="seconds per test before it fails (0: none)")
 
 

@@ -1,11 +1,13 @@
 """Run one of TRL's trainer test suites stock and on the engine, offline, and compare.
 
-    python peer_tests/run_trl.py /path/to/trl-checkout [--suite sft|dpo|kto] [--only stock|engine] [-k EXPR]
-                                 [--out DIR] [--fixtures DIR]
+    python peer_tests/run_trl.py /path/to/trl-checkout [--suite sft|dpo|kto|orpo|cpo] [--only stock|engine]
+                                 [-k EXPR] [--out DIR] [--fixtures DIR]
 
 The suites (suites.py): sft, `tests/test_sft_trainer.py::TestSFTTrainer` (the default); dpo,
-`tests/test_dpo_trainer.py::TestDPOTrainer`; kto, `tests/test_kto_trainer.py::TestKTOTrainer`. The engine
-side swaps the suite's trainer and config for hf_megatrain's.
+`tests/test_dpo_trainer.py::TestDPOTrainer`; kto, `tests/test_kto_trainer.py::TestKTOTrainer`; orpo,
+`tests/experimental/test_orpo_trainer.py::TestORPOTrainer`; cpo,
+`tests/experimental/test_cpo_trainer.py::TestCPOTrainer`. The engine side swaps the suite's trainer and
+config for hf_megatrain's.
 
 Only the checkout's `tests/` (and its pytest settings in pyproject.toml) are used, copied to
 OUT/suite so that `trl` is the installed package, not the checkout's source. Each side writes
@@ -130,8 +132,8 @@ def main() -> None:
     parser.add_argument("--suite", choices=sorted(suites.SUITES), default="sft", help="which TRL tests (suites.py)")
     parser.add_argument("--only", choices=SIDES, help="run one side (the summary still reads the other's last run)")
     parser.add_argument("-k", help="pytest -k expression")
-    parser.add_argument("--out", type=Path, help="junit/log folder (default: /tmp/hf_megatrain_peer/run, run_dpo, "
-                        "run_kto)")
+    parser.add_argument("--out", type=Path, help="junit/log folder (default: /tmp/hf_megatrain_peer/run for sft, "
+                        "run_<suite> for the others)")
     parser.add_argument("--fixtures", type=Path, default=PEER / "fixtures",
                         help="the offline hub and datasets (built there if missing or stale; shared by the suites)")
     parser.add_argument("--test-timeout", type=int, default=900, help="seconds per test")

@@ -26,4 +26,9 @@ SUITES = {
                  {"DPOTrainer": "hf_megatrain.dpo:MegaTrainDPOTrainer", "DPOConfig": "hf_megatrain.dpo:MegaTrainDPOConfig"}),
     "kto": Suite("tests/test_kto_trainer.py", ("TestKTOTrainer",),
                  {"KTOTrainer": "hf_megatrain.kto:MegaTrainKTOTrainer", "KTOConfig": "hf_megatrain.kto:MegaTrainKTOConfig"}),
+    "orpo": Suite("tests/experimental/test_orpo_trainer.py", ("TestORPOTrainer",),
+                  {"ORPOTrainer": "hf_megatrain.orpo:MegaTrainORPOTrainer",
+                   "ORPOConfig": "hf_megatrain.orpo:MegaTrainORPOConfig"}),
+    "cpo": Suite("tests/experimental/test_cpo_trainer.py", ("TestCPOTrainer",),
+                 {"CPOTrainer": "hf_megatrain.cpo:MegaTrainCPOTrainer", "CPOConfig": "hf_megatrain.cpo:MegaTrainCPOConfig"}),
 }
