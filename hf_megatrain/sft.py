@@ -190,18 +190,13 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         check_resume(args.resume_from_checkpoint, args.output_dir)
         self._loaded = load_for_trl(model, args)
         skeleton, tokenizer, weights_from = self._loaded
-        if clones_template(args) and weights_from is not None:
-            # SFTTrainer's clone_chat_template resizes the embeddings with rows drawn from the old ones' mean
-            # and covariance: those two weights are read for real first (the rest stays on disk), and the
-            # engine takes them from the skeleton as resized
-            read_parameters(skeleton, weights_from, embedding_names(skeleton))
         if processing_class is None:
             # the folder's tokenizer; for a loaded model None, and SFTTrainer loads it as stock does, from the
             # model's config._name_or_path (AutoProcessor, with args.trust_remote_code)
             processing_class = tokenizer
         template = None
-        if clones_template(args) and args.peft_config is not None:
-            processing_class, template = self._clone_for_adapters(skeleton, processing_class, args)
+        if clones_template(args):
+            processing_class, template = self._clone_template(skeleton, processing_class, weights_from, args)
         if args.device.type == "cuda":
             args._n_gpu = 1  # one GPU per process: SFTTrainer would refuse nn.DataParallel on a multi-GPU host
         try:
@@ -221,12 +216,14 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         self.engine.head_stats = []
         self.engine.loss_type = args.loss_type  # 'dft' weights each token's NLL in the engine's chunked head
 
-    def _clone_for_adapters(self, skeleton, processing_class, args):
-        """A cloned chat template (chat_template_path naming a tokenizer) with LoRA, done here as SFTTrainer does
-        it: seeded with args.seed, the embeddings resized with random rows, then TRL's two changes to the PEFT
-        config (the new tokens trainable through trainable_token_indices, lm_head fully trained through
-        modules_to_save, with TRL's warning). SFTTrainer makes the adapters right after its clone, from the RNG
-        as the resize left it; the engine makes them later (after the data), so that state is kept for it
+    def _clone_template(self, skeleton, processing_class, weights_from, args):
+        """A cloned chat template (chat_template_path naming a tokenizer), done here as SFTTrainer does it: seeded
+        with args.seed, the tokens added and the embeddings resized with rows drawn from the old ones' mean and
+        covariance (from a folder, those two weights are read for real first, the rest stays on disk, and the
+        engine takes them from the skeleton as resized). With LoRA, TRL's two changes to the PEFT config follow
+        (the new tokens trainable through trainable_token_indices, lm_head fully trained through
+        modules_to_save, with TRL's warning); SFTTrainer makes the adapters right after its clone, from the RNG
+        as the resize left it, and the engine makes them later (after the data), so that state is kept for it
         (MegaTrainTrainer._build_engine). Returns the tokenizer and the path SFTTrainer must not clone again
         (args.chat_template_path is None while it runs, and given back after)."""
         from transformers import AutoTokenizer
@@ -238,8 +235,13 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         if processing_class is None:  # as SFTTrainer would load it
             processing_class = AutoTokenizer.from_pretrained(skeleton.config._name_or_path,
                                                              trust_remote_code=args.trust_remote_code)
+        if weights_from is not None:
+            read_parameters(skeleton, weights_from, embedding_names(skeleton))
         set_seed(args.seed)
         _, processing_class, added = clone_chat_template(skeleton, processing_class, args.chat_template_path)
+        template, args.chat_template_path = args.chat_template_path, None
+        if args.peft_config is None:
+            return processing_class, template
         self._adapter_rng = torch.get_rng_state()
         config = copy.deepcopy(lora_config(args.peft_config))
         if added:
@@ -253,7 +255,6 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
                                "`modules_to_save=['lm_head']` to your PEFT configuration.")
                 config.modules_to_save = list(config.modules_to_save or []) + ["lm_head"]
         args.peft_config = config
-        template, args.chat_template_path = args.chat_template_path, None
         return processing_class, template
 
     def training_step(self, model, inputs, num_items_in_batch=None):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -41,9 +42,16 @@ def check_prompt_learning(config) -> None:
                              "(PromptEncoderConfig) and LoRA work.")
 
 
-def prompt_encoder(peft_model):
-    """(the active adapter's prompt encoder module, its path in the PeftModel, its number of virtual tokens) of a
-    prompt-learning PeftModel; None for any other model."""
+class Prompt(NamedTuple):
+    """A prompt-learning PeftModel's active prompt encoder."""
+
+    module: torch.nn.Module
+    path: str  # in the PeftModel: prompt_encoder.<adapter>
+    tokens: int  # num_virtual_tokens
+
+
+def prompt_encoder(peft_model) -> Prompt | None:
+    """The active adapter's prompt encoder of a prompt-learning PeftModel; None for any other model."""
     if peft_model is None:
         return None
     config = peft_model.active_peft_config
@@ -54,7 +62,7 @@ def prompt_encoder(peft_model):
         raise MegaTrainError("the prompt-learning config has num_transformer_submodules > 1 (an encoder-decoder's); "
                              "a causal LM has one.")
     adapter = peft_model.active_adapter
-    return peft_model.prompt_encoder[adapter], f"prompt_encoder.{adapter}", int(config.num_virtual_tokens)
+    return Prompt(peft_model.prompt_encoder[adapter], f"prompt_encoder.{adapter}", int(config.num_virtual_tokens))
 
 
 @contextmanager

@@ -255,14 +255,14 @@ class StreamingEngine(nn.Module):
             verify(self.spec, model.config)
         # prompt tuning / p-tuning: the PeftModel's prompt encoder is part of the embedding unit (engine/prompts.py)
         prompt = prompt_encoder(self.peft_model)
-        self.virtual_tokens = prompt[2] if prompt else 0
+        self.virtual_tokens = prompt.tokens if prompt else 0
         if prompt:
             if self.spec.per_layer or self.spec.altup:  # made from the token ids, which PEFT does not pass
                 raise MegaTrainError(f"prompt tuning and p-tuning on {self.spec.model_type}: its per-layer embeddings "
                                      "are made from the token ids, which PeftModel.forward replaces by embeddings; "
                                      "use LoRA for this family.")
-            self.spec = replace(self.spec, prompt=prompt[1])
-        with attached(model, *prompt[:2]) if prompt else nullcontext():  # the engine reads it from the base model
+            self.spec = replace(self.spec, prompt=prompt.path)
+        with attached(model, prompt.module, prompt.path) if prompt else nullcontext():  # the engine reads it from the base model
             self._lay_out(model, config, decay_names, sharding, load_weights)
         self.set_mlp_tiling(config.mlp_tile_tokens)
         cfg = self.config
