@@ -27,7 +27,9 @@ no second copy of the weights. Under LoRA the reference is the model with its ad
 as in TRL; for a PeftModel with an adapter of its own, TRL's frozen copy of that adapter ('ref').
 A ref_model that differs (a loaded CPU model, or a hub id or folder, which is streamed
 from disk) runs through a second, forward-only engine (hf_megatrain.preference): its weights
-frozen, its store holds one compute copy and nothing else. The metrics are TRL's (rewards/*, logps/*, logits/*, entropy, mean_token_accuracy,
+frozen, its store holds one compute copy and nothing else. A streamed train_dataset and
+sync_ref_model take the reference batch by batch, as stock does (full fine-tuning without a
+ref_model: from a forward-only copy of the starting policy). The metrics are TRL's (rewards/*, logps/*, logits/*, entropy, mean_token_accuracy,
 num_tokens, a MoE's aux_loss), in training and, as eval_*, in evaluation.
 """
 
@@ -110,6 +112,7 @@ class MegaTrainDPOTrainer(EnginePreference, DPOTrainer, MegaTrainTrainer):
         # WPO's weights need each token's log sum_v p_v^2: a further sum of the head's first pass (the reference's
         # passes, before this, do without it)
         self.engine.row_stats = ("log_sum_sq_probs",) if args.use_weighting else ()
+        self._reference_ready()
 
     def _head_loss(self, group, num_items_in_batch):
         return RowLoss(lambda k, per_row: self._dpo_loss(group[k], per_row, k))

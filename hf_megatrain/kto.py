@@ -89,6 +89,7 @@ class MegaTrainKTOTrainer(EnginePreference, KTOTrainer, MegaTrainTrainer):
         super().__init__(model=skeleton, ref_model=None, args=args, data_collator=data_collator,
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
+        self._reference_ready()
 
     def _head_loss(self, group, num_items_in_batch):
         return RowLoss(lambda k, per_row: self._kto_loss(group[k], per_row, k))

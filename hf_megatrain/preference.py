@@ -12,7 +12,12 @@ frozen, so its host store is one compute copy (bf16 by default; no fp32 master, 
 optimizer state), filled straight from the checkpoint for a hub id or folder. It is built at the
 first reference pass (before the first step), with the policy engine's settings but nothing
 resident on the GPU, and kept for a dataset evaluated later (as TRL keeps its ref_model). Its
-passes stream each layer once per batch, as the policy's forward does."""
+passes stream each layer once per batch, as the policy's forward does.
+
+A streamed train_dataset and sync_ref_model (whose reference moves towards the policy) need the
+reference batch by batch through the whole run, as stock computes it: each step's batches get it
+before the step, from the ref_model's engine, the adapter-disabled policy under LoRA, or, for full
+fine-tuning without a ref_model, a forward-only engine over a copy of the starting policy."""
 
 from __future__ import annotations
 
@@ -33,10 +38,11 @@ from .sft import load_for_trl
 
 
 def check_engine_trl(args, model, train_dataset, peft_config, quantization_config, trl_name: str,
-                     peft_model: bool = False) -> None:
+                     with_reference: bool = False) -> None:
     """What TRL's offline preference trainers (DPO, KTO, ORPO, CPO) offer that the engine cannot honour, refused
-    before any data is tokenized. peft_model: whether a PeftModel may be the model (DPO's and KTO's)."""
-    if is_peft_model(model) and not peft_model:
+    before any data is tokenized. with_reference: DPO's and KTO's (a PeftModel may be the model, and a streamed
+    train_dataset is taken: its reference is computed batch by batch)."""
+    if is_peft_model(model) and not with_reference:
         raise MegaTrainError(f"a PeftModel as model is not supported: {trl_name}Trainer would keep a copy of its "
                              "adapter as the reference. Pass the base model with peft_config for new adapters, or "
                              "merge the adapter into the base first (merge_and_unload, save_pretrained) and train that.")
@@ -66,10 +72,9 @@ def check_engine_trl(args, model, train_dataset, peft_config, quantization_confi
         raise MegaTrainError("`train_dataset` is required (preference data: prompt and completions).")
     import datasets
 
-    if isinstance(train_dataset, datasets.IterableDataset):
+    if isinstance(train_dataset, datasets.IterableDataset) and not with_reference:
         raise MegaTrainError(f"train_dataset is an IterableDataset: {trl_name}Trainer prepares a map-style "
-                             "datasets.Dataset (and the engine computes a reference's log-probabilities over the "
-                             "whole dataset before the first step).")
+                             "datasets.Dataset; pass one (Dataset.from_generator, or load_dataset without streaming).")
     sample = next(iter(train_dataset))
     if "image" in sample or "images" in sample:
         raise MegaTrainError("vision preference data (an 'image' or 'images' column) is not supported: the engine "
@@ -84,7 +89,21 @@ def check_preference(args, model, ref_model, train_dataset, peft_config, quantiz
     if args.precompute_ref_log_probs and isinstance(train_dataset, datasets.IterableDataset):  # stock's refusal
         raise MegaTrainError("`precompute_ref_log_probs=True` is not supported with IterableDataset. Please use a "
                              "map-style Dataset or set `precompute_ref_log_probs=False`.")
-    check_engine_trl(args, model, train_dataset, peft_config, quantization_config, trl_name, peft_model=True)
+    check_engine_trl(args, model, train_dataset, peft_config, quantization_config, trl_name, with_reference=True)
+    if args.sync_ref_model:  # stock's two refusals, in its words
+        if peft_config is not None or is_peft_model(model):
+            raise MegaTrainError(
+                "You passed `sync_ref_model=True` while using a PEFT model, which is currently not supported. With "
+                f"PEFT, {trl_name}Trainer does not keep a separate reference model in memory; instead, it recovers "
+                "reference behavior by temporarily disabling the adapter. As a result, there is no standalone "
+                "`ref_model` instance to synchronize. Use `sync_ref_model=False`, or opt for full fine-tuning if you "
+                "need a synced reference model.")
+        if args.precompute_ref_log_probs:
+            raise MegaTrainError(
+                "You cannot use `sync_ref_model=True` together with `precompute_ref_log_probs=True`. "
+                "`precompute_ref_log_probs=True` assumes a fixed reference model, but with `sync_ref_model=True` the "
+                "reference model is periodically updated during training, making any precomputed reference log-probs "
+                "stale. Set `precompute_ref_log_probs=False` or disable `sync_ref_model`.")
     if ref_model is not None:
         if ref_model is model:
             raise MegaTrainError("model and ref_model are the same object; omit ref_model (the reference is then the "
@@ -92,9 +111,6 @@ def check_preference(args, model, ref_model, train_dataset, peft_config, quantiz
         if is_peft_model(ref_model):
             raise MegaTrainError("a PeftModel as ref_model is not supported: merge its adapter into the base first "
                                  "(merge_and_unload, save_pretrained) and pass that.")
-    if args.sync_ref_model:
-        raise MegaTrainError("sync_ref_model is not supported: it keeps a second model that follows the policy, while "
-                             "the engine's reference is computed once, before the first step; leave it False.")
 
 
 class EngineTrl:
@@ -242,31 +258,53 @@ class EnginePreference(EngineTrl):
             lambda a, peft: check(a, model, ref_model, train_dataset, peft, quantization_config))
         import datasets
 
+        # The reference's log-probabilities are computed before the first step whatever the config says (TRL's
+        # precompute path, with no ref_model built), except where stock computes them batch by batch and a
+        # precomputed copy cannot stand in: a streamed train_dataset (nothing to cache by index) and sync_ref_model
+        # (the reference moves). Those take the reference batch by batch, as stock does, from the engine that
+        # keeps it: the policy's under LoRA (adapters off), ref_model's, or, for full fine-tuning without one, a
+        # forward-only copy of the starting policy (_starting_policy_engine).
+        self._per_batch = isinstance(train_dataset, datasets.IterableDataset) or args.sync_ref_model
         streams = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
         if (any(isinstance(d, datasets.IterableDataset) for d in streams) and args.eval_strategy != "no"
-                and ref_model is None and args.peft_config is None and not args.precompute_ref_log_probs):
+                and ref_model is None and args.peft_config is None and not args.precompute_ref_log_probs
+                and not self._per_batch):
             raise MegaTrainError(self._no_reference_for_stream)  # it would be evaluated after steps
-        # The reference's log-probabilities are computed before the first step whatever the config says (the
-        # engine keeps no reference model to run beside each step: the reference is the starting policy, or a
-        # ref_model streamed once by a forward-only engine): TRL's precompute path, with no ref_model built.
-        self._asked_precompute = args.precompute_ref_log_probs
-        args.precompute_ref_log_probs = True
+        # TRL's __init__ is handed precompute (it then builds no reference model of its own: the engine's run the
+        # reference) and no sync_ref_model (whose callback would mix a model TRL does not have); _reference_ready
+        # sets both back as asked once it is done
+        self._asked_precompute, self._asked_sync = args.precompute_ref_log_probs, args.sync_ref_model
+        args.precompute_ref_log_probs, args.sync_ref_model = True, False
         self._ref_source, self._ref_engine = None, None  # a different reference: streamed at the first pass
+        self._ref_pairs = {}  # sync_ref_model: name -> (the reference's parameter, its compute copy)
         if ref_model is not None:  # its config and architecture read now (no weights): refused before tokenizing
             from .checkpoint.loading import load_model_and_tokenizer
 
             self._ref_source = load_model_and_tokenizer(ref_model, trust_remote_code=args.trust_remote_code)
         return skeleton, processing_class
 
+    def _reference_ready(self) -> None:
+        """The end of a subclass's __init__, after the TRL trainer's: the reference batch by batch where stock
+        computes it so (see _engine_init), and sync_ref_model's callback."""
+        if self._per_batch:
+            self.args.precompute_ref_log_probs = self.precompute_ref_logps = False
+            self._precompute_model_hash = None
+        if self._asked_sync:
+            self.args.sync_ref_model = True
+            self.add_callback(_synced_reference(self))
+
     def _precompute_ref_logps(self, dataset, name, batch_size):
         self._post_init_engine()  # the first thing after the TRL trainer's settings; before any forward
-        if self._ref_source is not None and self._ref_engine is None:
-            self._ref_engine = self._reference_engine()
+        if self._ref_engine is None:
+            if self._ref_source is not None:
+                self._ref_engine = self._reference_engine()
+            elif self._per_batch and self.engine.peft_model is None:
+                self._ref_engine = self._starting_policy_engine()
         import datasets
 
-        if isinstance(dataset, datasets.IterableDataset) and not self._asked_precompute:
-            # an evaluation stream (a streamed train_dataset is refused): nothing to cache by index, its reference
-            # is computed batch by batch as it is evaluated (_batch_reference), as stock computes it
+        if self._per_batch or (isinstance(dataset, datasets.IterableDataset) and not self._asked_precompute):
+            # computed batch by batch (_batch_reference), as stock computes it: for an evaluation stream nothing can
+            # be cached by index; the training data of the per-batch cases (_engine_init) likewise
             return dataset
         self._share_cache_file(dataset)
         if self._asked_precompute:
@@ -283,6 +321,13 @@ class EnginePreference(EngineTrl):
             random.setstate(states[2])
             if states[3] is not None:
                 torch.cuda.set_rng_state_all(states[3])
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._per_batch:  # each batch's reference before the step's passes (stock's: in each micro-batch's loss)
+            for batch in batches:
+                self._batch_reference(batch)
+        return batches, num_items
 
     def _share_cache_file(self, dataset) -> None:
         """Under data parallel, one folder for TRL's cache file of the reference's log-probabilities that every rank
@@ -318,40 +363,121 @@ class EnginePreference(EngineTrl):
         copy that streams (no fp32 master, no gradient, no optimizer state), with the policy engine's settings. A
         hub id or folder is streamed in from disk (never loaded whole); a loaded CPU model's weights move into the
         store where they are of the compute dtype (its parameters then view the store), and are copied there where
-        not (it keeps its own). TRL's cache key for the precomputed log-probabilities names its weights (stock
-        hashes ref_model)."""
-        from trl.trainer.utils import disable_dropout_in_model, hash_module
-
-        from .checkpoint.stream_load import engine_from_checkpoint
+        not (it keeps its own). Under sync_ref_model the parameters keep fp32 values beside the compute copy (a
+        folder's are read whole, in fp32, as stock's ref_model holds them): the policy is mixed into those. TRL's
+        cache key for the precomputed log-probabilities names its weights (stock hashes ref_model)."""
+        from .checkpoint.stream_load import engine_from_checkpoint, read_parameters
         from .engine.schedule import StreamingEngine
 
         skeleton, _, weights_from = self._ref_source
         skeleton.requires_grad_(False)
-        # nothing resident on the GPU beside the policy's, no fp32 state to keep lean: a forward-only stream
-        config = dataclasses.replace(self._engine_config, resident_layers=0, offload_activations=0,
-                                     lean_resident=False, lean_streamed=False, transient_grads=False,
-                                     gpu_grad_layers=0)
+        config = self._reference_config()
         build = dict(config=config, decay_names=set(), sharding=None)
+        if self._asked_sync and weights_from is not None and config.compute_dtype != torch.float32:
+            read_parameters(skeleton, weights_from, [name for name, _ in skeleton.named_parameters()])
+        # a loaded model (or one read whole): the store copies its weights and points its parameters at the copy.
+        # Where the copy is of another dtype (an fp32 model, bf16 compute) the model keeps its own tensors: ref_model
+        # stays as it was passed (as stock leaves it), not rounded to the compute dtype
+        own = {p: p.data for p in skeleton.parameters() if p.device.type != "meta" and p.dtype != config.compute_dtype}
         if weights_from is None:
-            # a loaded model: the store copies its weights and points its parameters at the copy. Where the copy is
-            # of another dtype (an fp32 model, bf16 compute) the model keeps its own tensors: ref_model stays as it
-            # was passed (as stock leaves it), not rounded to the compute dtype
-            own = {p: p.data for p in skeleton.parameters() if p.dtype != config.compute_dtype}
             engine = StreamingEngine(skeleton, **build)
-            for p, data in own.items():
-                p.data = data
         else:
             engine = engine_from_checkpoint(skeleton, weights_from, progress=not self.args.disable_tqdm, **build)
+        for p, data in own.items():
+            p.data = data
+        if self._precompute_model_hash is not None and not self._per_batch:
+            from trl.trainer.utils import hash_module
+
+            self._precompute_model_hash = hash_module(skeleton)
+        return self._as_reference(engine, skeleton)
+
+    def _starting_policy_engine(self):
+        """The reference of full fine-tuning without a ref_model where it is needed batch by batch (_engine_init): a
+        forward-only engine over a copy of the starting policy, its store one compute copy filled from the policy's
+        (no fp32 master, gradient or optimizer state; under sync_ref_model its parameters also keep fp32 copies of
+        the policy's, into which the policy is mixed). Stock loads its reference again from the policy's checkpoint
+        (get_config_model_id); this is the policy as training starts, which is that checkpoint when the model came
+        from it, and what the precomputed path's reference is too. Built before TRL's __init__ is done, so the
+        starting weights are the model's, not a checkpoint's that train() resumes (as stock's reference)."""
+        from .checkpoint.loading import meta_skeleton
+        from .engine.schedule import StreamingEngine
+        from .patcher.templates import persistent_buffers
+
+        policy = self.model
+        skeleton = meta_skeleton(copy.deepcopy(policy.config), policy.config._attn_implementation,
+                                 self.args.trust_remote_code)
+        skeleton.requires_grad_(False)
+        buffers = persistent_buffers(policy)
+        for name, b in persistent_buffers(skeleton).items():
+            b.copy_(buffers[name])
+        config = self._reference_config()
+
+        def fill(store):  # the compute copy, cast from the policy's masters as the policy's own copy is
+            where = {s.name: (u.index, s) for u in store.units for s in u.slots}
+            for weights in self._policy_units():
+                for name, w in weights.items():
+                    index, s = where[name]
+                    store.compute[index][s.offset : s.offset + s.numel].copy_(w.reshape(-1))
+
+        engine = StreamingEngine(skeleton, config=config, decay_names=set(), sharding=None, load_weights=fill)
+        if self._asked_sync and config.compute_dtype != torch.float32:
+            params = dict(skeleton.named_parameters())
+            for weights in self._policy_units():
+                for name, w in weights.items():
+                    if name in params:
+                        params[name].data = w.detach().to("cpu", torch.float32, copy=True)
+        return self._as_reference(engine, skeleton)
+
+    def _reference_config(self):
+        """The policy engine's settings for a forward-only reference: nothing resident on the GPU beside the
+        policy's, no fp32 state to keep lean, a plain stream."""
+        return dataclasses.replace(self._engine_config, resident_layers=0, offload_activations=0, lean_resident=False,
+                                   lean_streamed=False, transient_grads=False, gpu_grad_layers=0)
+
+    def _as_reference(self, engine, skeleton):
+        """A reference engine in eval mode, dropout off as asked; its model becomes self.ref_model (what TRL reads as
+        "a reference model is kept", whose parameters a user reads); under sync_ref_model, each parameter paired with
+        the compute copy that streams (_sync_reference)."""
+        from trl.trainer.utils import disable_dropout_in_model
+
         engine.eval()
         if self.args.disable_dropout:
             for tmpl in engine._templates.values():
                 disable_dropout_in_model(tmpl.module)
-        if self._precompute_model_hash is not None:
-            self._precompute_model_hash = hash_module(skeleton)
-        # what TRL reads as "a reference model is kept" (evaluate() on a new dataset after training); the engine
-        # above runs its forwards
+        if self._asked_sync:
+            params = dict(skeleton.named_parameters())
+            for unit in engine.store.units:
+                for name, view in engine.store.param_views(unit.index).items():
+                    self._ref_pairs[name] = (params[name], view)
         self.ref_model = skeleton
         return engine
+
+    def _policy_units(self):
+        """The policy's weights, one unit at a time ({name: tensor}): fp32 masters, gathered whole under data
+        parallel (a collective: every rank walks them), where they train; the compute copy where frozen."""
+        store = self.engine.store
+        for unit in store.units:
+            master = store.full(store.master, unit.index) if unit.n_train else None
+            compute = store.compute[unit.index]
+            yield {s.name: (master if s.trainable else compute)[s.offset : s.offset + s.numel].view(s.shape)
+                   for s in unit.slots}
+
+    def _sync_reference(self, alpha: float) -> None:
+        """sync_ref_model (TR-DPO) every ref_model_sync_steps: reference = (1 - alpha) * reference + alpha * policy,
+        parameter by parameter as TRL's SyncRefModelCallback computes it, then the reference's compute copy is
+        refreshed from the result."""
+        # the step's host updates have landed; the reference's last pass has long read its compute copy (the
+        # policy's step, queued after it on the compute stream, has been waited for)
+        self.engine.synchronize()
+        with torch.no_grad():
+            for weights in self._policy_units():
+                for name, w in weights.items():
+                    if name not in self._ref_pairs:
+                        continue
+                    param, compute = self._ref_pairs[name]
+                    param.data.mul_(1.0 - alpha).add_(w.to(param.device), alpha=alpha)
+                    if compute.data_ptr() != param.data.data_ptr():
+                        compute.copy_(param.data)
 
     def _engine_logps(self, input_ids, attention_mask, completion_mask, reference: bool, reduce=None) -> torch.Tensor:
         """Each row's summed log-probabilities of its completion tokens, from a forward-only pass of an engine:
@@ -409,6 +535,19 @@ class EnginePreference(EngineTrl):
                 "those of the starting policy, which the engine computes before the first step (no second model is "
                 "kept). Pass it as eval_dataset when building the trainer.")
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+
+def _synced_reference(trainer):
+    """TRL's SyncRefModelCallback (the class a user looks for, its step rule) mixing the policy into the engine's
+    reference (EnginePreference._sync_reference) instead of into a model."""
+    from trl.trainer.callbacks import SyncRefModelCallback
+
+    class SyncedReference(SyncRefModelCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step % args.ref_model_sync_steps == 0:
+                trainer._sync_reference(args.ref_model_mixup_alpha)
+
+    return SyncedReference(ref_model=trainer.ref_model, accelerator=trainer.accelerator)
 
 
 def completion_labels(batch) -> torch.Tensor:

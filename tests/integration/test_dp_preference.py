@@ -1,7 +1,7 @@
 """TRL's preference trainers through the engine under data parallel (gloo on the CPU, fp32): MegaTrainDPOTrainer
 with 2 ranks of 2 pairs equals one process of 4 pairs (the losses, every metric, the evaluation and the weights),
 and each of MegaTrainDPOTrainer, MegaTrainKTOTrainer, MegaTrainORPOTrainer and MegaTrainCPOTrainer with 2 ranks
-equals stock TRL's trainer with 2 ranks (DDP). KTO, ORPO and CPO are compared with stock at the same ranks, not
+equals stock TRL's trainer with 2 ranks (DDP), DPO with sync_ref_model too. KTO, ORPO and CPO are compared with stock at the same ranks, not
 with one process: their losses are not the same across that change in stock either (KTO's KL rows pair completions
 within each rank's batch; ORPO's and CPO's NLL is a mean over each rank's tokens, which DDP then averages)."""
 
@@ -41,7 +41,7 @@ def test_dpo_two_ranks_equal_one_process(tmp_path):
     assert_same(one, two, skip=("total_flos",))
 
 
-@pytest.mark.parametrize("kind", ["dpo", "kto", "orpo", "cpo"])
+@pytest.mark.parametrize("kind", ["dpo", "kto", "orpo", "cpo", "dpo-sync"])
 def test_two_ranks_equal_stock_two_ranks(kind, tmp_path):
     folder = model_folder(tmp_path, "mixtral" if kind == "orpo" else "llama")
     stock = launch(2, tmp_path / "stock", folder, kind, "stock", 2)

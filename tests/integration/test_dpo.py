@@ -10,7 +10,9 @@ import torch
 
 trl = pytest.importorskip("trl")
 from peft import LoraConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
+from trl.trainer.callbacks import SyncRefModelCallback  # noqa: E402
 
 from hf_megatrain import MegaTrainError, MegaTrainTrainer  # noqa: E402
 from hf_megatrain.dpo import MegaTrainDPOConfig, MegaTrainDPOTrainer  # noqa: E402
@@ -210,6 +212,85 @@ def test_streamed_eval_datasets_under_lora_equal_stock(tmp_path):
     assert_same_run(logs, stock_logs, weights, stock_weights, starts_at_reference=False)
 
 
+# Where stock computes the reference batch by batch and no precomputed copy can stand in, the engine does too: a
+# streamed train_dataset (nothing to cache by index) and sync_ref_model (TR-DPO: every ref_model_sync_steps the
+# reference becomes (1 - alpha) * reference + alpha * policy). Full fine-tuning without a ref_model takes it from a
+# forward-only copy of the starting policy (its store: one compute copy; under sync_ref_model its parameters keep
+# fp32 values beside it, into which the policy is mixed), LoRA from the adapter-disabled model, a ref_model from its
+# own engine. The reference model's parameters after training equal stock's ref_model's.
+PER_BATCH = {
+    "stream": (None, None, dict(stream=True)),
+    "stream_lora": (LORA, None, dict(stream=True)),
+    "stream_ref_folder": (None, "folder", dict(stream=True)),
+    "sync": (None, None, dict(sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.3)),
+    "sync_stream_ref_loaded": (None, "loaded", dict(stream=True, sync_ref_model=True, ref_model_sync_steps=2,
+                                                   ref_model_mixup_alpha=0.6)),
+    "sync_ref_folder": (None, "folder", dict(sync_ref_model=True, ref_model_sync_steps=1)),  # TRL's alpha, 0.6
+}
+
+
+@pytest.mark.parametrize("case", list(PER_BATCH))
+def test_a_reference_batch_by_batch_equals_stock(case, tmp_path):
+    lora, ref_kind, extra = PER_BATCH[case]
+    extra = dict(extra)
+    stream = extra.pop("stream", False)
+    folder = model_folder(tmp_path, "llama")
+    ref = model_folder(tmp_path, "llama", name="reference", seed=1) if ref_kind else None
+    train = pairs().to_iterable_dataset() if stream else pairs()
+    late = pairs(WORDS[30:38])  # first seen after training: the kept reference computes it
+    stock, stock_logs, stock_weights = run_trainer(DPOTrainer, DPOConfig, folder, tmp_path / "stock", train,
+                                                   pairs(WORDS[:8]), lora, late, ref_model=ref, **extra)
+    ours, logs, weights = run_trainer(MegaTrainDPOTrainer, DPOConfig, folder, tmp_path / "mega", train,
+                                      pairs(WORDS[:8]), lora, late,
+                                      ref_model=as_folder(ref) if ref_kind == "folder" else ref, **extra)
+    assert any("after_loss" in h for h in logs)
+    assert ours.args.precompute_ref_log_probs is False and ours.args.sync_ref_model == stock.args.sync_ref_model
+    assert_same_run(logs, stock_logs, weights, stock_weights, starts_at_reference=not (lora or ref))
+    if lora:
+        assert ours.ref_model is None and ours._ref_engine is None  # the policy's engine, its adapters off
+        return
+    assert all(m.numel() == 0 for m in ours._ref_engine.store.master)  # forward only: no fp32 master nor state
+    theirs = dict(stock.ref_model.named_parameters())
+    for name, p in ours.ref_model.named_parameters():
+        assert p.dtype == theirs[name].dtype == torch.float32
+        torch.testing.assert_close(p, theirs[name], atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    if extra.get("sync_ref_model"):  # it moved
+        start = dict(AutoModelForCausalLM.from_pretrained(ref or folder).named_parameters())
+        assert any(not torch.equal(p, start[n]) for n, p in ours.ref_model.named_parameters())
+
+
+def test_sync_ref_model_in_bf16_mixes_fp32_parameters(tmp_path):
+    """TRL's default bf16 compute (on the CPU): the reference's parameters stay fp32 as stock's ref_model's, the policy's
+    fp32 masters are mixed into them (TRL's op order, each step here), and the compute copy that streams is their
+    bf16 rounding. The reference starts as the policy: step 1's rewards are 0 (both run the same bf16 weights)."""
+    folder = model_folder(tmp_path, "llama")
+    alpha, seen = 0.25, []
+
+    class Watch(TrainerCallback):  # runs before the sync (TRL's callback is added last, as ours is)
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append(({n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+                         {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}))
+
+    args = DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, max_steps=3, per_device_train_batch_size=4,
+                     learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
+                     sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=alpha)
+    assert args.bf16
+    trainer = MegaTrainDPOTrainer(folder, args=args, train_dataset=pairs(), callbacks=[Watch()])
+    assert isinstance(trainer.callback_handler.callbacks[-1], SyncRefModelCallback)  # TRL's class, as stock's
+    trainer.train()
+    final = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+    assert trainer.state.log_history[0]["rewards/chosen"] == 0 == trainer.state.log_history[0]["rewards/rejected"]
+    for k, (policy, before) in enumerate(seen):
+        after = seen[k + 1][1] if k + 1 < len(seen) else final
+        for n, r in before.items():
+            assert r.dtype == torch.float32
+            assert torch.equal(after[n], r.mul(1.0 - alpha).add(policy[n], alpha=alpha)), (k, n)
+    store = trainer._ref_engine.store
+    for unit in store.units:
+        for n, view in store.param_views(unit.index).items():
+            assert view.dtype == torch.bfloat16 and torch.equal(view, final[n].to(torch.bfloat16)), n
+
+
 @pytest.mark.parametrize("precompute", [False, True])
 def test_a_peft_model_with_its_own_adapter_equals_stock(precompute, tmp_path):
     """A PeftModel with an adapter of its own as model: TRL copies the adapter as adapter 'ref', the reference. The
@@ -276,13 +357,12 @@ def test_dpo_config_elsewhere_names_the_dpo_trainer(tmp_path):
 
 
 @pytest.mark.parametrize("extra, match", [
-    (dict(sync_ref_model=True), "sync_ref_model"),
+    (dict(sync_ref_model=True, lora=True), "`sync_ref_model=True` while using a PEFT model"),
     (dict(activation_offloading=True), "activation_offloading"),
     (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
     (dict(loss_type=["kto"]), r"loss_type \['kto'\]"),
     (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
     (dict(ref_peft=True), "a PeftModel as ref_model"),
-    (dict(iterable=True), "IterableDataset"),
     (dict(prompt_tuning=True), "PROMPT_TUNING \\(prompt learning\\), which the engine's DPOTrainer does not train"),
 ])
 def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tmp_path, monkeypatch):
@@ -296,25 +376,25 @@ def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tm
 
     ref = get_peft_model(make_model("llama", num_hidden_layers=2), LoraConfig(**LORA)) if extra.pop("ref_peft", None) \
         else None
-    data = pairs().to_iterable_dataset() if extra.pop("iterable", None) else pairs()
     from peft import PromptTuningConfig
 
     prompt = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4) if extra.pop("prompt_tuning", None) \
-        else None
+        else LoraConfig(**LORA) if extra.pop("lora", None) else None
     with pytest.raises(MegaTrainError, match=match) as e:
         MegaTrainDPOTrainer(folder, ref_model=ref, args=DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True,
                                                                   report_to=[], bf16=False, **extra),
-                            train_dataset=data, peft_config=prompt)
+                            train_dataset=pairs(), peft_config=prompt)
     assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("kind", ["dpo", "kto"])
 def test_what_stock_refuses_before_training_is_refused_in_its_words(kind, tmp_path):
-    """No train_dataset; precompute_ref_log_probs=True with a streamed train_dataset: stock's ValueError, its message
-    first (the engine's says more after it)."""
+    """No train_dataset; precompute_ref_log_probs=True with a streamed train_dataset, or with sync_ref_model: stock's
+    ValueError, its message first (the engine's says more after it)."""
     config, stock, _, ours, data = _trainers(kind)
     folder = model_folder(tmp_path, "llama")
-    for extra, train in ((dict(), None), (dict(precompute_ref_log_probs=True), data().to_iterable_dataset())):
+    for extra, train in ((dict(), None), (dict(precompute_ref_log_probs=True), data().to_iterable_dataset()),
+                         (dict(precompute_ref_log_probs=True, sync_ref_model=True), data())):
         messages = []
         for cls in (stock, ours):
             args = config(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[], bf16=False, max_steps=1, **extra)

@@ -89,6 +89,41 @@ def test_a_separate_ref_model_equals_stock(as_path, tmp_path):
     assert_same_run(logs, stock_logs, weights, stock_weights)
 
 
+# The reference batch by batch where stock computes it so and no precomputed copy can stand in (test_dpo.py's
+# PER_BATCH says how): a streamed train_dataset and sync_ref_model; the KL rows' reference too
+PER_BATCH = {
+    "stream": (None, None, dict(stream=True)),
+    "stream_lora_apo": (LORA, None, dict(stream=True, loss_type="apo_zero_unpaired")),
+    "sync": (None, None, dict(sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.3)),
+    "sync_stream_ref_folder": (None, "folder", dict(stream=True, sync_ref_model=True, ref_model_sync_steps=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(PER_BATCH))
+def test_a_reference_batch_by_batch_equals_stock(case, tmp_path):
+    lora, ref_kind, extra = PER_BATCH[case]
+    extra = dict(extra)
+    train = unpaired().to_iterable_dataset() if extra.pop("stream", False) else unpaired()
+    folder = model_folder(tmp_path, "llama")
+    ref = model_folder(tmp_path, "llama", name="reference", seed=1) if ref_kind else None
+    late = unpaired(WORDS[30:38])
+    stock, stock_logs, stock_weights = run_trainer(KTOTrainer, KTOConfig, folder, tmp_path / "stock", train,
+                                                   unpaired(WORDS[:8]), lora, late, ref_model=ref, **extra)
+    ours, logs, weights = run_trainer(MegaTrainKTOTrainer, KTOConfig, folder, tmp_path / "mega", train,
+                                      unpaired(WORDS[:8]), lora, late, ref_model=as_folder(ref) if ref else None,
+                                      **extra)
+    assert any("after_loss" in h for h in logs)
+    assert ours.args.precompute_ref_log_probs is False and ours.args.sync_ref_model == stock.args.sync_ref_model
+    assert_same_run(logs, stock_logs, weights, stock_weights)
+    if lora:
+        assert ours.ref_model is None and ours._ref_engine is None
+        return
+    assert all(m.numel() == 0 for m in ours._ref_engine.store.master)
+    theirs = dict(stock.ref_model.named_parameters())
+    for name, p in ours.ref_model.named_parameters():
+        torch.testing.assert_close(p, theirs[name], atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
 # The engine's step placements (engine/step.py) with the KL term's forward-only pass before each micro-batch's
 # training pass: the step's micro-batches through each layer together (the KL passes of all of them first); the
 # host optimizer stepping each unit during the backward (after the last micro-batch's KL pass, no clipping);
@@ -170,12 +205,11 @@ def test_kto_config_elsewhere_names_the_kto_trainer(tmp_path):
 
 @pytest.mark.parametrize("extra, match", [
     (dict(loss_type="bco"), "loss_type='bco'"),
-    (dict(sync_ref_model=True), "sync_ref_model"),
+    (dict(sync_ref_model=True, lora=True), "`sync_ref_model=True` while using a PEFT model"),
     (dict(activation_offloading=True), "activation_offloading"),
     (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
     (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
     (dict(ref_peft=True), "a PeftModel as ref_model"),
-    (dict(iterable=True), "IterableDataset"),
 ])
 def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tmp_path, monkeypatch):
     folder = model_folder(tmp_path, "llama")
@@ -188,11 +222,11 @@ def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tm
 
     ref = get_peft_model(make_model("llama", num_hidden_layers=2), LoraConfig(**LORA)) if extra.pop("ref_peft", None) \
         else None
-    data = unpaired().to_iterable_dataset() if extra.pop("iterable", None) else unpaired()
+    lora = LoraConfig(**LORA) if extra.pop("lora", None) else None
     with pytest.raises(MegaTrainError, match=match) as e:
         MegaTrainKTOTrainer(folder, ref_model=ref, args=KTOConfig(output_dir=str(tmp_path / "o"), use_cpu=True,
                                                                   report_to=[], bf16=False, **extra),
-                            train_dataset=data)
+                            train_dataset=unpaired(), peft_config=lora)
     assert "\n" not in str(e.value)
 
 

@@ -4,7 +4,8 @@ MASTER_PORT in the environment), stock TRL's trainer or ours, for tests/integrat
 
     python -m tests.support.dp_preference OUT FOLDER KIND IMPL BATCH [GA]
 
-KIND: dpo, kto, orpo or cpo; IMPL: stock or ours; BATCH: per_device_train_batch_size; GA: gradient accumulation
+KIND: dpo, kto, orpo or cpo (dpo-sync: dpo with sync_ref_model, mixed every step, whose all-gathered masters the
+engine mixes into its reference); IMPL: stock or ours; BATCH: per_device_train_batch_size; GA: gradient accumulation
 steps (1). Trains the tiny model in FOLDER on preference data made here, in order (sequential sampler: N ranks x
 BATCH rows see the same global batches as 1 rank x N*BATCH rows), evaluates, and writes OUT/result.json on
 rank 0: the log history without timings, and the trained weights.
@@ -53,10 +54,12 @@ def main():
     datasets.disable_caching()  # each run computes its own reference (TRL caches it under the data's fingerprint)
     from tests.support.preference import KW, TIMINGS, WORDS
 
+    kind, _, variant = kind.partition("-")
     config, stock, ours, data = trainers(kind)
+    extra = dict(sync_ref_model=True, ref_model_sync_steps=1) if variant == "sync" else {}
     args = config(output_dir=out, **dict(KW, per_device_train_batch_size=int(batch), gradient_accumulation_steps=ga,
                                          per_device_eval_batch_size=int(batch),
-                                         train_sampling_strategy="sequential"))
+                                         train_sampling_strategy="sequential", **extra))
     trainer = (stock if impl == "stock" else ours)(model=folder, args=args, train_dataset=data(),
                                                   eval_dataset=data(WORDS[:8]))
     trainer.train()
