@@ -106,9 +106,10 @@ class MegaTrainDPOTrainer(EnginePreference, DPOTrainer, MegaTrainTrainer):
         args = dpo_arguments(args, model)
         skeleton, processing_class = self._engine_init(model, ref_model, args, train_dataset, eval_dataset,
                                                        processing_class, peft_config, quantization_config, check_dpo)
-        super().__init__(model=skeleton, ref_model=None, args=args, data_collator=data_collator,
-                         train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
-                         compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
+        with self._fingerprint_in_trl_init():
+            super().__init__(model=skeleton, ref_model=None, args=args, data_collator=data_collator,
+                             train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
+                             compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
         # WPO's weights need each token's log sum_v p_v^2: a further sum of the head's first pass (the reference's
         # passes, before this, do without it)
         self.engine.row_stats = ("log_sum_sq_probs",) if args.use_weighting else ()

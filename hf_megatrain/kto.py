@@ -86,9 +86,10 @@ class MegaTrainKTOTrainer(EnginePreference, KTOTrainer, MegaTrainTrainer):
         skeleton, processing_class = self._engine_init(model, ref_model, args, train_dataset, eval_dataset,
                                                        processing_class, peft_config, quantization_config, check_kto)
         self._kl: dict[int, torch.Tensor] = {}
-        super().__init__(model=skeleton, ref_model=None, args=args, data_collator=data_collator,
-                         train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
-                         compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
+        with self._fingerprint_in_trl_init():
+            super().__init__(model=skeleton, ref_model=None, args=args, data_collator=data_collator,
+                             train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
+                             compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
         self._reference_ready()
 
     def _head_loss(self, group, num_items_in_batch):

@@ -283,6 +283,22 @@ class EnginePreference(EngineTrl):
             self._ref_source = load_model_and_tokenizer(ref_model, trust_remote_code=args.trust_remote_code)
         return skeleton, processing_class
 
+    @contextlib.contextmanager
+    def _fingerprint_in_trl_init(self):
+        """Around the TRL trainer's __init__, which keys its cache of the reference's log-probabilities by
+        hash_module(model), one thread over every fp32 master: that name in the TRL trainer's module is
+        weights_fingerprint for the policy meanwhile (stock pays the hash only when asked to precompute, which the
+        engine always does)."""
+        import sys
+
+        module = sys.modules[next(c for c in type(self).__mro__ if c.__module__.startswith("trl.")).__module__]
+        original = module.hash_module
+        module.hash_module = lambda m: weights_fingerprint(self.engine, m) if m is self.model else original(m)
+        try:
+            yield
+        finally:
+            module.hash_module = original
+
     def _reference_ready(self) -> None:
         """The end of a subclass's __init__, after the TRL trainer's: the reference batch by batch where stock
         computes it so (see _engine_init), and sync_ref_model's callback."""
@@ -386,9 +402,7 @@ class EnginePreference(EngineTrl):
         for p, data in own.items():
             p.data = data
         if self._precompute_model_hash is not None and not self._per_batch:
-            from trl.trainer.utils import hash_module
-
-            self._precompute_model_hash = hash_module(skeleton)
+            self._precompute_model_hash = weights_fingerprint(engine, skeleton)
         return self._as_reference(engine, skeleton)
 
     def _starting_policy_engine(self):
@@ -535,6 +549,40 @@ class EnginePreference(EngineTrl):
                 "those of the starting policy, which the engine computes before the first step (no second model is "
                 "kept). Pass it as eval_dataset when building the trainer.")
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+
+def weights_fingerprint(engine, model) -> str:
+    """A sha256 of what the engine's forward reads: each unit's streamed copy (its compute copy, or the fp32 master
+    a lean unit streams), with its dtype, the model's persistent buffers and its config. TRL keys its cache of the
+    reference's log-probabilities by hash_module, which reads every parameter's bytes through numpy on one thread
+    (about 0.25 GiB/s on a 2-core CI machine: 18 minutes for a 70B model's fp32 masters); here the units hash on
+    threads (hashlib lets go of the GIL), straight from the store's flat buffers. Equal copies give equal keys, so a
+    cache of another model's (or another precision's) log-probabilities is never read back."""
+    import hashlib
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .patcher.adapters import base_model
+    from .patcher.templates import persistent_buffers
+
+    store = engine.store
+
+    def unit_digest(index: int) -> bytes:
+        flat = store.compute[index] if store.compute[index] is not None else store.master[index]
+        unit = store.units[index]
+        h = hashlib.sha256(f"{','.join(s.name for s in unit.slots)}:{flat.dtype}:{flat.numel()}".encode())
+        h.update(flat.detach().cpu().contiguous().view(torch.uint8).numpy())
+        return h.digest()
+
+    with ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1))) as pool:
+        digests = list(pool.map(unit_digest, range(len(store.units))))
+    total = hashlib.sha256(json.dumps(base_model(model).config.to_dict(), sort_keys=True, default=str).encode())
+    for d in digests:
+        total.update(d)
+    for name, b in sorted(persistent_buffers(base_model(model)).items()):
+        total.update(f"{name}:{b.dtype}".encode())
+        total.update(b.detach().cpu().contiguous().view(torch.uint8).numpy())
+    return total.hexdigest()
 
 
 def _synced_reference(trainer):

@@ -291,6 +291,35 @@ def test_sync_ref_model_in_bf16_mixes_fp32_parameters(tmp_path):
             assert view.dtype == torch.bfloat16 and torch.equal(view, final[n].to(torch.bfloat16)), n
 
 
+def test_the_reference_cache_is_keyed_by_the_engines_fingerprint(tmp_path, monkeypatch):
+    """TRL keys its cache of the reference's log-probabilities by hash_module(model): one thread over every fp32
+    master. The engine's key is a hash of the copies its forward streams, taken on threads: TRL's hash_module is not
+    called on the policy (and is TRL's own again after __init__); the key changes with any weight and comes back
+    with it."""
+    import trl.trainer.dpo_trainer as dpo_module
+
+    from hf_megatrain.preference import weights_fingerprint
+
+    original, asked = dpo_module.hash_module, []
+
+    def hash_module(module):
+        asked.append(module)
+        return original(module)
+
+    monkeypatch.setattr(dpo_module, "hash_module", hash_module)
+    trainer = MegaTrainDPOTrainer(model_folder(tmp_path, "llama"), args=DPOConfig(output_dir=str(tmp_path / "o"), **KW),
+                                  train_dataset=pairs())
+    assert asked == [] and dpo_module.hash_module is hash_module
+    key = trainer._precompute_model_hash
+    assert key == weights_fingerprint(trainer.engine, trainer.model)
+    last = trainer.engine.store.compute[-2]  # the last decoder layer's streamed copy
+    kept = last[-1].item()
+    last[-1] = kept + 1e-3
+    assert weights_fingerprint(trainer.engine, trainer.model) != key
+    last[-1] = kept
+    assert weights_fingerprint(trainer.engine, trainer.model) == key
+
+
 @pytest.mark.parametrize("precompute", [False, True])
 def test_a_peft_model_with_its_own_adapter_equals_stock(precompute, tmp_path):
     """A PeftModel with an adapter of its own as model: TRL copies the adapter as adapter 'ref', the reference. The
