@@ -297,21 +297,11 @@ def _read_tensor(store, reader, e, u: int, slot, index: tuple, target: str) -> i
 
 
 def _take_tensor(store, tensor: torch.Tensor, u: int, slot) -> int:
-    """A real tensor into its slot of unit u, as HostStore.from_model copies a loaded model's: all of it into the
-    compute copy (where the unit has one and it is not the master), this rank's part into the fp32 master."""
+    """A real tensor into its slot of unit u, as HostStore.from_model copies a loaded model's (HostStore.put)."""
     if tuple(tensor.shape) != tuple(slot.shape):
         raise MegaTrainError(f"{slot.name} has shape {list(tensor.shape)}, but the model's layout expects "
                              f"{list(slot.shape)}")
-    flat = tensor.detach().reshape(-1)
-    a, b = slot.offset, slot.offset + slot.numel
-    lo, hi = store.bounds[u]
-    master, compute = store.master[u], store.compute[u]
-    with torch.no_grad():
-        if compute is not None and compute is not master:
-            compute[a:b].copy_(flat)
-        p, q = max(a, lo), min(b, hi)
-        if slot.trainable and p < q:
-            master[p - lo : q - lo].copy_(flat[p - a : q - a])
+    store.put(u, slot, tensor)
     return slot.numel
 
 

@@ -294,21 +294,25 @@ class HostStore:
         store = cls(units, compute_dtype, pin, device, sharding, transient_grads)
         params = dict(model.named_parameters())
         for unit in units:
-            master, compute = store.master[unit.index], store.compute[unit.index]
-            lo, hi = store.bounds[unit.index]
-            with torch.no_grad():
-                for s in unit.slots:
-                    flat = params[s.name].detach().reshape(-1)
-                    if not s.trainable or store.sharding is not None:
-                        compute[s.offset : s.offset + s.numel].copy_(flat)  # every rank streams all of it
-                    if s.trainable:  # this rank's part of the master
-                        a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
-                        if a < b:
-                            master[a - lo : b - lo].copy_(flat[a - s.offset : b - s.offset])
-            if store.sharding is None:
-                store.refresh_compute(unit.index)
+            for s in unit.slots:
+                store.put(unit.index, s, params[s.name])
             store.bind(model, unit.index)
         return store
+
+    def put(self, index: int, slot: Slot, tensor: torch.Tensor) -> None:
+        """A real tensor of the slot's shape into unit `index`: all of it into the compute copy (where the unit
+        has one and it is not the master; every rank streams all of it), this rank's part of it into the fp32
+        master where the slot trains. The compute copy is then the master's rounding, as refresh_compute makes it."""
+        flat = tensor.detach().reshape(-1)
+        a, b = slot.offset, slot.offset + slot.numel
+        lo, hi = self.bounds[index]
+        master, compute = self.master[index], self.compute[index]
+        with torch.no_grad():
+            if compute is not None and compute is not master:
+                compute[a:b].copy_(flat)
+            p, q = max(a, lo), min(b, hi)
+            if slot.trainable and p < q:
+                master[p - lo : q - lo].copy_(flat[p - a : q - a])
 
     def bind(self, model: nn.Module, index: int | None = None) -> None:
         """Point the model's parameters at the store (all units, or one), so that the model shows
