@@ -43,9 +43,18 @@ def trained_weights(trainer, impl: str) -> dict:
 def end_process_group() -> None:
     """Take the process group down in order, every rank together, as `hf-megatrain train` does: left to
     interpreter exit, gloo's threads end in no set order, and under load a rank can abort after training has
-    finished ("terminate called without an active exception")."""
+    finished ("terminate called without an active exception").
+
+    A stock run's caller drops its trainer first (`del trainer`): collected here while the group is still
+    registered, DDP's Reducer lets go of it without ending it. Collected after destroy_process_group, the Reducer
+    held the group's last reference and ended it holding the GIL, joining gloo's run loop while that thread waited
+    for the GIL to free a finished all-gather's tensors: a rank hung for good (torch 2.13, seen once on 2 CPU
+    ranks of stock ORPO)."""
+    import gc
+
     import torch.distributed as dist
 
+    gc.collect()  # a trainer is kept alive by its own cycles (callbacks, accelerator) until collected
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -70,6 +70,7 @@ def main():
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"logs": logs, "weights": {n: t.tolist() for n, t in weights.items()},
                        "world": trainer.args.world_size}, f)
+    del trainer  # stock's DDP model, before the group ends (end_process_group says why)
     end_process_group()
 
 

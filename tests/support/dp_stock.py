@@ -82,6 +82,7 @@ def main():
             json.dump({"logs": logs, "weights": {n: t.tolist() for n, t in weights.items()},
                        "world": run.args.world_size, "accepts_loss_kwargs": run.model_accepts_loss_kwargs,
                        "average_tokens": run.args.average_tokens_across_devices}, f)
+    del run  # its DDP model, before the group ends (end_process_group says why)
     end_process_group()
 
 
