@@ -283,6 +283,24 @@ class EnginePreference(EngineTrl):
             self._ref_source = load_model_and_tokenizer(ref_model, trust_remote_code=args.trust_remote_code)
         return skeleton, processing_class
 
+    def _host_held(self, args, model):
+        """The reference engine's host RAM, held out of what the policy's plan counts as available: its compute copy,
+        and under sync_ref_model its fp32 parameters (a loaded ref_model's own tensors are in memory already)."""
+        from .arguments import compute_dtype
+        from .patcher.adapters import base_model
+        from .planner.estimator import model_sizes
+
+        if self._ref_source is not None:
+            config, what = base_model(self._ref_source[0]).config, "the ref_model's forward-only engine"
+        elif self._per_batch and args.peft_config is None and not is_peft_model(model):
+            config, what = base_model(model).config, "the reference, a forward-only copy of the starting policy"
+        else:
+            return None
+        size = torch.empty((), dtype=compute_dtype(args, args.device)).element_size()
+        fp32 = 4 if self._asked_sync and size != 4 and (self._ref_source is None or self._ref_source[2]) else 0
+        return (float(model_sizes(config).params * (size + fp32)),
+                what + (" with its fp32 parameters (sync_ref_model)" if fp32 else ""))
+
     @contextlib.contextmanager
     def _fingerprint_in_trl_init(self):
         """Around the TRL trainer's __init__, which keys its cache of the reference's log-probabilities by
@@ -427,8 +445,12 @@ class EnginePreference(EngineTrl):
         config = self._reference_config()
 
         def fill(store):  # the compute copy, cast from the policy's masters as the policy's own copy is
+            from tqdm.auto import tqdm
+
             where = {s.name: (u.index, s) for u in store.units for s in u.slots}
-            for weights in self._policy_units():
+            quiet = self.args.disable_tqdm or not self.accelerator.is_main_process
+            for weights in tqdm(self._policy_units(), total=len(self.engine.store.units), disable=quiet,
+                                desc="copying the starting policy for the reference", unit="unit"):
                 for name, w in weights.items():
                     index, s = where[name]
                     store.compute[index][s.offset : s.offset + s.numel].copy_(w.reshape(-1))

@@ -14,6 +14,7 @@ import inspect
 import logging
 import os
 import shutil
+import dataclasses
 import time
 from dataclasses import fields
 
@@ -171,6 +172,9 @@ class MegaTrainTrainer(Trainer):
             setattr(args, _RECOMPUTE_FLAG, False)
         lora = args.peft_config is not None or hasattr(model, "peft_config")
         machine = Machine.measured(device, max_gpu_memory=args.max_gpu_memory, max_host_memory=args.max_host_memory)
+        held = self._host_held(args, model)  # what another engine of this trainer will hold, planned around
+        if held is not None and machine.host_free is not None:
+            machine = dataclasses.replace(machine, host_free=max(0.0, machine.host_free - held[0]))
         # the optimizer is part of the request: its state sizes the plan, and Adafactor refuses the modes that cut parameters
         request = request_from_arguments(args, device, lora=lora, model=model,
                                          optimizer=run_optimizer(args, self._adamw))
@@ -186,14 +190,25 @@ class MegaTrainTrainer(Trainer):
                   f"{f'MLP tiles of {tiles} tokens' if tiles else 'MLP untiled'}, "
                   f"{counted(plan.offload_activations, 'layer input')} offloaded to host, "
                   f"{counted(plan.resident_layers, 'layer')} resident on the GPU\n{plan.table()}")
-        if run.refusal is not None:
-            raise MegaTrainError(run.refusal)  # before a single large allocation
+        if held is not None and main:
+            logger.info("%s: %.1f GiB of host RAM, held out of what the plan counts as available", held[1],
+                        held[0] / 2**30)
+        if run.refusal is not None:  # before a single large allocation
+            first, _, table = run.refusal.partition("\n")
+            if held is not None:
+                first += f" (The host RAM counted excludes {held[0] / 2**30:.1f} GiB for {held[1]}.)"
+            raise MegaTrainError("\n".join(filter(None, (first, table))))
         for line in run.warnings if main else []:
             logger.warning(line)
         if device.type == "cpu":
             args.dataloader_pin_memory = False  # nothing to pin for
         args._n_gpu = 1 if device.type == "cuda" else args._n_gpu
         return run
+
+    def _host_held(self, args, model) -> tuple[float, str] | None:
+        """(bytes, what) of host RAM that something besides the model's own engine will hold (a preference
+        trainer's reference), taken out of what the plan counts as available; None here."""
+        return None
 
     def _datasets(self, raw_data, train_dataset, eval_dataset, data_collator, processing_class, args, config):
         """(train_dataset, eval_dataset, data_collator): data_path / eval_data_path loaded, and datasets as

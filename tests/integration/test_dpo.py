@@ -5,6 +5,8 @@ weights, for the loss types of DPOConfig, with and without precompute_ref_log_pr
 engine always computes the reference before the first step), LoRA (the reference is the adapter-disabled
 model) and a MoE. What the engine cannot do is refused by name, before any data is tokenized."""
 
+import re
+
 import pytest
 import torch
 
@@ -257,6 +259,35 @@ def test_a_reference_batch_by_batch_equals_stock(case, tmp_path):
     if extra.get("sync_ref_model"):  # it moved
         start = dict(AutoModelForCausalLM.from_pretrained(ref or folder).named_parameters())
         assert any(not torch.equal(p, start[n]) for n, p in ours.ref_model.named_parameters())
+
+
+def test_the_reference_copy_is_planned_for_in_host_ram(tmp_path, monkeypatch):
+    """The reference engine's host RAM (here the copy of the starting policy a stream needs) is held out of what the
+    policy's plan counts as available: a host with room for the policy but not for both is refused when the trainer
+    is built, naming the reference; the same host trains a map-style dataset (no copy kept)."""
+    import hf_megatrain.planner.machine as machine
+    import hf_megatrain.trainer as trainer_module
+    from hf_megatrain.planner.admission import ADMIT_MARGIN
+
+    folder, runs = model_folder(tmp_path, "llama"), []
+    real = trainer_module.plan_run
+    monkeypatch.setattr(trainer_module, "plan_run", lambda *a, **k: runs.append(real(*a, **k)) or runs[-1])
+
+    def build(train, host):
+        monkeypatch.setattr(machine, "host_available", lambda: host)
+        return MegaTrainDPOTrainer(folder, args=DPOConfig(output_dir=str(tmp_path / "o"), **KW), train_dataset=train)
+
+    trainer = build(pairs().to_iterable_dataset(), 1e12)
+    policy = runs[-1].memory.host_per_host
+    held, what = trainer._host_held(trainer.args, trainer.model)
+    assert held == 4 * sum(p.numel() for p in trainer.model.parameters())  # fp32 compute: one fp32 copy
+    host = (policy + held / 2) / (1 - ADMIT_MARGIN)
+    build(pairs(), host)  # fits without the copy
+    with pytest.raises(MegaTrainError) as e:
+        build(pairs().to_iterable_dataset(), host)
+    first = str(e.value).splitlines()[0]  # then the plan's table, as for any plan that does not fit
+    assert re.fullmatch(r"this run does not fit: host RAM: needs .* GiB available\. \(The host RAM counted excludes "
+                        r"0\.0 GiB for the reference, a forward-only copy of the starting policy\.\)", first), first
 
 
 def test_sync_ref_model_in_bf16_mixes_fp32_parameters(tmp_path):
