@@ -10,7 +10,9 @@ Every DPOConfig flag works, plus the engine's (see `hf-megatrain train --help-al
 
 The reference is the starting policy: the engine computes its log-probabilities in a forward-only
 pass over the data before the first step (no second model). `--dataset_name` may also be a local
-.jsonl/.json/.parquet file or a folder of them.
+.jsonl/.json/.parquet file or a folder of them. With `--dataset_streaming True` the data is read as
+training goes (set `--max_steps`), and the reference's log-probabilities come batch by batch from a
+forward-only copy of the starting policy, as stock computes them from its second model.
 
 On the embedded tiny default (no downloads, CPU is fine): pairs in which each word's reversal is
 preferred to a run of z's as long; the held-out pairs' reward margin is printed before and after.
@@ -47,17 +49,19 @@ def tiny_setup(workdir: str) -> tuple[str, str]:
     return model_dir, data
 
 
-def load_data(name: str, config: str | None, tiny: bool):
-    from datasets import load_dataset
+def load_data(name: str, config: str | None, tiny: bool, streaming: bool = False):
+    """The dataset's splits: a hub id, or a local file or folder of files. streaming (TRL's --dataset_streaming):
+    IterableDatasets, read as training goes (the reference's log-probabilities then come batch by batch)."""
+    from datasets import IterableDatasetDict, load_dataset
 
     if os.path.exists(name):  # a local file or folder of files
         files = [os.path.join(name, f) for f in sorted(os.listdir(name))] if os.path.isdir(name) else [name]
         kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}[os.path.splitext(files[0])[1]]
-        data = load_dataset(kind, data_files=files)
-        if tiny:
-            data = data["train"].train_test_split(test_size=64, shuffle=False)
-        return data
-    return load_dataset(name, name=config)
+        if not tiny:
+            return load_dataset(kind, data_files=files, streaming=streaming)
+        data = load_dataset(kind, data_files=files)["train"].train_test_split(test_size=64, shuffle=False)
+        return IterableDatasetDict({k: v.to_iterable_dataset() for k, v in data.items()}) if streaming else data
+    return load_dataset(name, name=config, streaming=streaming)
 
 
 def main() -> None:
@@ -77,7 +81,8 @@ def main() -> None:
             sys.exit("--model_name_or_path and --dataset_name are required (or --tiny)")
         training_args.model_init_kwargs = {"revision": model_args.model_revision,
                                            "attn_implementation": model_args.attn_implementation}
-        dataset = load_data(script_args.dataset_name, script_args.dataset_config, example.tiny)
+        dataset = load_data(script_args.dataset_name, script_args.dataset_config, example.tiny,
+                            script_args.dataset_streaming)
         test = dataset[script_args.dataset_test_split] if script_args.dataset_test_split in dataset else None
         trainer = MegaTrainDPOTrainer(
             model=model_args.model_name_or_path,

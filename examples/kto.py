@@ -10,7 +10,8 @@ Every KTOConfig flag works, plus the engine's (see `hf-megatrain train --help-al
 
 The reference is the starting policy: the engine computes its log-probabilities (of each row and of
 its mismatched KL row) in a forward-only pass over the data before the first step (no second model).
-`--dataset_name` may also be a local .jsonl/.json/.parquet file or a folder of them.
+`--dataset_name` may also be a local .jsonl/.json/.parquet file or a folder of them; with
+`--dataset_streaming True` (and `--max_steps`) the reference comes batch by batch, as in dpo.py.
 
 On the embedded tiny default (no downloads, CPU is fine): each word's reversal is desirable, a run of
 z's as long undesirable; the held-out reward margin is printed before and after.
@@ -25,6 +26,8 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass, field
+
+from dpo import load_data  # examples/dpo.py: the data loading (a hub id or local files, streamed or not)
 
 
 @dataclass
@@ -49,19 +52,6 @@ def tiny_setup(workdir: str) -> tuple[str, str]:
     return model_dir, data
 
 
-def load_data(name: str, config: str | None, tiny: bool):
-    from datasets import load_dataset
-
-    if os.path.exists(name):  # a local file or folder of files
-        files = [os.path.join(name, f) for f in sorted(os.listdir(name))] if os.path.isdir(name) else [name]
-        kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}[os.path.splitext(files[0])[1]]
-        data = load_dataset(kind, data_files=files)
-        if tiny:
-            data = data["train"].train_test_split(test_size=64, shuffle=False)
-        return data
-    return load_dataset(name, name=config)
-
-
 def main() -> None:
     from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
@@ -79,7 +69,8 @@ def main() -> None:
             sys.exit("--model_name_or_path and --dataset_name are required (or --tiny)")
         training_args.model_init_kwargs = {"revision": model_args.model_revision,
                                            "attn_implementation": model_args.attn_implementation}
-        dataset = load_data(script_args.dataset_name, script_args.dataset_config, example.tiny)
+        dataset = load_data(script_args.dataset_name, script_args.dataset_config, example.tiny,
+                            script_args.dataset_streaming)
         test = dataset[script_args.dataset_test_split] if script_args.dataset_test_split in dataset else None
         trainer = MegaTrainKTOTrainer(
             model=model_args.model_name_or_path,

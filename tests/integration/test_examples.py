@@ -12,14 +12,16 @@ from tests.support import ROOT
 
 
 @pytest.mark.parametrize("script", ["continued_pretraining.py", "lora.py", "trl_sft.py", "dpo.py", "kto.py",
-                                    "orpo.py"])
+                                    "orpo.py", "dpo.py --dataset_streaming True", "kto.py --dataset_streaming True"])
 def test_example_runs_on_the_tiny_default(script, tmp_path):
+    """A streamed dataset (TRL's --dataset_streaming): the reference batch by batch, from a copy of the starting
+    policy; the same margins."""
+    script, *flags = script.split()
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "examples"))
-    flags = []
     if script in ("trl_sft.py", "dpo.py", "kto.py", "orpo.py"):
         pytest.importorskip("trl")
-        flags = ["--bf16", "False", "--report_to", "none", "--save_strategy", "no"]  # TRL's bf16 default: fp32 on the CPU
+        flags += ["--bf16", "False", "--report_to", "none", "--save_strategy", "no"]  # TRL's bf16 default: fp32 on the CPU
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), "--tiny", "--output_dir", str(out)]
                        + flags, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
