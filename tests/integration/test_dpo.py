@@ -228,6 +228,7 @@ PER_BATCH = {
     "sync_stream_ref_loaded": (None, "loaded", dict(stream=True, sync_ref_model=True, ref_model_sync_steps=2,
                                                    ref_model_mixup_alpha=0.6)),
     "sync_ref_folder": (None, "folder", dict(sync_ref_model=True, ref_model_sync_steps=1)),  # TRL's alpha, 0.6
+    "sync_stream_mixtral": (None, None, dict(kind="mixtral", stream=True, sync_ref_model=True, ref_model_sync_steps=1)),
 }
 
 
@@ -235,9 +236,9 @@ PER_BATCH = {
 def test_a_reference_batch_by_batch_equals_stock(case, tmp_path):
     lora, ref_kind, extra = PER_BATCH[case]
     extra = dict(extra)
-    stream = extra.pop("stream", False)
-    folder = model_folder(tmp_path, "llama")
-    ref = model_folder(tmp_path, "llama", name="reference", seed=1) if ref_kind else None
+    stream, kind = extra.pop("stream", False), extra.pop("kind", "llama")
+    folder = model_folder(tmp_path, kind)
+    ref = model_folder(tmp_path, kind, name="reference", seed=1) if ref_kind else None
     train = pairs().to_iterable_dataset() if stream else pairs()
     late = pairs(WORDS[30:38])  # first seen after training: the kept reference computes it
     stock, stock_logs, stock_weights = run_trainer(DPOTrainer, DPOConfig, folder, tmp_path / "stock", train,
