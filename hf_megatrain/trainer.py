@@ -10,11 +10,11 @@ stock Trainer, driven through the hook methods it offers for exactly this.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
 import shutil
-import dataclasses
 import time
 from dataclasses import fields
 
@@ -48,6 +48,7 @@ from .errors import MegaTrainError, counted
 from .checkpoint.stream_load import engine_from_checkpoint
 from .logs import show_logs
 from .planner import Machine, plan_run, request_from_arguments
+from .planner.estimator import GiB
 from .patcher.adapters import base_model, decay_names
 from .preflight import check_data, check_disk, check_outputs, check_resume
 
@@ -192,11 +193,11 @@ class MegaTrainTrainer(Trainer):
                   f"{counted(plan.resident_layers, 'layer')} resident on the GPU\n{plan.table()}")
         if held is not None and main:
             logger.info("%s: %.1f GiB of host RAM, held out of what the plan counts as available", held[1],
-                        held[0] / 2**30)
+                        held[0] / GiB)
         if run.refusal is not None:  # before a single large allocation
             first, _, table = run.refusal.partition("\n")
             if held is not None:
-                first += f" (The host RAM counted excludes {held[0] / 2**30:.1f} GiB for {held[1]}.)"
+                first += f" (The host RAM counted excludes {held[0] / GiB:.1f} GiB for {held[1]}.)"
             raise MegaTrainError("\n".join(filter(None, (first, table))))
         for line in run.warnings if main else []:
             logger.warning(line)
