@@ -296,7 +296,7 @@ class EnginePreference(EngineTrl):
             config, what = base_model(model).config, "the reference, a forward-only copy of the starting policy"
         else:
             return None
-        size = torch.empty((), dtype=compute_dtype(args, args.device)).element_size()
+        size = compute_dtype(args, args.device).itemsize
         fp32 = 4 if self._asked_sync and size != 4 and (self._ref_source is None or self._ref_source[2]) else 0
         return (float(model_sizes(config).params * (size + fp32)),
                 what + (" with its fp32 parameters (sync_ref_model)" if fp32 else ""))
@@ -443,6 +443,8 @@ class EnginePreference(EngineTrl):
         for name, b in persistent_buffers(skeleton).items():
             b.copy_(buffers[name])
         config = self._reference_config()
+        # under sync_ref_model in 16-bit compute: fp32 copies of the policy's weights, taken in the same pass
+        fp32 = {} if self._asked_sync and config.compute_dtype != torch.float32 else None
 
         def fill(store):  # the compute copy, cast from the policy's masters as the policy's own copy is
             from tqdm.auto import tqdm
@@ -454,14 +456,13 @@ class EnginePreference(EngineTrl):
                 for name, w in weights.items():
                     index, s = where[name]
                     store.compute[index][s.offset : s.offset + s.numel].copy_(w.reshape(-1))
+                    if fp32 is not None:
+                        fp32[name] = w.detach().to("cpu", torch.float32, copy=True)
 
         engine = StreamingEngine(skeleton, config=config, decay_names=set(), sharding=None, load_weights=fill)
-        if self._asked_sync and config.compute_dtype != torch.float32:
-            params = dict(skeleton.named_parameters())
-            for weights in self._policy_units():
-                for name, w in weights.items():
-                    if name in params:
-                        params[name].data = w.detach().to("cpu", torch.float32, copy=True)
+        if fp32:  # the parameters the policy is mixed into (they viewed the compute copy after the store bound them)
+            for name, p in skeleton.named_parameters():
+                p.data = fp32[name]
         return self._as_reference(engine, skeleton)
 
     def _reference_config(self):
