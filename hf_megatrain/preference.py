@@ -57,7 +57,7 @@ def check_engine_trl(args, model, train_dataset, peft_config, quantization_confi
     if quantization_config is not None or (args.model_init_kwargs or {}).get("quantization_config"):
         raise MegaTrainError("quantization_config is not supported: hf_megatrain trains at full precision (fp32 "
                              "master weights); a frozen LoRA base streams in bf16. Remove it.")
-    check_adapter_config(peft_config)  # prefix tuning and the like: refused in one line
+    check_adapter_config(peft_config)  # multitask prompt tuning and the like: refused in one line
     prompt = peft_config if getattr(peft_config, "is_prompt_learning", False) else \
         model.active_peft_config if is_peft_model(model) and model.active_peft_config.is_prompt_learning else None
     if prompt is not None:  # the preference losses' per-row sums are not laid out for the virtual tokens yet

@@ -148,7 +148,7 @@ def check_sft(args, kwargs: dict) -> None:
     if kwargs.get("quantization_config") is not None or (args.model_init_kwargs or {}).get("quantization_config"):
         raise MegaTrainError("quantization_config is not supported: hf_megatrain trains at full precision (fp32 "
                              "master weights); a frozen LoRA base streams in bf16. Remove it.")
-    check_adapter_config(kwargs.get("peft_config") or args.peft_config)  # prefix tuning: refused in one line
+    check_adapter_config(kwargs.get("peft_config") or args.peft_config)  # multitask prompts: refused in one line
     if kwargs.get("compute_loss_func") is not None:
         raise MegaTrainError("compute_loss_func is not supported: the engine computes the causal-LM loss itself.")
 
@@ -176,7 +176,7 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
     defaults) or a MegaTrainSFTConfig. `model` is a hub id, a folder (its weights are streamed
     into host RAM, never loaded whole) or a CPU model (without `processing_class`, its tokenizer
     is loaded from `config._name_or_path`, as stock does); `peft_config` trains LoRA adapters
-    (also on parameters, e.g. MoE experts), prompt tuning and p-tuning; prefix tuning is refused."""
+    (also on parameters, e.g. MoE experts), prompt tuning, p-tuning and prefix tuning."""
 
     def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, peft_config=None, **kwargs):

@@ -1,7 +1,8 @@
-"""What Gemma 3n and Gemma 4 hand their decoder layers beside the hidden states, for the schedule.
+"""What Gemma 3n and Gemma 4 (and PEFT's prefix tuning) hand decoder layers beside the hidden states, for the
+schedule.
 
 Three things their base model's forward does outside the layers (patcher/specs.py, ArchSpec.per_layer,
-.shared_kv and .altup), each a tensor that one unit makes and others read:
+.shared_kv and .altup), and one of PEFT's, each a tensor that one unit makes and others read:
 
 - Per-layer embeddings: `get_per_layer_inputs` and `project_per_layer_inputs` of the base model make, once per
   batch, [batch, seq, layers, width] from the token ids and the token embeddings; layer i reads [:, :, i]. The
@@ -14,6 +15,8 @@ Three things their base model's forward does outside the layers (patcher/specs.p
   that wrote them, whose backward comes later, adds those as seeds of what it writes (`SideInputs`).
 - AltUp (Gemma 3n): the hidden states between layers are [inputs, batch, seq, hidden], stacked from the token
   embeddings by the embedding unit and collapsed by the head unit (`altup_stack`, `altup_collapse`).
+- Prefix tuning (engine/prompts.py): every layer's keys and values before its own, made by the embedding unit;
+  a layer's recompute gets leaves of its pair and hands back their gradients, which seed the embedding unit's.
 
 Each graph still spans one unit: the tensors crossing units are leaves, and their gradients are handed on.
 """
@@ -125,6 +128,7 @@ class SideInputs:
         self.made: list = []  # the shared keys/values written whose gradients later layers sent back
         self.made_seeds: list[torch.Tensor] = []
         self.kv: SharedKV | None = None
+        self.prefix: list[torch.Tensor] | None = None  # prefix tuning: its keys and values (after the rest)
 
     def made_outputs(self) -> list[torch.Tensor]:
         """The keys and values the call just wrote (with their graph), paired with made_seeds."""
@@ -144,6 +148,19 @@ class LayerSides:
         self.reads: dict[int, list] = {}
         self.writes: dict[int, list] = {}
         self.kv_grads: dict = {}  # key -> [grad of keys, grad of values], summed over the layers that read them
+        # prefix tuning (engine/prompts.py): [layers * 2, batch, heads, n, head_dim], made by the embedding unit
+        self.prefix: torch.Tensor | None = None
+        self.prefix_grad: torch.Tensor | None = None
+        self.cache_kwarg: str | None = None  # the layers' keyword for it
+
+    def take_prefix(self, prefix: torch.Tensor, cache_kwarg: str) -> None:
+        self.prefix, self.cache_kwarg = prefix, cache_kwarg
+        self.prefix_grad = torch.zeros_like(prefix)
+
+    def _prefix_cache(self, keys: torch.Tensor, values: torch.Tensor) -> dict:
+        from .prompts import layer_cache
+
+        return {self.cache_kwarg: layer_cache(keys, values, self.prefix.shape[0] // 2)}
 
     def forward_kwargs(self, layer: int) -> dict:
         kw = {}
@@ -152,6 +169,8 @@ class LayerSides:
         if self.kv is not None:
             self.kv.begin()
             kw["shared_kv_states"] = self.kv
+        if self.prefix is not None:
+            kw.update(self._prefix_cache(self.prefix[2 * layer], self.prefix[2 * layer + 1]))
         return kw
 
     def noted(self, layer: int) -> None:
@@ -176,6 +195,10 @@ class LayerSides:
             side.made = [key for key in self.writes.get(layer, ()) if key in self.kv_grads]
             side.made_seeds = [g for key in side.made for g in self.kv_grads.pop(key)]
             side.kwargs["shared_kv_states"] = side.kv
+        if self.prefix is not None:
+            side.prefix = [self.prefix[2 * layer + i].detach().requires_grad_() for i in (0, 1)]
+            side.kwargs.update(self._prefix_cache(*side.prefix))
+            side.leaves += side.prefix
         return side
 
     def take_grads(self, layer: int, side: SideInputs, grads: list[torch.Tensor]) -> None:
@@ -192,3 +215,6 @@ class LayerSides:
                     acc.add_(g)
             else:
                 self.kv_grads[key] = pair
+        if side.prefix is not None:
+            self.prefix_grad[2 * layer] = next(it)
+            self.prefix_grad[2 * layer + 1] = next(it)

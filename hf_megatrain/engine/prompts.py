@@ -1,4 +1,4 @@
-"""PEFT's prompt learning on the engine: prompt tuning and p-tuning.
+"""PEFT's prompt learning on the engine: prompt tuning, p-tuning and prefix tuning.
 
 `PeftModelForCausalLM.forward` puts `num_virtual_tokens` learned vectors (its prompt encoder's output)
 before each row's token embeddings, a row of ones before the attention mask and -100 before the labels,
@@ -10,22 +10,38 @@ parameters are trainable slots of the embedding unit: the host store keeps their
 optimizer steps them with the rest, and the PeftModel's own parameter objects view them, so its
 `save_pretrained` writes what trained.
 
-Prefix tuning (a key/value cache per layer), multitask prompt tuning (task ids) and the other prompt
-methods enter elsewhere and are refused (`check_prompt_learning`).
+Prefix tuning enters each layer's attention instead: `PeftModel.get_prompt` makes, from the same kind of
+encoder, `num_virtual_tokens` keys and values per layer, hands them to the model as a key/value cache, puts
+ones before the attention mask and adds `num_virtual_tokens` to the positions; the rows and labels keep their
+length. The engine does the same: `with_prefix` lengthens the mask and moves the positions, the embedding unit
+runs the encoder beside the token embeddings (`schedule._Embed`, its output viewed as `prefix_keys_values`
+does), and each layer gets its own keys and values as a cache of the class stock uses (`layer_cache`), whose
+`update` puts them before the layer's own, whatever layer index the template carries. In the backward every
+layer's recompute hands back the gradients of its keys and values (per_layer.LayerSides), which seed the
+embedding unit's recompute, as the per-layer inputs of Gemma 3n seed theirs. The masks are built with a cache
+of the same length, so they are the ones stock builds for a cache (kv length n + T).
+
+Multitask prompt tuning (task ids) and the other prompt methods enter elsewhere and are refused
+(`check_prompt_learning`), as are prefix tuning on families whose layers do not take a plain key/value cache
+(`check_prefix_family`).
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ..constants import IGNORE_INDEX
 from ..errors import MegaTrainError
 
-_TRAINED = ("PROMPT_TUNING", "P_TUNING")
+_TRAINED = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING")
+# the decoder layer's keyword for the cache, by transformers version (5.25 renamed past_key_values to cache)
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def _peft_type(config) -> str:
@@ -37,9 +53,18 @@ def check_prompt_learning(config) -> None:
     """Refuse, in one line, a prompt-learning method the engine does not train (prefix tuning and the rest)."""
     if getattr(config, "is_prompt_learning", False) and _peft_type(config) not in _TRAINED:
         raise MegaTrainError(f"peft_config is {_peft_type(config)}, which hf_megatrain does not train: its virtual "
-                             "tokens enter each layer's attention (a prefix key/value cache) or need task ids, "
-                             "which the engine does not run. Prompt tuning (PromptTuningConfig), p-tuning "
-                             "(PromptEncoderConfig) and LoRA work.")
+                             "tokens need task ids or a pass of their own, which the engine does not run. Prompt "
+                             "tuning (PromptTuningConfig), p-tuning (PromptEncoderConfig), prefix tuning "
+                             "(PrefixTuningConfig) and LoRA work.")
+
+
+class Prefix(NamedTuple):
+    """Prefix tuning's shape: what PeftModel.get_prompt views its encoder's output as."""
+
+    tokens: int  # num_virtual_tokens
+    layers: int  # num_layers
+    heads: int  # num_attention_heads (the key/value heads: PEFT sets them so for grouped-query attention)
+    head_dim: int  # token_dim // num_attention_heads
 
 
 class Prompt(NamedTuple):
@@ -48,6 +73,7 @@ class Prompt(NamedTuple):
     module: torch.nn.Module
     path: str  # in the PeftModel: prompt_encoder.<adapter>
     tokens: int  # num_virtual_tokens
+    prefix: Prefix | None = None  # prefix tuning: the keys and values its output becomes
 
 
 def prompt_encoder(peft_model) -> Prompt | None:
@@ -62,7 +88,83 @@ def prompt_encoder(peft_model) -> Prompt | None:
         raise MegaTrainError("the prompt-learning config has num_transformer_submodules > 1 (an encoder-decoder's); "
                              "a causal LM has one.")
     adapter = peft_model.active_adapter
-    return Prompt(peft_model.prompt_encoder[adapter], f"prompt_encoder.{adapter}", int(config.num_virtual_tokens))
+    n = int(config.num_virtual_tokens)
+    prefix = None
+    if _peft_type(config) == "PREFIX_TUNING":
+        prefix = Prefix(n, int(config.num_layers), int(config.num_attention_heads),
+                        int(config.token_dim) // int(config.num_attention_heads))
+    return Prompt(peft_model.prompt_encoder[adapter], f"prompt_encoder.{adapter}", n, prefix)
+
+
+_ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention"}
+# families whose prefix PEFT builds otherwise (a cache made from the config: Gemma 2 / 3 / 4's sliding layers,
+# the layers that share keys and values) or post-processes per model type
+_PREFIX_ELSEWHERE = ("gemma2", "gemma3_text", "gemma4")
+
+
+def _projection_widths(layers) -> set[int]:
+    """The output widths of the layers' own key and value projections (k_proj, v_proj), where they have them."""
+    return {m.out_features for layer in layers for name, m in layer.named_modules()
+            if name.rpartition(".")[2] in ("k_proj", "v_proj") and isinstance(m, torch.nn.Linear)}
+
+
+def check_prefix_family(spec, config, layers, prefix: Prefix) -> str:
+    """The decoder layer's keyword for its cache, where prefix tuning on this family is what the engine runs;
+    otherwise a refusal in one line. Stock hands every layer the cache; the engine hands it to layers that
+    attend with keys and values of their own, one shape per layer (no hybrid stack, no shared or compressed
+    keys, no absolute positions, which PEFT's cache does not move)."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_PREFIX_TUNING_POSTPROCESS_MAPPING as post
+
+    model_type = spec.model_type
+    why = None
+    if any(t in model_type for t in _PREFIX_ELSEWHERE) or model_type in post:
+        why = "PEFT builds its prefix cache another way for this family"
+    elif spec.positions_from_mask:
+        why = "its positions are counted from the attention mask, which the prefix lengthens"
+    elif spec.carried or not set(spec.kinds(config)) <= _ATTENTION_KINDS:
+        why = "not all its layers are attention layers"
+    elif spec.shared_kv or spec.per_layer or spec.altup:
+        why = "some of its layers read keys and values or inputs that other units make"
+    elif prefix.layers != config.num_hidden_layers:
+        why = f"the prefix has {prefix.layers} layers and the model {config.num_hidden_layers}"
+    else:
+        heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) \
+            or config.num_attention_heads
+        if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+            heads = 1  # GPT-BigCode's and Falcon's one key/value head
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if (prefix.heads, prefix.head_dim) != (heads, dim) or getattr(config, "kv_lora_rank", None) \
+                or getattr(config, "v_head_dim", dim) != dim \
+                or not _projection_widths(layers) <= {prefix.heads * prefix.head_dim}:
+            why = (f"its keys and values are not {prefix.heads} heads of {prefix.head_dim} in every layer (the "
+                   "prefix's num_attention_heads and token_dim)")
+    params = inspect.signature(type(layers[0]).forward).parameters
+    name = next((k for k in _CACHE_KWARGS if k in params), None)
+    if why is None and name is None:
+        why = "its decoder layers take no cache"
+    if why:
+        raise MegaTrainError(f"prefix tuning on {model_type}: {why}; the engine does not train it there. Prompt "
+                             "tuning (PromptTuningConfig), p-tuning (PromptEncoderConfig) and LoRA work for this family.")
+    return name
+
+
+def prefix_keys_values(out: torch.Tensor, prefix: Prefix, dtype: torch.dtype) -> torch.Tensor:
+    """The prefix encoder's output [rows, n, layers * 2 * token_dim] as PeftModel.get_prompt views it, cast to
+    the model's dtype: [layers * 2, rows, heads, n, head_dim], layer i's keys at 2i and values at 2i + 1."""
+    rows = out.shape[0]
+    out = out.to(dtype).view(rows, prefix.tokens, prefix.layers * 2, prefix.heads, prefix.head_dim)
+    return out.permute([2, 0, 3, 1, 4])
+
+
+def layer_cache(keys: torch.Tensor, values: torch.Tensor, layers: int) -> DynamicCache:
+    """A cache that puts `keys` and `values` before what any layer index's `update` brings: the class stock's
+    prefix cache is (a DynamicCache of plain layers), one layer object at every index, because a template's
+    attention carries the index of the layer it was copied from. The masks read its length (n) from index 0."""
+    cache = DynamicCache()
+    layer = DynamicLayer()
+    layer.update(keys, values)
+    cache.layers = [layer] * layers
+    return cache
 
 
 @contextmanager
@@ -102,6 +204,26 @@ def with_virtual_tokens(batch: dict, n: int) -> dict:
     if batch.get("position_ids") is not None:
         warnings.warn("Position ids are not supported for parameter efficient tuning. Ignoring position ids.")
         out["position_ids"] = None
+    if batch.get("token_type_ids") is not None:
+        warnings.warn("Token type ids are not supported for parameter efficient tuning. Ignoring token type ids")
+        out["token_type_ids"] = None
+    return out
+
+
+def with_prefix(batch: dict, n: int) -> dict:
+    """The batch as the base model sees it under prefix tuning (PeftModel.forward): n ones before the attention
+    mask, the positions moved by n (the model counts them from the cache's length when none are given), no token
+    type ids (with PEFT's warning); ids and labels as they are."""
+    ids = batch.get("input_ids")
+    if not n or ids is None:
+        return batch
+    rows, seq = ids.shape
+    out = dict(batch)
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        out["attention_mask"] = torch.cat([mask.new_ones(rows, n), mask], dim=1)
+    pos = batch.get("position_ids")
+    out["position_ids"] = pos + n if pos is not None else torch.arange(n, n + seq, device=ids.device).unsqueeze(0)
     if batch.get("token_type_ids") is not None:
         warnings.warn("Token type ids are not supported for parameter efficient tuning. Ignoring token type ids")
         out["token_type_ids"] = None

@@ -39,7 +39,8 @@ from .layout import loss_chunk, mark_resident, slab_numel
 from .loss import RowLoss, chunked_head_loss, full_logits, loss_denominator, row_head_loss
 from .per_layer import LayerSides, PerLayerInputs, altup_collapse, altup_stack, base_buffers
 from .pipeline import HostPipeline, Pipeline
-from .prompts import attached, prompt_encoder, with_virtual_tokens
+from .prompts import (Prefix, attached, check_prefix_family, layer_cache, prefix_keys_values, prompt_encoder,
+                      with_prefix, with_virtual_tokens)
 from .selfcheck import stock_leaves_without_grad, verify
 from .store import HostStore, build_units
 
@@ -53,13 +54,17 @@ class _Embed(nn.Module):
 
     def __init__(self, embed: nn.Module, multiplier: float | None = None, positions: nn.Module | None = None,
                  project_in: nn.Module | None = None, dropout: float = 0.0, embed_norm: nn.Module | None = None,
-                 altup: nn.Module | None = None, prompt: nn.Module | None = None, virtual_tokens: int = 0):
+                 altup: nn.Module | None = None, prompt: nn.Module | None = None, virtual_tokens: int = 0,
+                 prefix: Prefix | None = None):
         super().__init__()
         self.embed = embed
         # PEFT's prompt encoder (prompt tuning, p-tuning: engine/prompts.py): its output takes the place of the
         # first `virtual_tokens` ids of each row, which with_virtual_tokens put there
         self.prompt = prompt
         self.virtual_tokens = virtual_tokens
+        # prefix tuning: the encoder's output is every layer's prefix keys and values, returned beside the hidden
+        # states (engine/prompts.py)
+        self.prefix = prefix
         self.altup = altup  # Gemma 3n's altup_projections: the embeddings become [inputs, batch, seq, hidden]
         self.embed_norm = embed_norm
         self.multiplier = multiplier
@@ -82,6 +87,15 @@ class _Embed(nn.Module):
         return self.training and bool(self.dropout or self.noise_alpha or prompt)
 
     def forward(self, input_ids, position_ids=None, attention_mask=None):
+        x = self._hidden(input_ids, position_ids, attention_mask)
+        if self.prefix is None:
+            return x
+        p = self.prefix  # as PeftModel.get_prompt: the encoder on [rows, n] indices 0..n-1
+        tokens = torch.arange(p.tokens, device=input_ids.device).unsqueeze(0).expand(input_ids.shape[0], -1)
+        # cast to the compute dtype, where PEFT casts it to the base model's
+        return x, prefix_keys_values(self.prompt(tokens), p, x.dtype)
+
+    def _hidden(self, input_ids, position_ids=None, attention_mask=None):
         n = self.virtual_tokens
         x = self.embed(input_ids[:, n:] if n else input_ids)
         if self.training and self.noise_alpha:  # the hook's own expressions, so the same numbers come out
@@ -255,12 +269,19 @@ class StreamingEngine(nn.Module):
             verify(self.spec, model.config)
         # prompt tuning / p-tuning: the PeftModel's prompt encoder is part of the embedding unit (engine/prompts.py)
         prompt = prompt_encoder(self.peft_model)
-        self.virtual_tokens = prompt.tokens if prompt else 0
-        if prompt:
+        # prefix tuning: its tokens enter each layer's attention, not the rows (engine/prompts.py)
+        self.prefix = prompt.prefix if prompt else None
+        self.virtual_tokens = prompt.tokens if prompt and not self.prefix else 0
+        self._cache_kwarg = None  # the decoder layers' keyword for the prefix cache
+        if self.prefix:
+            self._cache_kwarg = check_prefix_family(self.spec, model.config, model.get_submodule(self.spec.layers),
+                                                    self.prefix)
+        if prompt and not self.prefix:
             if self.spec.per_layer or self.spec.altup:  # made from the token ids, which PEFT does not pass
                 raise MegaTrainError(f"prompt tuning and p-tuning on {self.spec.model_type}: its per-layer embeddings "
                                      "are made from the token ids, which PeftModel.forward replaces by embeddings; "
                                      "use LoRA for this family.")
+        if prompt:
             self.spec = replace(self.spec, prompt=prompt.path)
         with attached(model, prompt.module, prompt.path) if prompt else nullcontext():  # the engine reads it from the base model
             self._lay_out(model, config, decay_names, sharding, load_weights)
@@ -378,7 +399,7 @@ class StreamingEngine(nn.Module):
         templates = {
             "embed": Template(_Embed(meta_copy(embed, cfg), multiplier, copies.get("positions"),
                                      copies.get("project_in"), self._embed_dropout(model), copies.get("embed_norm"),
-                                     copies.get("altup"), copies.get("prompt"), self.virtual_tokens),
+                                     copies.get("altup"), copies.get("prompt"), self.virtual_tokens, self.prefix),
                               self._template_buffers(embed_sources)),
             "head": Template(_Head(meta_copy(norm, cfg), meta_copy(head, cfg), spec.logits, self.config,
                                    copies.get("project_out"), copies.get("altup_out")),
@@ -716,11 +737,27 @@ class StreamingEngine(nn.Module):
         tmpl = self._templates["head"]
         return lambda ws, h: tmpl.call(dict(zip(names, ws)), h)
 
+    def _as_peft_passes(self, batch: dict) -> dict:
+        """The batch as a prompt-learning PeftModel hands it to its base model (engine/prompts.py)."""
+        if not self.prefix:
+            return with_virtual_tokens(batch, self.virtual_tokens)
+        if batch.get("attention_mask") is not None and self.spec.has_router_loss \
+                and getattr(self.config, "output_router_logits", False):
+            raise MegaTrainError(f"prefix tuning on {self.spec.model_type} with output_router_logits and an "
+                                 "attention mask: the load-balancing loss weighs each token's router output by the "
+                                 "mask, which PEFT lengthens by the prefix, so stock fails there too (tensor sizes "
+                                 "do not match). Set config.output_router_logits = False, or pass no attention "
+                                 "mask (padding-free rows).")
+        return with_prefix(batch, self.prefix.tokens)
+
     def _embed_call(self, named: dict, prep):
-        """The embedding unit on one micro-batch; its positions as the base model computes them."""
+        """The embedding unit on one micro-batch; its positions as the base model computes them. Under prefix
+        tuning: (hidden states, every layer's prefix keys and values)."""
+        tmpl = self._templates["embed"]
+        call = tmpl.call_whole if self.prefix else tmpl.call
         if not self.spec.positions:
-            return self._templates["embed"].call(named, prep.ids)
-        return self._templates["embed"].call(named, prep.ids, prep.pos, prep.mask)
+            return call(named, prep.ids)
+        return call(named, prep.ids, prep.pos, prep.mask)
 
     @contextmanager
     def _embed_rng_for(self, k: int, save: bool):
@@ -775,9 +812,11 @@ class StreamingEngine(nn.Module):
             with pipe.span("compute"):
                 for prep in preps:
                     with self._embed_rng_for(len(self._embed_rng), save=True):
-                        xs.append(self._embed_call(dict(zip((s.local for s in embed.slots),
-                                                            Template.views(e_w, embed.slots))), prep))
-                    ctxs.append(_BatchContext(self, self._token_embeds(xs[-1]), prep.mask, prep.pos, prep.docs))
+                        out = self._embed_call(dict(zip((s.local for s in embed.slots),
+                                                        Template.views(e_w, embed.slots))), prep)
+                    x, prefix = out if self.prefix else (out, None)
+                    xs.append(x)
+                    ctxs.append(_BatchContext(self, self._token_embeds(x), prep.mask, prep.pos, prep.docs, prefix))
             self._per_layer_forward(preps, ctxs)
             acts = self._activation_sets(len(preps)) if keep else None
             for a in acts or ():
@@ -869,7 +908,7 @@ class StreamingEngine(nn.Module):
                                  "step its units as they finish: call the host optimizer's step_during_backward() before it "
                                  "(to clip, with clip_norm=(gradient_norm(...), max_norm)), with the step's "
                                  "micro-batches together in one call.")
-        batches = [with_virtual_tokens(b, self.virtual_tokens) for b in batches]
+        batches = [self._as_peft_passes(b) for b in batches]
         preps = [self._positions(self._inputs.prepare(b), b) for b in batches]
         require_labels(preps)
         pipe = self.pipeline
@@ -936,7 +975,7 @@ class StreamingEngine(nn.Module):
             pipe.release(unit.index)
 
         self._per_layer_backward(preps, ctxs, grad_xs)
-        self._embed_backward(e_w, preps, grad_xs, tied_grads)
+        self._embed_backward(e_w, preps, grad_xs, tied_grads, [ctx.sides.prefix_grad for ctx in ctxs])
         return losses
 
     def _custom_head_loss(self, head_loss, k, names, weights, hidden, trainable, seed, routers, mask):
@@ -1008,22 +1047,31 @@ class StreamingEngine(nn.Module):
         ctx.sides.take_grads(unit.layer, side, grad_side)
         return grad_x
 
-    def _embed_backward(self, e_w, preps, grad_xs, tied_grads):
+    def _embed_backward(self, e_w, preps, grad_xs, tied_grads, prefix_grads):
+        """The embedding unit's recompute and backward, seeded by the first layer's input gradient (and under
+        prefix tuning by the gradients of the prefix keys and values the layers sent back)."""
         embed = self.units[0]
         if not embed.n_train:  # frozen embedding (LoRA): nothing to compute
             self.pipeline.release(embed.index)
             return
         acc = None
+        # whether the hidden states carry a gradient: under prefix tuning only the prompt encoder may train
+        tokens = any(s.trainable for s in embed.slots if not s.local.startswith("prompt."))
         with self.pipeline.span("compute"):
             for k, prep in enumerate(preps):
                 gbuf = self._grad_target(embed, k, len(preps))
 
                 def run(named, prep=prep, k=k):
                     with self._embed_rng_for(k, save=False):
-                        return [self._embed_call(named, prep)], []
+                        out = self._embed_call(named, prep)
+                    if not self.prefix:
+                        return [out], []
+                    return ([out[0]] if tokens else []) + [out[1]], []
 
-                recompute_grads(embed.slots, e_w, gbuf, run, [grad_xs[k]])
-                grad_xs[k] = None
+                seeds = [grad_xs[k]] if tokens or not self.prefix else []
+                seeds += [prefix_grads[k]] if self.prefix else []
+                recompute_grads(embed.slots, e_w, gbuf, run, seeds)
+                grad_xs[k] = prefix_grads[k] = None
                 if tied_grads[k] is not None and len(embed.slots) > 1:
                     # the token embedding's part of the unit (absolute positions beside it): the two uses of the
                     # tied weight meet there in fp32 (the same sum: fp32 addition commutes)
@@ -1073,7 +1121,7 @@ class StreamingEngine(nn.Module):
                                  "computes no gradients. Training runs through MegaTrainTrainer.training_step (an "
                                  "override must call super().training_step) or engine.forward_backward.")
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "position_ids": position_ids}
-        batch = with_virtual_tokens(batch, self.virtual_tokens)
+        batch = self._as_peft_passes(batch)
         prep = self._positions(self._inputs.prepare(batch), batch)
         mask, labels, rows = prep.mask, prep.labels, prep.rows
         pipe = self.pipeline
@@ -1115,14 +1163,19 @@ class StreamingEngine(nn.Module):
 class _BatchContext:
     """What every layer call of one batch shares: masks (or document spans), rotary cos/sin, RNG states."""
 
-    def __init__(self, engine: StreamingEngine, embeds, mask, pos, docs=None):
+    def __init__(self, engine: StreamingEngine, embeds, mask, pos, docs=None, prefix=None):
         self.engine = engine
         cfg = engine.config
         self.docs = docs  # long packed / padded rows: attention runs document by document, no mask
+        if docs and prefix is not None:
+            raise MegaTrainError("rows this long with padding or packed documents run attention document by "
+                                 "document, which prefix tuning's keys and values (before every row) do not fit; "
+                                 "use attn_implementation='flash_attention_2' or shorter rows.")
         if docs:
             self.masks = dict.fromkeys(engine.spec.kinds(cfg))
-        else:
-            self.masks = engine.spec.build_masks(cfg, embeds, mask, pos)
+        else:  # under prefix tuning, for a cache as long as the prefix, as stock builds them
+            cache = layer_cache(prefix[0], prefix[1], cfg.num_hidden_layers) if prefix is not None else None
+            self.masks = engine.spec.build_masks(cfg, embeds, mask, pos, cache)
         self.pos = pos
         self.raw_mask = mask  # the 2D mask as given: what Mamba's model forward hands its layers
         self.alibi = None
@@ -1144,6 +1197,8 @@ class _BatchContext:
         self.router = engine.spec.has_router_loss and bool(getattr(cfg, "output_router_logits", False))
         # Gemma 3n/4: the per-layer inputs and the shared keys and values (engine/per_layer.py)
         self.sides = LayerSides(engine.spec.shared_kv)
+        if prefix is not None:  # prefix tuning: every layer's keys and values, before its own
+            self.sides.take_prefix(prefix, engine._cache_kwarg)
         if engine._per_layer_unit is not None:
             self.sides.embeds = embeds
         # Dropout / router jitter draw random numbers: the recompute must draw the same ones.

@@ -15,9 +15,9 @@ def base_model(model):
 
 
 def check_adapter_config(peft_config) -> None:
-    """Refuse, in one line, a PEFT method the engine cannot train exactly: prefix tuning and the other prompt
-    methods whose virtual tokens enter each layer's attention (engine/prompts.py). LoRA, prompt tuning and
-    p-tuning train."""
+    """Refuse, in one line, a PEFT method the engine cannot train exactly: the prompt methods that need task ids
+    (engine/prompts.py). LoRA, prompt tuning, p-tuning and prefix tuning train (prefix tuning on the families
+    whose layers take its keys and values: checked when the engine is built)."""
     from ..engine.prompts import check_prompt_learning
 
     check_prompt_learning(peft_config)

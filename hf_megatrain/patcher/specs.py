@@ -207,14 +207,15 @@ class ArchSpec:
     def kinds(self, config) -> list[str]:
         return [self.layer_kind(config, i) for i in range(self.n_layers(config))]
 
-    def build_masks(self, config, embeds, attention_mask, position_ids) -> dict:
-        """Masks for every attention kind the model uses, built exactly as HF's model forward does."""
+    def build_masks(self, config, embeds, attention_mask, position_ids, cache=None) -> dict:
+        """Masks for every attention kind the model uses, built exactly as HF's model forward does (with `cache`,
+        as it does for a cache of that length: PEFT's prefix tuning)."""
         kw = dict(
             config=config,
             inputs_embeds=embeds,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            **{_CACHE_KW: None},
+            **{_CACHE_KW: cache},
         )
         masks = {}
         if self.mask_makers is not None:  # a hybrid stack: every mask its model forward makes, made as it does

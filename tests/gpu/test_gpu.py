@@ -59,11 +59,12 @@ def test_fp32_gradients_match_stock_on_gpu(kind):
     assert_fp32_matches_stock(make_model(kind), make_batch(batch=3, seq=24))
 
 
-@pytest.mark.parametrize("method", ["prompt_tuning", "p_tuning_lstm"])
+@pytest.mark.parametrize("method", ["prompt_tuning", "p_tuning_lstm", "prefix_tuning_mlp"])
 @pytest.mark.parametrize("resident", [0, 2])
 def test_prompt_learning_on_gpu(method, resident):
-    """Prompt tuning and p-tuning (the prompt encoder in the embedding unit, streamed or resident, an LSTM's cuDNN
-    kernels among them): fp32 gradients equal stock peft's on the GPU; bf16 within the bf16 tolerance."""
+    """Prompt tuning, p-tuning and prefix tuning (the prompt encoder in the embedding unit, streamed or resident, an
+    LSTM's cuDNN kernels among them; prefix tuning's keys and values handed to streamed and resident layers):
+    fp32 gradients equal stock peft's on the GPU; bf16 within the bf16 tolerance."""
     model = make_prompted("llama_tied", method)
     batch = make_batch(batch=3, seq=24)
     ref_loss, ref = stock_grads(model, batch)

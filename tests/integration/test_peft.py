@@ -8,7 +8,8 @@ from peft import LoraConfig, PeftModel, PrefixTuningConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
-from tests.support.tiny import PROMPT_METHODS, make_batch, make_model, make_prompted, make_rows as rows
+from tests.support.tiny import (PREFIX_METHODS, PROMPT_METHODS, VOCAB, make_batch, make_model, make_prompted,
+                                make_rows as rows)
 
 PREFIX = "base_model.model."
 
@@ -108,10 +109,105 @@ def test_prompt_tuning_resumes_bit_for_bit(tmp_path):
         trainer.save_merged(str(tmp_path / "merged"))
 
 
-def test_prefix_tuning_is_refused_by_the_engine():
-    model = get_peft_model(make_model("llama"), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
-    with pytest.raises(MegaTrainError, match="PREFIX_TUNING, which hf_megatrain does not train"):
+def _prefix_matches_stock(pm, batches):
+    """Each batch through stock peft and through the engine (a fresh backward each): the same loss, the same
+    prompt-encoder gradients (the only ones), and in evaluation the same logits."""
+    ref = copy.deepcopy(pm)
+    engine = StreamingEngine(pm, compute_dtype=torch.float32).train()
+    for batch in batches:
+        ref.train().zero_grad()
+        out = ref(**batch)
+        out.loss.backward()
+        engine.train().zero_grad()
+        loss = engine.forward_backward(batch)
+        assert float(loss) == pytest.approx(float(out.loss), abs=1e-6)
+        grads = dict(engine.named_grads())
+        expected = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+        assert list(grads) == list(expected) and all(n.startswith("prompt_encoder.default.") for n in grads)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, expected[name], atol=1e-6, rtol=1e-5, msg=name)
+        engine.eval()
+        with torch.no_grad():
+            ours, theirs = engine(**batch), ref.eval()(**batch)
+        assert ours.logits.shape == theirs.logits.shape == batch["input_ids"].shape + (VOCAB,)
+        torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=1e-5)
+
+
+def _with_positions(batch):
+    """The batch as padding-free packed rows: no mask, positions restarting (which PEFT moves by the prefix)."""
+    pos = torch.cat([torch.arange(5), torch.arange(7)]).expand(batch["input_ids"].shape[0], -1)
+    return {"input_ids": batch["input_ids"], "labels": batch["labels"], "position_ids": pos}
+
+
+@pytest.mark.parametrize("method", list(PREFIX_METHODS))
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen2", "gpt2"])
+def test_prefix_tuning_matches_stock_peft(kind, method):
+    """Prefix tuning (the encoder's output as every layer's keys and values before its own; Qwen2's sliding-window
+    layers, GPT-2's absolute positions moved by the prefix): a padded batch and packed rows with position ids give
+    stock peft's loss, prompt-encoder gradients and logits."""
+    batch = make_batch()
+    _prefix_matches_stock(make_prompted(kind, method), [batch, _with_positions(batch)])
+
+
+def test_prefix_tuning_of_a_moe_with_its_router_loss():
+    """Mixtral with its load-balancing loss: padding-free rows equal stock peft; with an attention mask stock fails
+    (the loss weighs the router outputs by the mask PEFT lengthened), and the engine refuses in one line instead."""
+    pm = make_prompted("mixtral", "prefix_tuning")
+    _prefix_matches_stock(copy.deepcopy(pm), [_with_positions(make_batch())])
+    with pytest.raises(RuntimeError, match="must match"):
+        copy.deepcopy(pm)(**make_batch())
+    engine = StreamingEngine(pm, compute_dtype=torch.float32).train()
+    with pytest.raises(MegaTrainError, match="output_router_logits and an attention mask"):
+        engine.forward_backward(make_batch())
+
+
+@pytest.mark.parametrize("model_type, why", [
+    ("gemma2", "PEFT builds its prefix cache another way"),  # a cache made from the config
+    ("deepseek_v3", "its keys and values are not 4 heads of 8"),  # MLA: keys and values of their own widths
+    ("qwen3_next", "not all its layers are attention layers"),  # linear attention
+    ("opt", "its positions are counted from the attention mask"),
+])
+def test_prefix_tuning_refusals(model_type, why):
+    """Families whose layers do not take PEFT's prefix as the engine hands it are refused in one line, with what
+    works instead, when the engine is built."""
+    from peft import get_peft_model
+
+    from tests.support.zoo import stock_model, tiny_config
+
+    model = get_peft_model(stock_model(tiny_config(model_type)),
+                           PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(MegaTrainError, match=f"prefix tuning on {model_type}: {why}.*LoRA work"):
         StreamingEngine(model, compute_dtype=torch.float32)
+
+
+def test_prefix_tuning_trainer_matches_stock_and_saves(tmp_path):
+    """MegaTrainTrainer with prefix tuning (an MLP encoder) equals stock Trainer over four steps of two accumulated
+    micro-batches with clipping: losses, grad norms, the encoder's weights; the adapter PEFT's save writes loads
+    back with PeftModel.from_pretrained and gives the trained model's logits."""
+    train = rows(16, 0)
+    pm = make_prompted("llama", "prefix_tuning_mlp")
+    ref = copy.deepcopy(pm)
+    stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "s"), **KW), train_dataset=train,
+                    data_collator=default_data_collator)
+    stock.train()
+    mega = MegaTrainTrainer(pm, MegaTrainArguments(output_dir=str(tmp_path / "m"), **KW), train_dataset=train,
+                            data_collator=default_data_collator)
+    mega.train()
+    a = [(h["loss"], h["grad_norm"]) for h in stock.state.log_history if "loss" in h]
+    b = [(h["loss"], h["grad_norm"]) for h in mega.state.log_history if "loss" in h]
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert abs(x[0] - y[0]) < 1e-5 and abs(x[1] - y[1]) < 1e-5 * max(1, x[1]), (x, y)
+    masters = dict(mega.engine.named_master_params())
+    trained = {n: p.detach() for n, p in ref.named_parameters() if p.requires_grad}
+    assert sorted(masters) == sorted(trained)
+    for n, t in trained.items():
+        torch.testing.assert_close(masters[n], t, atol=1e-5, rtol=1e-5, msg=n)
+    mega.save_model(str(tmp_path / "adapter"))
+    back = PeftModel.from_pretrained(make_model("llama"), str(tmp_path / "adapter")).eval()
+    batch = make_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(back(**batch).logits, ref.eval()(**batch).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_prompt_tuning_of_per_layer_embeddings_is_refused():

@@ -177,9 +177,17 @@ PROMPT_METHODS = {
 }
 
 
+# prefix tuning: every layer's keys and values learned (prefix_projection: through an MLP)
+PREFIX_METHODS = {
+    "prefix_tuning": ("PrefixTuningConfig", {}),
+    "prefix_tuning_mlp": ("PrefixTuningConfig", {"prefix_projection": True, "encoder_hidden_size": 32}),
+}
+
+
 def make_prompted(kind: str, method: str, seed: int = 0, adapter_seed: int | None = None, virtual_tokens: int = 5):
     """A tiny model of `kind` (or GPT-2, whose absolute positions count the virtual tokens too) under a PEFT
-    prompt-learning method of PROMPT_METHODS; the prompt encoder drawn from `adapter_seed` (default `seed`)."""
+    prompt-learning method of PROMPT_METHODS or PREFIX_METHODS; the prompt encoder drawn from `adapter_seed`
+    (default `seed`)."""
     import peft
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -190,7 +198,7 @@ def make_prompted(kind: str, method: str, seed: int = 0, adapter_seed: int | Non
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     else:
         model = make_model(kind, seed=seed)
-    name, kw = PROMPT_METHODS[method]
+    name, kw = {**PROMPT_METHODS, **PREFIX_METHODS}[method]
     torch.manual_seed(seed if adapter_seed is None else adapter_seed)
     config = getattr(peft, name)(task_type="CAUSAL_LM", num_virtual_tokens=virtual_tokens, **kw)
     return peft.get_peft_model(model, config)
