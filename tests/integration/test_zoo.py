@@ -12,7 +12,7 @@ import transformers
 from packaging.version import Version
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from tests.support.zoo import classify
+from tests.support.zoo import classify, prefix_tuning
 
 EXACT = set("""
 afmoe apertus apertus1p5_text arcee aria_text axk1 axk2 bamba biogpt bitnet bloom codegen cohere cohere2 cohere2_moe
@@ -107,3 +107,20 @@ def test_zoo(model_type):
         pytest.skip(f"{model_type} is not in the zoo's table (a newer transformers): {cls}"
                     + (f" ({reason})" if reason else ""))
     assert cls == want, f"{model_type}: {cls} where the table expects {want}" + (f": {reason}" if reason else "")
+
+
+# Prefix tuning (PEFT's, engine/prompts.py) over the exact families: equal to stock peft, or refused in one line
+# where stock peft fails too, but for these, which stock trains and the engine refuses: PEFT builds Gemma's cache
+# from the config (sliding layers, shared keys and values), and OPT counts its positions from the lengthened mask.
+PREFIX_REFUSED_STOCK_TRAINS = {"gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "opt"}
+
+
+@pytest.mark.parametrize("model_type", sorted(EXACT | {k for k, v in BY_VERSION.items() if v[0 if PINNED else 1] == "exact"}))
+def test_zoo_prefix_tuning(model_type):
+    cls, note, stock_trains = prefix_tuning(model_type)  # raises on a crash or a difference from stock
+    if cls == "skipped":
+        pytest.skip(note)
+    if cls == "refused":
+        assert "\n" not in note, "a refusal is one line with its reason"
+        assert stock_trains == (model_type in PREFIX_REFUSED_STOCK_TRAINS), \
+            f"{model_type}: refused ({note}) where stock peft {'trains' if stock_trains else 'fails'}"

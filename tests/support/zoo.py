@@ -323,3 +323,51 @@ def classify(model_type: str):
         torch.testing.assert_close(grads[name], p.grad if p.grad is not None else torch.zeros_like(p),
                                    atol=1e-6, rtol=1e-5, msg=f"{model_type}: {name}")
     return "exact", None
+
+
+def prefix_tuning(model_type: str):
+    """PEFT's prefix tuning on the tiny model of `model_type` (its router loss off), stock peft against the engine,
+    one step on a padded batch: ("exact", None, True) when the loss and the prefix encoder's gradients equal
+    stock's; ("refused", line, stock_trains) when the engine refuses it in one line; ("skipped", why, None) when
+    there is nothing to compare (no tiny stock model, or PEFT cannot make a prefix for it). Raises for a crash, a
+    difference from stock, or an engine that trains what stock fails on."""
+    from peft import PrefixTuningConfig, get_peft_model
+
+    from hf_megatrain import MegaTrainError, StreamingEngine
+
+    try:
+        config = tiny_config(model_type)
+    except Skip as e:
+        return "skipped", str(e), None
+    if getattr(config, "output_router_logits", False):
+        config.output_router_logits = False  # its loss reads the mask PEFT lengthens (test_peft.py)
+    torch.manual_seed(0)
+    try:
+        model = get_peft_model(stock_model(config), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    except ValueError as e:  # Mamba's config names no attention heads
+        return "skipped", f"peft cannot make a prefix for it ({first_line(e)})", None
+    for p in model.parameters():
+        if p.requires_grad:  # away from PEFT's initial values, so that every gradient counts
+            torch.nn.init.normal_(p, std=0.5)
+    batch = make_batch(batch=3, seq=12)  # one right-padded row
+    ref = copy.deepcopy(model)
+    try:
+        out = ref(**batch)
+        out.loss.backward()
+        stock = None
+    except Exception as e:
+        stock = first_line(e)
+    try:
+        engine = StreamingEngine(model, compute_dtype=torch.float32).train()
+    except MegaTrainError as e:
+        return "refused", first_line(e), stock is None
+    assert stock is None, f"{model_type}: stock peft fails ({stock}) where the engine neither refuses nor fails"
+    loss = engine.forward_backward(batch)
+    assert abs(float(loss) - float(out.loss)) <= 1e-5 * max(1.0, abs(float(out.loss))), \
+        f"{model_type}: loss {float(loss)} against stock's {float(out.loss)}"
+    grads = dict(engine.named_grads())
+    expected = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    assert list(grads) == list(expected), f"{model_type}: the engine trains other parameters than stock"
+    for name, g in grads.items():
+        torch.testing.assert_close(g, expected[name], atol=1e-6, rtol=1e-5, msg=f"{model_type}: {name}")
+    return "exact", None, True
