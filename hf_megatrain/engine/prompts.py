@@ -119,8 +119,6 @@ def check_prefix_family(spec, config, layers, prefix: Prefix) -> str:
     why = None
     if any(t in model_type for t in _PREFIX_ELSEWHERE) or model_type in post:
         why = "PEFT builds its prefix cache another way for this family"
-    elif spec.positions_from_mask:
-        why = "its positions are counted from the attention mask, which the prefix lengthens"
     elif spec.carried or not set(spec.kinds(config)) <= _ATTENTION_KINDS:
         why = "not all its layers are attention layers"
     elif spec.shared_kv or spec.per_layer or spec.altup:
@@ -210,9 +208,10 @@ def with_virtual_tokens(batch: dict, n: int) -> dict:
     return out
 
 
-def with_prefix(batch: dict, n: int) -> dict:
+def with_prefix(batch: dict, n: int, count_from_mask: bool = False) -> dict:
     """The batch as the base model sees it under prefix tuning (PeftModel.forward): n ones before the attention
-    mask, the positions moved by n (the model counts them from the cache's length when none are given), no token
+    mask, the positions moved by n (the model counts them from the cache's length when none are given; with
+    `count_from_mask`, OPT's, it counts them from the lengthened mask, which the engine does after this), no token
     type ids (with PEFT's warning); ids and labels as they are."""
     ids = batch.get("input_ids")
     if not n or ids is None:
@@ -223,7 +222,10 @@ def with_prefix(batch: dict, n: int) -> dict:
     if mask is not None:
         out["attention_mask"] = torch.cat([mask.new_ones(rows, n), mask], dim=1)
     pos = batch.get("position_ids")
-    out["position_ids"] = pos + n if pos is not None else torch.arange(n, n + seq, device=ids.device).unsqueeze(0)
+    if pos is not None:
+        out["position_ids"] = pos + n
+    elif not count_from_mask:
+        out["position_ids"] = torch.arange(n, n + seq, device=ids.device).unsqueeze(0)
     if batch.get("token_type_ids") is not None:
         warnings.warn("Token type ids are not supported for parameter efficient tuning. Ignoring token type ids")
         out["token_type_ids"] = None

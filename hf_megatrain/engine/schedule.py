@@ -748,7 +748,7 @@ class StreamingEngine(nn.Module):
                                  "mask, which PEFT lengthens by the prefix, so stock fails there too (tensor sizes "
                                  "do not match). Set config.output_router_logits = False, or pass no attention "
                                  "mask (padding-free rows).")
-        return with_prefix(batch, self.prefix.tokens)
+        return with_prefix(batch, self.prefix.tokens, count_from_mask=self.spec.positions_from_mask)
 
     def _embed_call(self, named: dict, prep):
         """The embedding unit on one micro-batch; its positions as the base model computes them. Under prefix
@@ -788,10 +788,16 @@ class StreamingEngine(nn.Module):
         if self.spec.positions and batch.get("token_type_ids") is not None:
             raise MegaTrainError(f"the batch has token_type_ids, whose embeddings {self.spec.model_type}'s model "
                                  "forward adds to the hidden states, which the engine does not; leave them out.")
-        if not self.spec.positions_from_mask or batch.get("position_ids") is not None or prep.mask is None:
+        if not self.spec.positions_from_mask or batch.get("position_ids") is not None:
             return prep
-        pos = torch.cumsum(prep.mask, dim=1)
-        return prep._replace(pos=(pos * prep.mask - 1).long())
+        n = self.prefix.tokens if self.prefix else 0  # prefix tuning: counted over the prefix's ones, then cut
+        mask = prep.mask
+        if mask is None:  # all ones: 0, 1, ... (what the engine gave) or, after a prefix, n, n + 1, ...
+            if not n:
+                return prep
+            mask = torch.ones(prep.ids.shape[0], n + prep.ids.shape[1], dtype=torch.long, device=prep.ids.device)
+        pos = torch.cumsum(mask, dim=1)
+        return prep._replace(pos=(pos * mask - 1).long()[:, n:])
 
     def _activation_sets(self, n: int) -> list[Activations]:
         """One store of layer inputs per micro-batch of a step (the first is `self.activations`)."""

@@ -8,7 +8,7 @@ from peft import LoraConfig, PeftModel, PrefixTuningConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
 from hf_megatrain import HostAdamW, MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
-from tests.support.tiny import (PREFIX_METHODS, PROMPT_METHODS, VOCAB, make_batch, make_model, make_prompted,
+from tests.support.tiny import (PREFIX_METHODS, PROMPT_METHODS, make_batch, make_model, make_prompted,
                                 make_rows as rows)
 
 PREFIX = "base_model.model."
@@ -129,7 +129,7 @@ def _prefix_matches_stock(pm, batches):
         engine.eval()
         with torch.no_grad():
             ours, theirs = engine(**batch), ref.eval()(**batch)
-        assert ours.logits.shape == theirs.logits.shape == batch["input_ids"].shape + (VOCAB,)
+        assert ours.logits.shape == theirs.logits.shape and ours.logits.shape[:2] == batch["input_ids"].shape
         torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=1e-5)
 
 
@@ -149,6 +149,21 @@ def test_prefix_tuning_matches_stock_peft(kind, method):
     _prefix_matches_stock(make_prompted(kind, method), [batch, _with_positions(batch)])
 
 
+def test_prefix_tuning_of_opt_counts_positions_over_the_prefix():
+    """OPT counts its positions from the attention mask: from PEFT's lengthened mask, cut after the prefix (a
+    left-padded row among them), or n, n + 1, ... without a mask; the batch's own position ids moved by PEFT."""
+    from peft import get_peft_model
+
+    from tests.support.zoo import stock_model, tiny_config
+
+    torch.manual_seed(0)
+    pm = get_peft_model(stock_model(tiny_config("opt")), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    right = make_batch()
+    left = {k: v.flip(1) for k, v in right.items()}
+    bare = {"input_ids": right["input_ids"], "labels": right["labels"]}
+    _prefix_matches_stock(pm, [right, left, bare, _with_positions(right)])
+
+
 def test_prefix_tuning_of_a_moe_with_its_router_loss():
     """Mixtral with its load-balancing loss: padding-free rows equal stock peft; with an attention mask stock fails
     (the loss weighs the router outputs by the mask PEFT lengthened), and the engine refuses in one line instead."""
@@ -165,7 +180,7 @@ def test_prefix_tuning_of_a_moe_with_its_router_loss():
     ("gemma2", "PEFT builds its prefix cache another way"),  # a cache made from the config
     ("deepseek_v3", "its keys and values are not 4 heads of 8"),  # MLA: keys and values of their own widths
     ("qwen3_next", "not all its layers are attention layers"),  # linear attention
-    ("opt", "its positions are counted from the attention mask"),
+    ("gemma3n_text", "some of its layers read keys and values or inputs that other units make"),
 ])
 def test_prefix_tuning_refusals(model_type, why):
     """Families whose layers do not take PEFT's prefix as the engine hands it are refused in one line, with what
