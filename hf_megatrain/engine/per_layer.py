@@ -151,16 +151,11 @@ class LayerSides:
         # prefix tuning (engine/prompts.py): [layers * 2, batch, heads, n, head_dim], made by the embedding unit
         self.prefix: torch.Tensor | None = None
         self.prefix_grad: torch.Tensor | None = None
-        self.cache_kwarg: str | None = None  # the layers' keyword for it
+        self.caches = None  # prompts.PrefixCaches: the cache each layer gets it in
 
-    def take_prefix(self, prefix: torch.Tensor, cache_kwarg: str) -> None:
-        self.prefix, self.cache_kwarg = prefix, cache_kwarg
+    def take_prefix(self, prefix: torch.Tensor, caches) -> None:
+        self.prefix, self.caches = prefix, caches
         self.prefix_grad = torch.zeros_like(prefix)
-
-    def _prefix_cache(self, keys: torch.Tensor, values: torch.Tensor) -> dict:
-        from .prompts import layer_cache
-
-        return {self.cache_kwarg: layer_cache(keys, values, self.prefix.shape[0] // 2)}
 
     def forward_kwargs(self, layer: int) -> dict:
         kw = {}
@@ -170,7 +165,7 @@ class LayerSides:
             self.kv.begin()
             kw["shared_kv_states"] = self.kv
         if self.prefix is not None:
-            kw.update(self._prefix_cache(self.prefix[2 * layer], self.prefix[2 * layer + 1]))
+            kw.update(self.caches.for_layer(layer, self.prefix[2 * layer], self.prefix[2 * layer + 1]))
         return kw
 
     def noted(self, layer: int) -> None:
@@ -197,7 +192,7 @@ class LayerSides:
             side.kwargs["shared_kv_states"] = side.kv
         if self.prefix is not None:
             side.prefix = [self.prefix[2 * layer + i].detach().requires_grad_() for i in (0, 1)]
-            side.kwargs.update(self._prefix_cache(*side.prefix))
+            side.kwargs.update(self.caches.for_layer(layer, *side.prefix))
             side.leaves += side.prefix
         return side
 

@@ -15,7 +15,7 @@ encoder, `num_virtual_tokens` keys and values per layer, hands them to the model
 ones before the attention mask and adds `num_virtual_tokens` to the positions; the rows and labels keep their
 length. The engine does the same: `with_prefix` lengthens the mask and moves the positions, the embedding unit
 runs the encoder beside the token embeddings (`schedule._Embed`, its output viewed as `prefix_keys_values`
-does), and each layer gets its own keys and values as a cache of the class stock uses (`layer_cache`), whose
+does), and each layer gets its own keys and values as a cache of the class stock uses (`PrefixCaches`), whose
 `update` puts them before the layer's own, whatever layer index the template carries. In the backward every
 layer's recompute hands back the gradients of its keys and values (per_layer.LayerSides), which seed the
 embedding unit's recompute, as the per-layer inputs of Gemma 3n seed theirs. The masks are built with a cache
@@ -97,9 +97,45 @@ def prompt_encoder(peft_model) -> Prompt | None:
 
 
 _ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention"}
-# families whose prefix PEFT builds otherwise (a cache made from the config: Gemma 2 / 3 / 4's sliding layers,
-# the layers that share keys and values) or post-processes per model type
-_PREFIX_ELSEWHERE = ("gemma2", "gemma3_text", "gemma4")
+# families whose prefix cache PEFT makes from the config (each layer's cache of its kind: Gemma 2 and 3's sliding
+# layers keep the prefix's last window - 1 tokens), and those it makes otherwise still (Gemma 4: keys and values
+# of two widths, cut per layer; and the layers that share keys and values)
+_CACHE_FROM_CONFIG = ("gemma2", "gemma3_text")
+_PREFIX_ELSEWHERE = ("gemma4",)
+
+
+class PrefixCaches:
+    """The caches prefix tuning hands a batch's masks and each decoder layer, of the classes PEFT makes: a
+    DynamicCache of plain layers, or (`from_config`: Gemma 2 and 3) one made from the model config, whose
+    sliding layers keep the prefix's last window - 1 tokens and size the sliding masks by it. `kwarg`: the
+    decoder layers' keyword for the cache."""
+
+    def __init__(self, kwarg: str, config, from_config: bool):
+        self.kwarg = kwarg
+        self.config = config
+        self.from_config = from_config
+
+    def _fresh(self) -> DynamicCache:
+        return DynamicCache(config=self.config) if self.from_config else DynamicCache()
+
+    def for_masks(self, prefix: torch.Tensor) -> DynamicCache:
+        """A cache as long as the prefix in every layer: what the model forward builds its masks with."""
+        cache = self._fresh()
+        if not self.from_config:  # one plain layer: the masks read index 0
+            cache.layers = [DynamicLayer()]
+        for i, layer in enumerate(cache.layers):
+            layer.update(prefix[2 * i], prefix[2 * i + 1])
+        return cache
+
+    def for_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> dict:
+        """The keyword argument for decoder layer `layer`: a cache whose update puts `keys` and `values` before the
+        layer's own, at every index, because a template's attention carries the index of the layer it was copied
+        from."""
+        cache = self._fresh()
+        one = cache.layers[layer] if self.from_config else DynamicLayer()
+        one.update(keys, values)
+        cache.layers = [one] * int(self.config.num_hidden_layers)
+        return {self.kwarg: cache}
 
 
 def _projection_widths(layers) -> set[int]:
@@ -108,16 +144,16 @@ def _projection_widths(layers) -> set[int]:
             if name.rpartition(".")[2] in ("k_proj", "v_proj") and isinstance(m, torch.nn.Linear)}
 
 
-def check_prefix_family(spec, config, layers, prefix: Prefix) -> str:
-    """The decoder layer's keyword for its cache, where prefix tuning on this family is what the engine runs;
-    otherwise a refusal in one line. Stock hands every layer the cache; the engine hands it to layers that
+def check_prefix_family(spec, config, layers, prefix: Prefix) -> PrefixCaches:
+    """The caches for prefix tuning on this family, where it is what the engine runs; otherwise a refusal in one
+    line. Stock hands every layer the cache; the engine hands it to layers that
     attend with keys and values of their own, one shape per layer (no hybrid stack, no shared or compressed
     keys, no absolute positions, which PEFT's cache does not move)."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_PREFIX_TUNING_POSTPROCESS_MAPPING as post
 
     model_type = spec.model_type
     why = None
-    if any(t in model_type for t in _PREFIX_ELSEWHERE) or model_type in post:
+    if model_type.startswith(_PREFIX_ELSEWHERE) or model_type in post:
         why = "PEFT builds its prefix cache another way for this family"
     elif spec.carried or not set(spec.kinds(config)) <= _ATTENTION_KINDS:
         why = "not all its layers are attention layers"
@@ -143,7 +179,7 @@ def check_prefix_family(spec, config, layers, prefix: Prefix) -> str:
     if why:
         raise MegaTrainError(f"prefix tuning on {model_type}: {why}; the engine does not train it there. Prompt "
                              "tuning (PromptTuningConfig), p-tuning (PromptEncoderConfig) and LoRA work for this family.")
-    return name
+    return PrefixCaches(name, config, model_type in _CACHE_FROM_CONFIG)
 
 
 def prefix_keys_values(out: torch.Tensor, prefix: Prefix, dtype: torch.dtype) -> torch.Tensor:
@@ -152,17 +188,6 @@ def prefix_keys_values(out: torch.Tensor, prefix: Prefix, dtype: torch.dtype) ->
     rows = out.shape[0]
     out = out.to(dtype).view(rows, prefix.tokens, prefix.layers * 2, prefix.heads, prefix.head_dim)
     return out.permute([2, 0, 3, 1, 4])
-
-
-def layer_cache(keys: torch.Tensor, values: torch.Tensor, layers: int) -> DynamicCache:
-    """A cache that puts `keys` and `values` before what any layer index's `update` brings: the class stock's
-    prefix cache is (a DynamicCache of plain layers), one layer object at every index, because a template's
-    attention carries the index of the layer it was copied from. The masks read its length (n) from index 0."""
-    cache = DynamicCache()
-    layer = DynamicLayer()
-    layer.update(keys, values)
-    cache.layers = [layer] * layers
-    return cache
 
 
 @contextmanager

@@ -39,8 +39,8 @@ from .layout import loss_chunk, mark_resident, slab_numel
 from .loss import RowLoss, chunked_head_loss, full_logits, loss_denominator, row_head_loss
 from .per_layer import LayerSides, PerLayerInputs, altup_collapse, altup_stack, base_buffers
 from .pipeline import HostPipeline, Pipeline
-from .prompts import (Prefix, attached, check_prefix_family, layer_cache, prefix_keys_values, prompt_encoder,
-                      with_prefix, with_virtual_tokens)
+from .prompts import (Prefix, attached, check_prefix_family, prefix_keys_values, prompt_encoder, with_prefix,
+                      with_virtual_tokens)
 from .selfcheck import stock_leaves_without_grad, verify
 from .store import HostStore, build_units
 
@@ -272,9 +272,9 @@ class StreamingEngine(nn.Module):
         # prefix tuning: its tokens enter each layer's attention, not the rows (engine/prompts.py)
         self.prefix = prompt.prefix if prompt else None
         self.virtual_tokens = prompt.tokens if prompt and not self.prefix else 0
-        self._cache_kwarg = None  # the decoder layers' keyword for the prefix cache
+        self._prefix_caches = None  # the caches each layer gets the prefix in
         if self.prefix:
-            self._cache_kwarg = check_prefix_family(self.spec, model.config, model.get_submodule(self.spec.layers),
+            self._prefix_caches = check_prefix_family(self.spec, model.config, model.get_submodule(self.spec.layers),
                                                     self.prefix)
         if prompt and not self.prefix:
             if self.spec.per_layer or self.spec.altup:  # made from the token ids, which PEFT does not pass
@@ -1180,7 +1180,7 @@ class _BatchContext:
         if docs:
             self.masks = dict.fromkeys(engine.spec.kinds(cfg))
         else:  # under prefix tuning, for a cache as long as the prefix, as stock builds them
-            cache = layer_cache(prefix[0], prefix[1], cfg.num_hidden_layers) if prefix is not None else None
+            cache = engine._prefix_caches.for_masks(prefix) if prefix is not None else None
             self.masks = engine.spec.build_masks(cfg, embeds, mask, pos, cache)
         self.pos = pos
         self.raw_mask = mask  # the 2D mask as given: what Mamba's model forward hands its layers
@@ -1204,7 +1204,7 @@ class _BatchContext:
         # Gemma 3n/4: the per-layer inputs and the shared keys and values (engine/per_layer.py)
         self.sides = LayerSides(engine.spec.shared_kv)
         if prefix is not None:  # prefix tuning: every layer's keys and values, before its own
-            self.sides.take_prefix(prefix, engine._cache_kwarg)
+            self.sides.take_prefix(prefix, engine._prefix_caches)
         if engine._per_layer_unit is not None:
             self.sides.embeds = embeds
         # Dropout / router jitter draw random numbers: the recompute must draw the same ones.

@@ -140,11 +140,12 @@ def _with_positions(batch):
 
 
 @pytest.mark.parametrize("method", list(PREFIX_METHODS))
-@pytest.mark.parametrize("kind", ["llama_tied", "qwen2", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen2", "gpt2", "gemma3_text"])
 def test_prefix_tuning_matches_stock_peft(kind, method):
     """Prefix tuning (the encoder's output as every layer's keys and values before its own; Qwen2's sliding-window
-    layers, GPT-2's absolute positions moved by the prefix): a padded batch and packed rows with position ids give
-    stock peft's loss, prompt-encoder gradients and logits."""
+    layers, GPT-2's absolute positions moved by the prefix, Gemma 3's cache made from its config, whose 4-token
+    sliding layers keep 3 of the 5 prefix tokens): a padded batch and packed rows with position ids give stock
+    peft's loss, prompt-encoder gradients and logits."""
     batch = make_batch()
     _prefix_matches_stock(make_prompted(kind, method), [batch, _with_positions(batch)])
 
@@ -177,7 +178,7 @@ def test_prefix_tuning_of_a_moe_with_its_router_loss():
 
 
 @pytest.mark.parametrize("model_type, why", [
-    ("gemma2", "PEFT builds its prefix cache another way"),  # a cache made from the config
+    ("gemma4_text", "PEFT builds its prefix cache another way"),  # keys and values of two widths, cut per layer
     ("deepseek_v3", "its keys and values are not 4 heads of 8"),  # MLA: keys and values of their own widths
     ("qwen3_next", "not all its layers are attention layers"),  # linear attention
     ("gemma3n_text", "some of its layers read keys and values or inputs that other units make"),
