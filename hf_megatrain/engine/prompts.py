@@ -50,7 +50,8 @@ def _peft_type(config) -> str:
 
 
 def check_prompt_learning(config) -> None:
-    """Refuse, in one line, a prompt-learning method the engine does not train (prefix tuning and the rest)."""
+    """Refuse, in one line, a prompt-learning method the engine does not train (multitask prompt tuning and the
+    rest); prefix tuning's families are checked when the engine is built (check_prefix_family)."""
     if getattr(config, "is_prompt_learning", False) and _peft_type(config) not in _TRAINED:
         raise MegaTrainError(f"peft_config is {_peft_type(config)}, which hf_megatrain does not train: its virtual "
                              "tokens need task ids or a pass of their own, which the engine does not run. Prompt "
@@ -146,9 +147,9 @@ def _projection_widths(layers) -> set[int]:
 
 def check_prefix_family(spec, config, layers, prefix: Prefix) -> PrefixCaches:
     """The caches for prefix tuning on this family, where it is what the engine runs; otherwise a refusal in one
-    line. Stock hands every layer the cache; the engine hands it to layers that
-    attend with keys and values of their own, one shape per layer (no hybrid stack, no shared or compressed
-    keys, no absolute positions, which PEFT's cache does not move)."""
+    line. Stock hands every layer the cache; the engine hands it to layers that all attend with keys and values
+    of their own, of the prefix's shape (no hybrid stack, no shared or compressed keys), through a keyword their
+    forward takes."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_PREFIX_TUNING_POSTPROCESS_MAPPING as post
 
     model_type = spec.model_type
