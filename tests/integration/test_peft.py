@@ -196,6 +196,26 @@ def test_prefix_tuning_refusals(model_type, why):
         StreamingEngine(model, compute_dtype=torch.float32)
 
 
+def test_prefix_tuning_under_gradient_checkpointing(tmp_path):
+    """gradient_checkpointing=True (TRL's default): stock fails (a checkpointed layer drops the cache, so the mask no
+    longer fits its keys); the engine, whose recompute is its own, trains with stock's numbers without it."""
+    train = rows(8, 0)
+    kw = dict(KW, max_steps=2)
+    with pytest.raises(RuntimeError, match="must match"):
+        Trainer(model=make_prompted("llama", "prefix_tuning"), train_dataset=train, data_collator=default_data_collator,
+                args=TrainingArguments(output_dir=str(tmp_path / "c"), gradient_checkpointing=True, **kw)).train()
+    stock = Trainer(model=make_prompted("llama", "prefix_tuning"), train_dataset=train,
+                    args=TrainingArguments(output_dir=str(tmp_path / "s"), **kw), data_collator=default_data_collator)
+    stock.train()
+    mega = MegaTrainTrainer(make_prompted("llama", "prefix_tuning"), train_dataset=train,
+                            args=MegaTrainArguments(output_dir=str(tmp_path / "m"), gradient_checkpointing=True, **kw),
+                            data_collator=default_data_collator)
+    mega.train()
+    a = [h["loss"] for h in stock.state.log_history if "loss" in h]
+    b = [h["loss"] for h in mega.state.log_history if "loss" in h]
+    assert len(a) == len(b) == 2 and all(abs(x - y) < 1e-5 for x, y in zip(a, b)), (a, b)
+
+
 def test_prefix_tuning_trainer_matches_stock_and_saves(tmp_path):
     """MegaTrainTrainer with prefix tuning (an MLP encoder) equals stock Trainer over four steps of two accumulated
     micro-batches with clipping: losses, grad norms, the encoder's weights; the adapter PEFT's save writes loads
