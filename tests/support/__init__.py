@@ -36,7 +36,8 @@ def trained_weights(trainer, impl: str) -> dict:
     """The trained weights of a rank's run: stock's from its (DDP-wrapped) model, ours gathered from the engine's
     fp32 masters (a collective: every rank calls it)."""
     if impl == "stock":
-        return {n: p.detach() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}  # what ours has masters of
     return dict(trainer.engine.named_master_params())
 
 

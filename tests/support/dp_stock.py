@@ -2,14 +2,15 @@
 environment) of stock Trainer / TRL's SFTTrainer (DDP over gloo) or of ours, for tests/integration/test_dp_stock.py,
 and `launch`, which starts the processes of one run.
 
-    python -m tests.support.dp_stock OUT IMPL TRAINER KIND [--no_average_tokens] [--no_loss_kwargs]
+    python -m tests.support.dp_stock OUT IMPL TRAINER KIND [--no_average_tokens] [--no_loss_kwargs] [--prefix_tuning]
 
 IMPL: stock or ours; TRAINER: trainer (Trainer / MegaTrainTrainer on tests/support/dp_trainer's rows) or sft
 (SFTTrainer / MegaTrainSFTTrainer on prompt/completion pairs); KIND: the tiny model (llama, mixtral).
 --no_average_tokens: average_tokens_across_devices=False (each rank's loss is over its own tokens; without it, the
 config's default, True in transformers 5.17 and 5.25 and TRL 1.16);
 --no_loss_kwargs: the model says it takes no loss kwargs (accepts_loss_kwargs = False), so Trainer counts no
-num_items_in_batch and each micro-batch's loss is its own mean, divided by the accumulation steps.
+num_items_in_batch and each micro-batch's loss is its own mean, divided by the accumulation steps;
+--prefix_tuning: (trainer only) the model under PEFT's prefix tuning (an MLP encoder), only the encoder trained.
 Every run: 2 rows per rank, GA 2, clipping at 0.5 (below every step's norm), fp32 on the CPU. Rank 0 writes
 OUT/result.json: the logged steps (loss, grad_norm, learning_rate and SFT's own metrics) and the trained weights.
 """
@@ -24,6 +25,7 @@ import datasets
 from tests.support import end_process_group, trained_weights
 
 RUN = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=0.5)
+PREFIX_CLIP = 0.05  # --prefix_tuning's max_grad_norm: below every step's norm, as 0.5 is for the others
 LOGGED = ("step", "loss", "grad_norm", "learning_rate", "entropy", "mean_token_accuracy", "num_tokens", "aux_loss")
 
 
@@ -35,19 +37,20 @@ def sft_rows():
     return datasets.Dataset.from_dict({"prompt": [w + ">" for w in words], "completion": [w[::-1] for w in words]})
 
 
-def build(out, impl, trainer, kind, average, loss_kwargs):
+def build(out, impl, trainer, kind, average, loss_kwargs, prefix=False):
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     own_average = {} if average else {"average_tokens_across_devices": False}  # else the config's own default
     if trainer == "trainer":
         from hf_megatrain import MegaTrainArguments, MegaTrainTrainer
         from tests.support.dp_trainer import TRAINING, train_rows
-        from tests.support.tiny import make_model
+        from tests.support.tiny import make_model, make_prompted
 
-        model = make_model(kind)
+        model = make_prompted(kind, "prefix_tuning_mlp") if prefix else make_model(kind)
         if not loss_kwargs:  # read by Trainer.__init__ (model_accepts_loss_kwargs), stock's and ours alike
             model.accepts_loss_kwargs = False
-        kw = dict(TRAINING, **RUN, output_dir=out, save_strategy="no", **own_average)
+        run = dict(RUN, max_grad_norm=PREFIX_CLIP) if prefix else RUN  # the encoder's gradients are smaller
+        kw = dict(TRAINING, **run, output_dir=out, save_strategy="no", **own_average)
         args = TrainingArguments(**kw) if impl == "stock" else MegaTrainArguments(**kw, log_pipeline=False)
         cls = Trainer if impl == "stock" else MegaTrainTrainer
         return cls(model=model, args=args, train_dataset=train_rows(), data_collator=default_data_collator)
@@ -73,7 +76,8 @@ def main():
     out, impl, trainer, kind = sys.argv[1:5]
     flags = sys.argv[5:]
     datasets.disable_caching()
-    run = build(out, impl, trainer, kind, "--no_average_tokens" not in flags, "--no_loss_kwargs" not in flags)
+    run = build(out, impl, trainer, kind, "--no_average_tokens" not in flags, "--no_loss_kwargs" not in flags,
+                "--prefix_tuning" in flags)
     run.train()
     weights = trained_weights(run, impl)  # collective: every rank
     if run.args.process_index == 0:
