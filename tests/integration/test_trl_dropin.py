@@ -78,20 +78,24 @@ def test_eval_metrics_as_stock_and_metric_for_best_model(tmp_path):
 PROMPT_LEARNING = {
     "prompt_tuning": lambda: PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
     "p_tuning": lambda: PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, encoder_hidden_size=16),
+    "prefix_tuning": lambda: PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
 }
 
 
 @pytest.mark.parametrize("as_model", [False, True], ids=["peft_config", "peft_model"])
 @pytest.mark.parametrize("kind", list(PROMPT_LEARNING))
 def test_prompt_learning_equals_stock_sfttrainer(kind, as_model, tmp_path):
-    """Prompt tuning and p-tuning: the prompt encoder's output before each row's token embeddings, as
-    PeftModel.forward puts it, trained in the embedding unit. The same losses, TRL metrics and grad norms as stock
-    SFTTrainer (gradient accumulation, clipping, weight decay), the same saved prompt embeddings, the base model
-    untouched; given as a peft_config with a folder, or as a PeftModel."""
+    """Prompt tuning and p-tuning (the prompt encoder's output before each row's token embeddings) and prefix tuning
+    (before each layer's keys and values), as PeftModel.forward puts them, trained in the embedding unit. The same
+    losses, TRL metrics and grad norms as stock SFTTrainer (gradient accumulation, clipping, weight decay), the
+    same saved prompt embeddings, the base model untouched; given as a peft_config with a folder, or as a
+    PeftModel."""
     from safetensors.torch import load_file
 
     folder = model_folder(tmp_path, "llama")
     kw = dict(KW, weight_decay=0.1, save_strategy="no")
+    if kind == "prefix_tuning":  # stock fails under checkpointing (test_peft.py), so TRL's own test turns it off
+        kw["gradient_checkpointing"] = False
     runs = {}
     for name, cls in (("stock", SFTTrainer), ("mega", MegaTrainSFTTrainer)):
         args = SFTConfig(output_dir=str(tmp_path / name), **kw)
@@ -118,18 +122,20 @@ def test_prompt_learning_equals_stock_sfttrainer(kind, as_model, tmp_path):
     torch.testing.assert_close(saved["prompt_embeddings"], stock_saved["prompt_embeddings"], atol=1e-5, rtol=1e-5)
 
 
-def test_prefix_tuning_is_refused_at_construction_in_one_line(tmp_path, monkeypatch):
-    """Prefix tuning puts its virtual tokens in each layer's attention as a key/value cache, which the engine does
-    not run: refused before any data is tokenized, as a peft_config and as a PEFT model."""
+def test_multitask_prompt_tuning_is_refused_at_construction_in_one_line(tmp_path, monkeypatch):
+    """Multitask prompt tuning needs task ids, which the engine does not pass: refused before any data is tokenized,
+    as a peft_config and as a PEFT model."""
+    from peft import MultitaskPromptTuningConfig
+
     folder = model_folder(tmp_path, "llama")
-    config = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    config = MultitaskPromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, num_tasks=2)
 
     def no_tokenizing(*a, **k):
         raise AssertionError("the data was prepared before the refusal")
 
     monkeypatch.setattr(SFTTrainer, "_prepare_dataset", no_tokenizing)
     args = SFTConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, report_to=[])
-    match = "PREFIX_TUNING, which hf_megatrain does not train.*Prompt tuning"
+    match = "MULTITASK_PROMPT_TUNING, which hf_megatrain does not train.*Prompt tuning"
     with pytest.raises(MegaTrainError, match=match) as refused:
         MegaTrainSFTTrainer(folder, args, train_dataset=DATA["completion"], peft_config=config)
     assert "\n" not in str(refused.value)
