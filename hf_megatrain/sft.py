@@ -41,6 +41,7 @@ from .arguments import MegaTrainArguments, check_arguments, compute_dtype, megat
 from .checkpoint.loading import load_model_and_tokenizer
 from .checkpoint.stream_load import read_parameters
 from .engine.loss import LOSS_TYPES
+from .engine.prompts import check_prefix_early
 from .errors import MegaTrainError
 from .logs import show_logs
 from .patcher.adapters import base_model, check_adapter_config
@@ -190,6 +191,7 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         check_resume(args.resume_from_checkpoint, args.output_dir)
         self._loaded = load_for_trl(model, args)
         skeleton, tokenizer, weights_from = self._loaded
+        check_prefix_early(skeleton, args.peft_config)  # prefix tuning on a family the engine refuses: say so now
         if processing_class is None:
             # the folder's tokenizer; for a loaded model None, and SFTTrainer loads it as stock does, from the
             # model's config._name_or_path (AutoProcessor, with args.trust_remote_code)

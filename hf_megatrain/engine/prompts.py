@@ -183,6 +183,30 @@ def check_prefix_family(spec, config, layers, prefix: Prefix) -> PrefixCaches:
     return PrefixCaches(name, config, model_type in _CACHE_FROM_CONFIG)
 
 
+def check_prefix_early(model, peft_config=None) -> None:
+    """check_prefix_family before any data is read (SFTTrainer tokenizes in its constructor, before the engine is
+    built): for a PeftModel under prefix tuning, or a base model (a meta skeleton) that `peft_config` will wrap,
+    wrapped here as PEFT wraps it on a meta copy (PEFT fills the prefix's shape from the model's config)."""
+    from peft import get_peft_model
+
+    from ..patcher.adapters import is_peft_model
+    from ..patcher.specs import spec_for
+
+    if not is_peft_model(model):
+        if peft_config is None or _peft_type(peft_config) != "PREFIX_TUNING":
+            return
+        import copy
+
+        with torch.device("meta"):
+            model = get_peft_model(copy.deepcopy(model).to("meta"), copy.deepcopy(peft_config))
+    prompt = prompt_encoder(model)
+    if prompt is None or prompt.prefix is None:
+        return
+    base = model.get_base_model()
+    spec = spec_for(base.config)
+    check_prefix_family(spec, base.config, base.get_submodule(spec.layers), prompt.prefix)
+
+
 def prefix_keys_values(out: torch.Tensor, prefix: Prefix, dtype: torch.dtype) -> torch.Tensor:
     """The prefix encoder's output [rows, n, layers * 2 * token_dim] as PeftModel.get_prompt views it, cast to
     the model's dtype: [layers * 2, rows, heads, n, head_dim], layer i's keys at 2i and values at 2i + 1."""

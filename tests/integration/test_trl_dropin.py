@@ -148,6 +148,28 @@ def test_multitask_prompt_tuning_is_refused_at_construction_in_one_line(tmp_path
                          peft_config=config)
 
 
+@pytest.mark.parametrize("as_model", [False, True], ids=["peft_config", "peft_model"])
+def test_prefix_tuning_on_a_refused_family_is_refused_before_tokenizing(as_model, tmp_path, monkeypatch):
+    """Prefix tuning on a family the engine does not train it on (Qwen3-Next's linear-attention layers): refused
+    in one line before SFTTrainer tokenizes anything, as a peft_config (checked on a meta copy wrapped as PEFT
+    wraps it) and as a PEFT model."""
+    from hf_megatrain.demo import build_tokenizer
+    from tests.support.zoo import stock_model, tiny_config
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("the data was prepared before the refusal")
+
+    monkeypatch.setattr(SFTTrainer, "_prepare_dataset", no_tokenizing)
+    model, config = stock_model(tiny_config("qwen3_next")), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    kw = {"peft_config": config}
+    if as_model:
+        model, kw = get_peft_model(model, config), {}
+    args = SFTConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, report_to=[])
+    with pytest.raises(MegaTrainError, match="prefix tuning on qwen3_next: not all its layers are attention") as refused:
+        MegaTrainSFTTrainer(model, args, train_dataset=DATA["completion"], processing_class=build_tokenizer(), **kw)
+    assert "\n" not in str(refused.value)
+
+
 def test_loaded_model_without_processing_class_gets_its_tokenizer_as_stock(tmp_path):
     """Stock loads the tokenizer from model.config._name_or_path; so does the engine's trainer, and the
     two train alike."""
