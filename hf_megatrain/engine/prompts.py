@@ -28,6 +28,7 @@ Multitask prompt tuning (task ids) and the other prompt methods enter elsewhere 
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from contextlib import contextmanager
@@ -115,13 +116,12 @@ class PrefixCaches:
         self.kwarg = kwarg
         self.config = config
         self.from_config = from_config
-
-    def _fresh(self) -> DynamicCache:
-        return DynamicCache(config=self.config) if self.from_config else DynamicCache()
+        # one empty layer cache of each layer's kind, copied for each call (not a whole cache made per layer call)
+        self._empty = DynamicCache(config=config).layers if from_config else None
 
     def for_masks(self, prefix: torch.Tensor) -> DynamicCache:
         """A cache as long as the prefix in every layer: what the model forward builds its masks with."""
-        cache = self._fresh()
+        cache = DynamicCache(config=self.config) if self.from_config else DynamicCache()
         if not self.from_config:  # one plain layer: the masks read index 0
             cache.layers = [DynamicLayer()]
         for i, layer in enumerate(cache.layers):
@@ -132,9 +132,9 @@ class PrefixCaches:
         """The keyword argument for decoder layer `layer`: a cache whose update puts `keys` and `values` before the
         layer's own, at every index, because a template's attention carries the index of the layer it was copied
         from."""
-        cache = self._fresh()
-        one = cache.layers[layer] if self.from_config else DynamicLayer()
+        one = copy.copy(self._empty[layer]) if self.from_config else DynamicLayer()
         one.update(keys, values)
+        cache = DynamicCache()
         cache.layers = [one] * int(self.config.num_hidden_layers)
         return {self.kwarg: cache}
 
@@ -195,8 +195,6 @@ def check_prefix_early(model, peft_config=None) -> None:
     if not is_peft_model(model):
         if peft_config is None or _peft_type(peft_config) != "PREFIX_TUNING":
             return
-        import copy
-
         with torch.device("meta"):
             model = get_peft_model(copy.deepcopy(model).to("meta"), copy.deepcopy(peft_config))
     prompt = prompt_encoder(model)
@@ -252,10 +250,7 @@ def with_virtual_tokens(batch: dict, n: int) -> dict:
     if batch.get("position_ids") is not None:
         warnings.warn("Position ids are not supported for parameter efficient tuning. Ignoring position ids.")
         out["position_ids"] = None
-    if batch.get("token_type_ids") is not None:
-        warnings.warn("Token type ids are not supported for parameter efficient tuning. Ignoring token type ids")
-        out["token_type_ids"] = None
-    return out
+    return _without_token_type_ids(out)
 
 
 def with_prefix(batch: dict, n: int, count_from_mask: bool = False) -> dict:
@@ -276,7 +271,12 @@ def with_prefix(batch: dict, n: int, count_from_mask: bool = False) -> dict:
         out["position_ids"] = pos + n
     elif not count_from_mask:
         out["position_ids"] = torch.arange(n, n + seq, device=ids.device).unsqueeze(0)
+    return _without_token_type_ids(out)
+
+
+def _without_token_type_ids(batch: dict) -> dict:
+    """PEFT's prompt learning drops token type ids, with its warning."""
     if batch.get("token_type_ids") is not None:
         warnings.warn("Token type ids are not supported for parameter efficient tuning. Ignoring token type ids")
-        out["token_type_ids"] = None
-    return out
+        batch["token_type_ids"] = None
+    return batch
