@@ -43,12 +43,13 @@ class MegaTrainArguments(TrainingArguments):
         metadata={"help": "Pack short documents into full rows (position ids restart at every document)."},
     )
     # Annotated as a string for the command line (inline JSON or a JSON file); Python callers may
-    # also give a peft LoraConfig or a dict of its fields.
+    # also give a peft config or a dict of its fields.
     peft_config: str | None = field(
         default=None,
-        metadata={"help": "Train LoRA adapters instead of all weights: inline JSON such as '{\"r\": 8}', a JSON "
-                  "file, a dict of LoraConfig fields or a peft LoraConfig. The frozen base streams as compute "
-                  "weights only (~2 bytes/param of host RAM)."},
+        metadata={"help": "Train PEFT adapters instead of all weights: inline JSON such as '{\"r\": 8}' (LoraConfig "
+                  "fields; another method's with its peft_type, e.g. '{\"peft_type\": \"IA3\"}'), a JSON file, a "
+                  "dict or a peft config. The frozen base streams as compute weights only (~2 bytes/param of "
+                  "host RAM)."},
     )
     loss_chunk_tokens: int | None = field(
         default=None,

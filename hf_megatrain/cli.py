@@ -58,7 +58,8 @@ model and data:
   --text_field NAME          column with the raw text (default: text)
   --max_seq_length N         tokens per row, packed or truncated (default: 1024)
   --packing true|false       pack short documents into full rows (default: true)
-  --peft_config JSON|FILE    train LoRA adapters: inline JSON such as '{"r": 8}', or a JSON file
+  --peft_config JSON|FILE    train PEFT adapters: inline JSON of LoraConfig fields such as '{"r": 8}', another
+                             method's with its peft_type ('{"peft_type": "IA3", ...}'), or a JSON file
 
 training (Trainer's flags):
   --output_dir DIR           where checkpoints and the final model go (required)
@@ -273,10 +274,11 @@ def _estimate_parser():
                    help="gradient clipping as the run will have it (0: none; the step-time model's host AdamW "
                         "then overlaps the backward)")
     p.add_argument("--peft_config", default=None, metavar="JSON|FILE",
-                   help="plan a LoRA run: its adapters as inline JSON of LoraConfig fields (e.g. "
-                        "'{\"r\": 8, \"target_modules\": [\"q_proj\", \"v_proj\"]}') or a JSON file, as "
-                        "MegaTrainArguments.peft_config takes them; the fp32 master, gradient and Adam moments "
-                        "then cover the adapters alone, the frozen weights only their compute copy")
+                   help="plan a PEFT run: its adapters as inline JSON of LoraConfig fields (e.g. "
+                        "'{\"r\": 8, \"target_modules\": [\"q_proj\", \"v_proj\"]}'), of another method's "
+                        "config with its peft_type, or a JSON file, as MegaTrainArguments.peft_config takes them; "
+                        "the fp32 master, gradient and Adam moments then cover the adapters alone, the frozen "
+                        "weights only their compute copy")
     p.add_argument("--optim", default="adamw_torch",
                    help="what steps the run, as TrainingArguments.optim: adamw_torch (the default), adamw_torch_fused "
                         "(both the engine's host AdamW), sgd, adagrad, rmsprop or adafactor; its state per parameter "
@@ -317,10 +319,10 @@ def _estimate_request(a):
     given = a.gpu_gib is not None or a.host_gib is not None
     peft_config = None
     if a.peft_config is not None:
-        from .checkpoint.loading import lora_config
+        from .checkpoint.loading import peft_config_from
 
         try:
-            peft_config = lora_config(a.peft_config)
+            peft_config = peft_config_from(a.peft_config)
         except MegaTrainError as e:
             raise SystemExit(f"hf-megatrain estimate: --peft_config: {e}")
     request = Request(engine, a.batch, a.seq, grad_accum=a.grad_accum, layer_major=switches["layer_major_accumulation"],

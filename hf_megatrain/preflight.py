@@ -217,7 +217,7 @@ def checkpoint_bytes(model, args) -> tuple[int, int]:
     """
     from .arguments import save_dtype
     from .checkpoint.hf_format import model_dtype
-    from .checkpoint.loading import lora_config, meta_skeleton
+    from .checkpoint.loading import peft_config_from, meta_skeleton
     from .patcher.adapters import base_model, is_peft_model
 
     config = base_model(model).config
@@ -225,7 +225,7 @@ def checkpoint_bytes(model, args) -> tuple[int, int]:
     if peft_config is not None and not is_peft_model(model):
         from peft import get_peft_model
 
-        peft_config = lora_config(peft_config)
+        peft_config = peft_config_from(peft_config)
         try:  # the adapters PEFT will add, on a meta copy: no memory, and a wrong target_modules fails now
             model = get_peft_model(meta_skeleton(config), copy.deepcopy(peft_config))
         except (ValueError, TypeError, KeyError) as e:

@@ -232,7 +232,7 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         from transformers.trainer_utils import set_seed
         from trl import clone_chat_template
 
-        from .checkpoint.loading import lora_config
+        from .checkpoint.loading import peft_config_from
 
         if processing_class is None:  # as SFTTrainer would load it
             processing_class = AutoTokenizer.from_pretrained(skeleton.config._name_or_path,
@@ -245,7 +245,7 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         if args.peft_config is None:
             return processing_class, template
         self._adapter_rng = torch.get_rng_state()
-        config = copy.deepcopy(lora_config(args.peft_config))
+        config = copy.deepcopy(peft_config_from(args.peft_config))
         if added:
             indices = dict(config.trainable_token_indices or {})
             indices["embed_tokens"] = list(indices.get("embed_tokens", [])) + list(added)

@@ -516,9 +516,10 @@ class MegaTrainTrainer(Trainer):
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def save_merged(self, output_dir: str, dtype=None) -> None:
-        """LoRA runs: base + merged adapters as a full HF checkpoint (merge_and_unload, streamed)."""
+        """PEFT runs: base + merged adapters as a full HF checkpoint (merge_and_unload, streamed)."""
         if self.engine.peft_model is None:
-            raise MegaTrainError("save_merged is for LoRA runs; use save_model for full fine-tuning.")
+            raise MegaTrainError("save_merged is for PEFT runs (LoRA and the other adapters); use save_model for full "
+                                 "fine-tuning.")
         save_merged(self.engine, output_dir, dtype=dtype or save_dtype(self.args))
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)

@@ -62,14 +62,15 @@ def unit_state_dict(store, skeleton, index: int, dtype: torch.dtype) -> dict[str
 
 def save_hf_model(store, skeleton, out_dir: str, dtype: torch.dtype | None = None,
                   max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None, unit_tensors=None,
-                  write: bool = True) -> list[str]:
+                  write: bool = True, buffers: dict | None = None) -> list[str]:
     """Write `out_dir` so that `AutoModelForCausalLM.from_pretrained(out_dir)` loads the masters.
 
     dtype: None reads `skeleton.config` now, which the model's own save_pretrained() rewrites to the
     dtype of whatever its parameters view: callers that save repeatedly pass the dtype they remembered
     (ModelWriter.dtype). unit_tensors(index, dtype) -> {name: tensor} replaces the default per-unit
-    source (the LoRA export merges adapters there). Data parallel: every rank calls this (the masters are
-    gathered unit by unit) and only the one with write=True writes.
+    source (the PEFT export merges adapters there), and `buffers` the persistent buffers written beside the
+    weights (default: the skeleton's). Data parallel: every rank calls this (the masters are gathered unit by
+    unit) and only the one with write=True writes.
     """
     unit_tensors = unit_tensors or (lambda index, dt: unit_state_dict(store, skeleton, index, dt))
     if write:
@@ -82,7 +83,8 @@ def save_hf_model(store, skeleton, out_dir: str, dtype: torch.dtype | None = Non
     weight_map, total_bytes, total_params = {}, 0, 0
     # Buffers saved with the weights (GLM-4-MoE's router bias): constants the store does not hold, read from
     # the model object, which keeps them; a few numbers per layer, written with the first shard.
-    buffers = {k: b.cpu() for k, b in persistent_buffers(base_model(skeleton)).items()}  # in their own dtype
+    buffers = persistent_buffers(base_model(skeleton)) if buffers is None else buffers
+    buffers = {k: b.cpu() for k, b in buffers.items()}  # in their own dtype
     for fname, unit_ids in zip(names, shards):
         tensors, buffers = buffers, {}
         for index in unit_ids:

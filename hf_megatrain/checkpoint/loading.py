@@ -29,7 +29,7 @@ def with_adapters(model, peft_config, folder: str | None, compute_dtype: torch.d
     """
     from peft import get_peft_model
 
-    peft_config = lora_config(peft_config)
+    peft_config = peft_config_from(peft_config)
     if is_peft_model(model):
         raise MegaTrainError("the model already has adapters; pass either a PEFT model or peft_config, not both.")
     if folder is not None:  # a meta skeleton: LoRA needs the real base weights to wrap
@@ -61,12 +61,13 @@ def _take_resized_embeddings(model, skeleton) -> None:
         model.generation_config.eos_token_id = skeleton.generation_config.eos_token_id
 
 
-def lora_config(peft_config):
-    """A peft config from a peft config object, a dict of LoraConfig fields, inline JSON of them or a
-    JSON file."""
+def peft_config_from(peft_config):
+    """A peft config from a peft config object, a dict of its fields, inline JSON of them or a JSON file (such as
+    the adapter_config.json a PEFT save writes). A dict without `peft_type` holds LoraConfig fields; with one, the
+    fields of that method's config (PeftConfig.from_peft_type)."""
     import json
 
-    from peft import LoraConfig, PeftConfig
+    from peft import LoraConfig, PeftConfig, PeftType
 
     if isinstance(peft_config, str):
         inline = peft_config.lstrip().startswith("{")
@@ -79,9 +80,27 @@ def lora_config(peft_config):
         except (OSError, ValueError) as e:
             what = "as inline JSON" if inline else "as a JSON file"
             raise MegaTrainError(f"peft_config={peft_config!r} cannot be read {what} ({e}); pass inline JSON such "
-                                 "as '{\"r\": 8}', a LoRA JSON file, a dict or a peft config.") from e
+                                 "as '{\"r\": 8}', a JSON file (LoRA fields, or an adapter_config.json), a dict or a "
+                                 "peft config.") from e
     if isinstance(peft_config, dict):
-        peft_config = LoraConfig(**{"task_type": "CAUSAL_LM", **peft_config})
+        fields = {"task_type": "CAUSAL_LM", **peft_config}
+        if fields.get("inference_mode"):
+            raise MegaTrainError("peft_config has inference_mode=true (as the adapter_config.json of a saved adapter "
+                                 "has): PEFT would freeze the adapters, so nothing would train. Set it to false.")
+        try:
+            if "peft_type" in fields:
+                fields["peft_type"] = str(fields["peft_type"]).upper()
+                if fields["peft_type"] not in {t.value for t in PeftType}:
+                    raise MegaTrainError(f"peft_config's peft_type {fields['peft_type']!r} is not a PEFT method; the "
+                                         "installed peft knows " + ", ".join(sorted(t.value for t in PeftType)) + ".")
+                peft_config = PeftConfig.from_peft_type(**fields)
+            else:
+                peft_config = LoraConfig(**fields)
+        except (KeyError, TypeError, ValueError) as e:
+            what = fields.get("peft_type", "LORA")
+            text = " ".join(str(e).split()) or repr(e)
+            raise MegaTrainError(f"peft_config does not make a {what} config: {text}. Give the fields of that PEFT "
+                                 "method's config (for LoRA, LoraConfig's: r, lora_alpha, target_modules, ...).") from e
     if not isinstance(peft_config, PeftConfig):
         raise MegaTrainError(f"peft_config must be a peft config, a dict or a JSON path, not {type(peft_config).__name__}")
     check_adapter_config(peft_config)

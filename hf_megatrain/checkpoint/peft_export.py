@@ -1,18 +1,23 @@
-"""LoRA runs: the adapter as PEFT saves it, and a merged full HF checkpoint.
+"""PEFT runs: the adapter as PEFT saves it, and a merged full HF checkpoint.
 
 The adapter is written by PEFT itself (`save_pretrained` with a state dict of the fp32 masters),
-so `PeftModel.from_pretrained` loads it. The merged export streams unit by unit: the frozen base
-weights (the streamed copy, upcast) plus scaling * B @ A for every LoRA layer, written under the
-base model's own names, like `merge_and_unload()` followed by `save_pretrained`.
+so `PeftModel.from_pretrained` loads it. The merged export streams unit by unit: each tuner layer or
+wrapper (LoRA, DoRA, IA3, LoHa, modules_to_save, trainable tokens, ...) is copied with its trained state
+(the frozen base weights from the streamed copy, upcast) and merged by PEFT's own merge, and what it
+unloads to is written under the base model's own names, like `merge_and_unload()` followed by
+`save_pretrained`, one layer in memory at a time.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from transformers.core_model_loading import revert_weight_conversion
 
 from ..errors import MegaTrainError
 from ..patcher.adapters import base_model
+from ..patcher.templates import persistent_buffers
 from .hf_format import model_dtype, save_hf_model
 
 PEFT_PREFIX = "base_model.model."
@@ -30,62 +35,97 @@ def save_adapter(engine, out_dir: str) -> None:
             if not slot.trainable:
                 flat = store.compute[unit.index]
                 state[PEFT_PREFIX + slot.name] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).cpu()
+    # buffers the adapters keep (VeRA's shared projections), which PEFT saves beside them; the engine holds none of
+    # them in its store, and they do not train, so the model's own are the ones to save (under every name: PEFT
+    # reads VeRA's under the model's and each layer's); PEFT keeps only its adapters' among them
+    for prefix, module in engine.peft_model.named_modules(remove_duplicate=False):
+        for k, b in module._buffers.items():
+            if b is not None and not b.is_meta and k not in module._non_persistent_buffers_set:
+                state.setdefault(f"{prefix}.{k}", b.cpu())
     engine.peft_model.save_pretrained(out_dir, state_dict=state)
-
-
-def _lora_layers(base) -> dict[str, object]:
-    from peft.tuners.lora import LoraLayer
-
-    layers = {}
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer):
-            if any(module.use_dora.values()):
-                raise MegaTrainError(f"{name} uses DoRA; the merged export supports plain LoRA only.")
-            layers[name] = module
-    return layers
 
 
 def save_merged(engine, out_dir: str, dtype: torch.dtype | None = None) -> list[str]:
     """A full HF checkpoint of base + merged adapters; from_pretrained loads it as the base class.
     dtype: by default the model's own, as its writer remembered it (ModelWriter.dtype)."""
-    if engine.virtual_tokens:
-        raise MegaTrainError("save_merged merges LoRA adapters into the base weights; a prompt-tuning or p-tuning "
-                             "prompt has no weight to merge into (it stays before every input): save_model writes "
-                             "it as PEFT does, for PeftModel.from_pretrained.")
+    peft_model = engine.peft_model
+    if peft_model.active_peft_config.is_prompt_learning:
+        raise MegaTrainError("save_merged merges adapters into the base weights; a prompt-learning adapter (prompt "
+                             "tuning, p-tuning, prefix tuning) has no weight to merge into (its virtual tokens stay "
+                             "before every input): save_model writes it as PEFT does, for PeftModel.from_pretrained.")
     engine.synchronize()
     dtype = dtype or getattr(engine.writer, "dtype", None)
-    store, base = engine.store, engine.peft_model.get_base_model()
-    lora = _lora_layers(base)
-    adapters = {name: m.active_adapters[0] if m.active_adapters else "default" for name, m in lora.items()}
+    store, base = engine.store, peft_model.get_base_model()
+    owners = _owners(base)
+    adapter = peft_model.active_adapter
+    embed = engine.spec.embed
+    if engine._tied and hasattr(owners.get(embed), "original_module"):
+        raise MegaTrainError(f"save_merged: {embed} is in modules_to_save and the head is tied to it: merging puts "
+                             "the trained copy in its place and leaves the head on the original weight, so the two "
+                             "come untied (merge_and_unload sets tie_word_embeddings=False), which this export does "
+                             "not write. save_model writes the adapter; PeftModel.from_pretrained(...)"
+                             ".merge_and_unload() merges it.")
 
     def merged_unit(index: int, dt: torch.dtype) -> dict[str, torch.Tensor]:
         unit = store.units[index]
-        full = {}
         master = store.full(store.master, index)
+        full = {}
         for slot in unit.slots:
             src = master if slot.trainable else store.compute[index]
             full[slot.name] = src[slot.offset : slot.offset + slot.numel].view(slot.shape).float().cpu()
-        out = {}
+        out, mine = {}, {}
         for name, t in full.items():
-            owner = next((m for m in lora if name.startswith(m + ".")), None)
+            owner = _owner_of(name, owners)
             if owner is None:
                 out[name] = t
-                continue
-            rest = name[len(owner) + 1 :]
-            if not rest.startswith("base_layer."):
-                continue  # lora_A / lora_B / dropout: folded into the base weight below
-            key = f"{owner}.{rest[len('base_layer.'):]}"
-            if rest == "base_layer.weight":
-                a = adapters[owner]
-                m = lora[owner]
-                delta = full[f"{owner}.lora_B.{a}.weight"] @ full[f"{owner}.lora_A.{a}.weight"]
-                delta = delta.T if m.fan_in_fan_out else delta
-                t = t + delta * m.scaling[a]
-            out[key] = t
+            else:
+                mine.setdefault(owner, {})[name[len(owner) + 1 :]] = t
+        for owner, tensors in mine.items():
+            for k, t in _merged(owners[owner], tensors, adapter, owner).items():
+                out[f"{owner}.{k}"] = t
         out = {k: v.to(dt) for k, v in out.items()}
         return revert_weight_conversion(base, out)
 
-    return save_hf_model(store, base, out_dir, dtype=dtype, unit_tensors=merged_unit)
+    # persistent buffers outside the adapters (a router's bias); the adapters' own (VeRA's projections) are merged
+    # away, as merge_and_unload drops them
+    buffers = {k: b for k, b in persistent_buffers(base).items() if _owner_of(k, owners) is None}
+    return save_hf_model(store, base, out_dir, dtype=dtype, unit_tensors=merged_unit, buffers=buffers)
+
+
+def _owners(base) -> dict[str, torch.nn.Module]:
+    """The modules PEFT's merge_and_unload replaces, by name in the base model: its tuner layers (LoRA, IA3, LoHa,
+    ...) and its wrappers (modules_to_save, trainable tokens), each outermost one (not those inside another)."""
+    owners = {}
+    for name, module in base.named_modules():
+        if hasattr(module, "unload_and_optionally_merge_module") or hasattr(module, "base_layer"):
+            if _owner_of(name, owners) is None:
+                owners[name] = module
+    return owners
+
+
+def _owner_of(name: str, owners) -> str | None:
+    return next((o for o in owners if name.startswith(o + ".")), None)
+
+
+def _merged(owner: torch.nn.Module, tensors: dict[str, torch.Tensor], adapter: str, where: str) -> dict:
+    """One tuner layer or wrapper merged by PEFT's own code (merge, or unload_and_optionally_merge_module), as
+    merge_and_unload merges it: a copy of the module given `tensors` (its trained state in fp32, by local name),
+    and the state dict of what it unloads to, by local name."""
+    twin = copy.deepcopy(owner)
+    twin.load_state_dict(tensors, strict=False, assign=True)
+    left = [n for n, t in (*twin.named_parameters(), *twin.named_buffers()) if t.is_meta]
+    if left:
+        raise MegaTrainError(f"save_merged: {where}.{left[0]} is not held by the engine, so it cannot be merged here; "
+                             "save_model writes the adapter for PeftModel.from_pretrained, whose merge_and_unload() "
+                             "merges it.")
+    twin = twin.float()
+    with torch.no_grad():
+        if hasattr(twin, "unload_and_optionally_merge_module"):
+            plain = twin.unload_and_optionally_merge_module(merge=True, safe_merge=False, adapter_names=[adapter])
+        else:
+            twin.merge(safe_merge=False, adapter_names=[adapter])
+            plain = twin.get_base_layer()
+    return plain.state_dict()
 
 
 class ModelWriter:

@@ -39,15 +39,11 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ..constants import IGNORE_INDEX
 from ..errors import MegaTrainError
+from ..patcher.adapters import peft_type as _peft_type
 
 _TRAINED = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING")
 # the decoder layer's keyword for the cache, by transformers version (5.25 renamed past_key_values to cache)
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
-
-
-def _peft_type(config) -> str:
-    kind = getattr(config, "peft_type", None)
-    return getattr(kind, "value", None) or str(kind)
 
 
 def check_prompt_learning(config) -> None:

@@ -26,7 +26,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ..errors import MegaTrainError
-from ..patcher.adapters import is_peft_model
+from ..patcher.adapters import check_peft_model, is_peft_model
 from ..patcher.documents import attention_by_document
 from ..patcher.specs import spec_for
 from ..patcher.templates import Template, meta_copy, persistent_buffers, recompute_grads
@@ -202,17 +202,33 @@ def _say_what_the_model_shows(store: HostStore, sharding) -> None:
                     "object's frozen parameters are %s; its trained ones are the fp32 masters.", dtype, dtype)
 
 
+def tied_embed_slot(model: nn.Module, spec, units):
+    """The embedding unit's slot that a tied head reads: the token embedding's weight, or where a PEFT adapter wraps
+    the embedding (LoRA on it, modules_to_save), the wrapped layer's weight that lm_head still shares."""
+    weight = getattr(model.get_submodule(spec.lm_head), "weight", None)
+    name = next((n for n, p in model.named_parameters() if p is weight), None)
+    slot = next((s for s in units[0].slots if s.name == name or (name is None and s.local == "embed.weight")), None)
+    if slot is None:
+        raise MegaTrainError(f"the head is tied to the token embedding, but the embedding holds no weight it reads "
+                             f"({name or spec.embed + '.weight'}); was the model changed after it was tied?")
+    return slot
+
+
 def tied_head(model: nn.Module, spec, units) -> str | None:
     """The head's name for lm_head's weight where it is the token embedding's (tied): what the store's layout
     says (a head with no lm_head parameter of its own), or, beside an lm_head bias of its own (CTRL's), the two
-    modules sharing one weight."""
-    if units[-1].tied_local:
-        return units[-1].tied_local
+    modules sharing one weight. A PEFT wrapper around a tied lm_head (LoRA on it, trainable tokens) is refused:
+    it would share more than that one weight with the embedding."""
     lm_head, embed = model.get_submodule(spec.lm_head), model.get_submodule(spec.embed)
     weight = getattr(lm_head, "weight", None)
-    if isinstance(weight, nn.Parameter) and weight is getattr(embed, "weight", None):
-        return "lm_head.weight"
-    return None
+    tied = units[-1].tied_local or (isinstance(weight, nn.Parameter) and weight is getattr(embed, "weight", None))
+    if tied and (hasattr(lm_head, "base_layer") or hasattr(lm_head, "token_adapter")):
+        raise MegaTrainError("PEFT wraps lm_head, which is tied to the token embedding (LoRA on lm_head, or "
+                             "trainable_token_indices, which PEFT ties to the head as well): the engine ties the "
+                             "head to one plain embedding weight and does not train adapters shared by the two. "
+                             "Leave lm_head out of target_modules and trainable_token_indices out, or untie the "
+                             "model (tie_word_embeddings=False).")
+    return (units[-1].tied_local or "lm_head.weight") if tied else None
 
 
 def _snapshot(t: torch.Tensor) -> torch.Tensor:
@@ -267,6 +283,7 @@ class StreamingEngine(nn.Module):
         _check_model(model, self.spec, skeleton=load_weights is not None)
         if self.spec.generic:  # outside the registry: trained only once a small copy equals stock
             verify(self.spec, model.config)
+        check_peft_model(self.peft_model)  # a PEFT method the engine does not run exactly: refused in one line
         # prompt tuning / p-tuning: the PeftModel's prompt encoder is part of the embedding unit (engine/prompts.py)
         prompt = prompt_encoder(self.peft_model)
         # prefix tuning: its tokens enter each layer's attention, not the rows (engine/prompts.py)
@@ -330,6 +347,7 @@ class StreamingEngine(nn.Module):
                        if not stock_leaves_without_grad(self.spec.model_type, n, self.spec.layers)]
         self.units = build_units(model, self.spec, decay_names)
         self._tied = tied_head(model, self.spec, self.units)
+        self._tied_slot = tied_embed_slot(model, self.spec, self.units) if self._tied else None
         if sharding is not None and config.transient_grads:
             raise MegaTrainError("transient_grads is not combined with data parallel yet: the ranks' gradients are "
                                  "summed before each step; leave it off.")
@@ -727,7 +745,7 @@ class StreamingEngine(nn.Module):
         weights = Template.views(head_flat, head.slots)
         trainable = [s.trainable for s in head.slots]
         if self._tied:
-            embed_slot = next(s for s in self.units[0].slots if s.local == "embed.weight")
+            embed_slot = self._tied_slot
             names.append(self._tied)
             weights.append(Template.views(embed_flat, [embed_slot])[0])
             trainable.append(embed_slot.trainable)
@@ -1081,7 +1099,7 @@ class StreamingEngine(nn.Module):
                 if tied_grads[k] is not None and len(embed.slots) > 1:
                     # the token embedding's part of the unit (absolute positions beside it): the two uses of the
                     # tied weight meet there in fp32 (the same sum: fp32 addition commutes)
-                    slot = next(s for s in embed.slots if s.local == "embed.weight")
+                    slot = self._tied_slot
                     gbuf[slot.offset:slot.offset + slot.numel].add_(tied_grads[k])
                 elif tied_grads[k] is not None:
                     # Both uses of a tied weight meet in fp32, as they would in an fp32 .grad.

@@ -116,9 +116,9 @@ def adapter_units_memo(config, peft_config) -> list:
     under the wrapper), so each unit's `n_train` is its adapters and `numel` its whole layer.
     Memoized per (config, adapters) like config_units_memo; the Unit objects are the caller's own.
     peft_config: a peft config, a dict of LoraConfig fields, or inline JSON / a JSON file."""
-    from ..checkpoint.loading import lora_config
+    from ..checkpoint.loading import peft_config_from
 
-    peft_config = lora_config(peft_config)
+    peft_config = peft_config_from(peft_config)
     base, adapters = _config_key(config), _adapters_key(peft_config)
     key = ("adapters", base, adapters) if base is not None and adapters is not None else None
     return _memoized(key, lambda: _adapter_units(config, peft_config))

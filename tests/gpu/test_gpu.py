@@ -84,6 +84,50 @@ def test_prompt_learning_on_gpu(method, resident):
                 assert rel_err(g, ref[name]) < 3e-2, name
 
 
+@pytest.mark.parametrize("method", ["LORA", "DORA", "IA3", "LOHA", "OFT", "VERA", "TRAINABLE_TOKENS"])
+@pytest.mark.parametrize("resident", [0, 2])
+def test_peft_methods_on_gpu(method, resident):
+    """LoRA, DoRA and the other PEFT methods of patcher/adapters.EXACT_METHODS (their adapters in streamed and in
+    resident layers, VeRA's shared projections as buffers, trainable tokens in the embedding): fp32 gradients equal
+    stock peft's on the GPU; bf16 within the bf16 tolerance, or within twice stock's own error under bf16 autocast where
+    that is larger (VeRA's scaling vectors sum many rounded products: about 3.5% stock, measured on the CPU)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.integration.test_peft_methods import config
+
+    torch.manual_seed(0)
+    lora = dict(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    cfg = (LoraConfig(task_type="CAUSAL_LM", **lora, use_dora=method == "DORA") if method in ("LORA", "DORA")
+           else config(method))
+    model = get_peft_model(make_model("llama"), cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    batch = make_batch(batch=3, seq=24)
+    ref_loss, ref = stock_grads(model, batch)
+    ref = {n.removeprefix("base_model.model."): g for n, g in ref.items()}
+    autocast = copy.deepcopy(model).to(DEV)
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        autocast(**{k: v.to(DEV) for k, v in batch.items()}).loss.backward()
+    bound = {n.removeprefix("base_model.model."): max(3e-2, 2 * rel_err(p.grad.float().cpu(), ref[n.removeprefix(
+        "base_model.model.")])) for n, p in autocast.named_parameters() if p.requires_grad}
+    trained = sorted(n.removeprefix("base_model.model.") for n, p in model.named_parameters() if p.requires_grad)
+    for dtype in (torch.float32, torch.bfloat16):
+        engine = StreamingEngine(copy.deepcopy(model), device=DEV, compute_dtype=dtype, resident_layers=resident)
+        loss = engine.train().forward_backward(batch)
+        grads = dict(engine.named_grads())
+        assert sorted(grads) == trained
+        if dtype == torch.float32:
+            assert abs(float(loss) - ref_loss) < 1e-5
+            for name, g in grads.items():
+                torch.testing.assert_close(g, ref[name], atol=1e-6, rtol=1e-5, msg=name)
+        else:
+            assert abs(float(loss) - ref_loss) < 1e-2
+            for name, g in grads.items():
+                assert rel_err(g, ref[name]) < bound[name], name
+
+
 def test_bf16_gradients_close_to_fp32_reference():
     model = make_model("llama")
     batch = make_batch(batch=4, seq=64, pad_rows=1)

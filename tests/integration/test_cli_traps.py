@@ -169,6 +169,29 @@ def test_peft_config_takes_inline_json_or_a_file(run_dir, tmp_path, how):
     assert saved["r"] == 4 and sorted(saved["target_modules"]) == ["q_proj", "v_proj"]
 
 
+@pytest.mark.parametrize("method", [
+    {"peft_type": "IA3", "target_modules": ["q_proj", "down_proj"], "feedforward_modules": ["down_proj"]},
+    {"peft_type": "PREFIX_TUNING", "num_virtual_tokens": 3},
+], ids=["ia3", "prefix_tuning"])
+def test_peft_config_with_a_peft_type_trains_that_method(run_dir, tmp_path, method):
+    """`--peft_config` with a peft_type trains that PEFT method; the adapter it saves loads back with
+    PeftModel.from_pretrained, and its adapter_config.json given back as --peft_config (inference_mode true, as PEFT
+    saves it) is refused in one line: its adapters would be frozen."""
+    from peft import PeftModel
+
+    out = tmp_path / "out"
+    r = train(tmp_path, *common(run_dir, out), "--max_steps", "2", "--learning_rate", "1e-2",
+              "--peft_config", json.dumps(method))
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = json.loads((out / "adapter_config.json").read_text())
+    assert saved["peft_type"] == method["peft_type"] and saved["inference_mode"] is True
+    back = PeftModel.from_pretrained(make_model("llama"), str(out))
+    assert back.peft_config["default"].peft_type.value == method["peft_type"]
+    line = refused(tmp_path, "train", *common(run_dir, tmp_path / "again"), "--max_steps", "1",
+                   "--peft_config", out / "adapter_config.json")
+    assert "inference_mode=true" in line, line
+
+
 def test_peft_config_that_is_not_json_is_one_clear_line(run_dir, tmp_path):
     r = train(tmp_path, *common(run_dir, tmp_path / "out"), "--max_steps", "1", "--peft_config", "{r: 8")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]

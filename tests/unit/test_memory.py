@@ -515,12 +515,12 @@ def test_lora_plan_counts_what_the_store_allocates(dtype):
     store and HostAdamW allocate, unit by unit as StreamingEngine lays them out."""
     from peft import get_peft_model
 
-    from hf_megatrain.checkpoint.loading import lora_config
+    from hf_megatrain.checkpoint.loading import peft_config_from
 
     model = make_model("llama")
     sizes = model_sizes(model.config, LORA)
     plan = estimate(model.config, 2, 16, compute_dtype=str(dtype).split(".")[1], device="cpu", sizes=sizes)
-    engine = StreamingEngine(get_peft_model(model, lora_config(LORA)), compute_dtype=dtype)
+    engine = StreamingEngine(get_peft_model(model, peft_config_from(LORA)), compute_dtype=dtype)
     opt = HostAdamW(engine)
     assert [(u.numel, u.n_train) for u in sizes.units] == [(u.numel, u.n_train) for u in engine.units]
     trained = sum(u.n_train for u in engine.units)
