@@ -68,20 +68,7 @@ def test_prompt_learning_on_gpu(method, resident):
     model = make_prompted("llama_tied", method)
     batch = make_batch(batch=3, seq=24)
     ref_loss, ref = stock_grads(model, batch)
-    trained = [n for n, p in model.named_parameters() if p.requires_grad]
-    for dtype in (torch.float32, torch.bfloat16):
-        engine = StreamingEngine(copy.deepcopy(model), device=DEV, compute_dtype=dtype, resident_layers=resident)
-        loss = engine.train().forward_backward(batch)
-        grads = dict(engine.named_grads())
-        assert sorted(grads) == sorted(trained)
-        if dtype == torch.float32:
-            assert abs(float(loss) - ref_loss) < 1e-5
-            for name, g in grads.items():
-                torch.testing.assert_close(g, ref[name], atol=1e-6, rtol=1e-5, msg=name)
-        else:
-            assert abs(float(loss) - ref_loss) < 1e-2
-            for name, g in grads.items():
-                assert rel_err(g, ref[name]) < 3e-2, name
+    _adapters_beside_stock(model, batch, resident, ref_loss, ref)
 
 
 @pytest.mark.parametrize("method", ["LORA", "DORA", "IA3", "LOHA", "OFT", "VERA", "TRAINABLE_TOKENS"])
@@ -112,6 +99,12 @@ def test_peft_methods_on_gpu(method, resident):
         autocast(**{k: v.to(DEV) for k, v in batch.items()}).loss.backward()
     bound = {n.removeprefix("base_model.model."): max(3e-2, 2 * rel_err(p.grad.float().cpu(), ref[n.removeprefix(
         "base_model.model.")])) for n, p in autocast.named_parameters() if p.requires_grad}
+    _adapters_beside_stock(model, batch, resident, ref_loss, ref, bound)
+
+
+def _adapters_beside_stock(model, batch, resident, ref_loss, ref, bound=None):
+    """The PEFT model's trainable parameters (named as in the base model) on the engine, fp32 then bf16, against
+    stock's fp32 loss and gradients `ref`: fp32 to 1e-5, bf16 within 3e-2 or `bound[name]`."""
     trained = sorted(n.removeprefix("base_model.model.") for n, p in model.named_parameters() if p.requires_grad)
     for dtype in (torch.float32, torch.bfloat16):
         engine = StreamingEngine(copy.deepcopy(model), device=DEV, compute_dtype=dtype, resident_layers=resident)
@@ -125,7 +118,7 @@ def test_peft_methods_on_gpu(method, resident):
         else:
             assert abs(float(loss) - ref_loss) < 1e-2
             for name, g in grads.items():
-                assert rel_err(g, ref[name]) < bound[name], name
+                assert rel_err(g, ref[name]) < (bound or {}).get(name, 3e-2), name
 
 
 def test_bf16_gradients_close_to_fp32_reference():

@@ -11,10 +11,11 @@ import peft
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
+from transformers import AutoModelForCausalLM, default_data_collator
 
 from hf_megatrain import MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
 from hf_megatrain.patcher.adapters import EXACT_METHODS
+from tests.integration.test_peft import KW, _beside_stock
 from tests.support.tiny import make_batch, make_model, make_rows
 
 PREFIX = "base_model.model."
@@ -113,28 +114,10 @@ def _matches_stock(pm):
         torch.testing.assert_close(g, expected[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-KW = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=0.5, warmup_steps=1,
-          learning_rate=1e-2, weight_decay=0.1, logging_steps=1, save_strategy="no", report_to=[], seed=0,
-          use_cpu=True, max_steps=4, dataloader_num_workers=0, disable_tqdm=True)
-
-
 def _trained_beside_stock(pm, tmp_path):
-    """Stock Trainer on a copy of `pm`, MegaTrainTrainer on `pm`, four steps of two accumulated micro-batches with
-    clipping and weight decay: the same losses and grad norms, the same trained parameters. Returns (stock's
-    PeftModel, the engine's trainer)."""
-    train = make_rows(16, 0)
-    ref = copy.deepcopy(pm)
-    stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "s"), **KW), train_dataset=train,
-                    data_collator=default_data_collator)
-    stock.train()
-    mega = MegaTrainTrainer(pm, MegaTrainArguments(output_dir=str(tmp_path / "m"), **KW), train_dataset=train,
-                            data_collator=default_data_collator)
-    mega.train()
-    a = [(h["loss"], h["grad_norm"]) for h in stock.state.log_history if "loss" in h]
-    b = [(h["loss"], h["grad_norm"]) for h in mega.state.log_history if "loss" in h]
-    assert len(a) == len(b) == KW["max_steps"]
-    for x, y in zip(a, b):
-        assert x[0] == pytest.approx(y[0], abs=1e-5) and x[1] == pytest.approx(y[1], rel=1e-5, abs=1e-6), (a, b)
+    """test_peft's four steps beside stock Trainer (GA, clipping, weight decay: the same losses and grad norms), and
+    the same trained parameters. Returns (stock's PeftModel, the engine's trainer)."""
+    ref, mega = _beside_stock(pm, tmp_path)
     masters = dict(mega.engine.named_master_params())
     trained = {n.removeprefix(PREFIX): p.detach() for n, p in ref.named_parameters() if p.requires_grad}
     assert sorted(masters) == sorted(trained)
