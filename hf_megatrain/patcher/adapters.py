@@ -61,6 +61,11 @@ def check_adapter_config(peft_config) -> None:
 
     if peft_config is None:
         return
+    if isinstance(peft_config, (str, dict)):  # MegaTrainArguments' forms: made into a config, which is checked
+        from ..checkpoint.loading import peft_config_from
+
+        peft_config_from(peft_config)
+        return
     check_prompt_learning(peft_config)
     if getattr(peft_config, "is_prompt_learning", False):
         return

@@ -170,6 +170,26 @@ def test_prefix_tuning_on_a_refused_family_is_refused_before_tokenizing(as_model
     assert "\n" not in str(refused.value)
 
 
+
+@pytest.mark.parametrize("as_model", [False, True], ids=["peft_config", "peft_model"])
+def test_a_peft_method_the_engine_cannot_run_is_refused_before_tokenizing(as_model, tmp_path, monkeypatch):
+    """AdaLoRA (its model adds an orthogonal regularization to the loss, which the engine would drop): refused in one
+    line before SFTTrainer tokenizes anything, as a peft_config and as a PEFT model."""
+    from peft import AdaLoraConfig
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("the data was prepared before the refusal")
+
+    monkeypatch.setattr(SFTTrainer, "_prepare_dataset", no_tokenizing)
+    folder = model_folder(tmp_path, "llama")
+    config = AdaLoraConfig(task_type="CAUSAL_LM", init_r=4, total_step=10, target_modules=["q_proj"])
+    model, kw = (get_peft_model(AutoModelForCausalLM.from_pretrained(folder), config), {}) if as_model else \
+        (folder, {"peft_config": config})
+    args = SFTConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, report_to=[])
+    with pytest.raises(MegaTrainError, match="peft_config is ADALORA, which hf_megatrain does not train") as refused:
+        MegaTrainSFTTrainer(model, args, train_dataset=DATA["completion"], **kw)
+    assert "\n" not in str(refused.value)
+
 def test_loaded_model_without_processing_class_gets_its_tokenizer_as_stock(tmp_path):
     """Stock loads the tokenizer from model.config._name_or_path; so does the engine's trainer, and the
     two train alike."""
