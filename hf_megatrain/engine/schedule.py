@@ -231,6 +231,10 @@ def tied_head(model: nn.Module, spec, units) -> str | None:
     return (units[-1].tied_local or "lm_head.weight") if tied else None
 
 
+def _same(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    return b is not None and a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+
+
 def _snapshot(t: torch.Tensor) -> torch.Tensor:
     """A CPU copy of `t` that nothing else writes (.cpu() of a host tensor is the tensor itself)."""
     return t.clone() if t.device.type == "cpu" else t.cpu()
@@ -427,8 +431,10 @@ class StreamingEngine(nn.Module):
         }
         if self._per_layer_unit is not None:
             templates["per_layer"] = self._per_layer_template(model, cfg)
+        self._template_source = {}  # template key: the layer it copies
         for unit in self.units:
             if unit.kind == "layer" and unit.template_key not in templates:
+                self._template_source[unit.template_key] = unit.layer
                 source = layers[unit.layer]
                 tmpl = Template(meta_copy(source, cfg), self._template_buffers({"": source}))
                 routers = [p for p in spec.router_paths if _has_submodule(source, p)]  # dense layers of an MoE have none
@@ -436,7 +442,9 @@ class StreamingEngine(nn.Module):
                     tmpl.capture(routers[0] if len(routers) == 1 else routers, spec.router_index)
                 templates[unit.template_key] = tmpl
         # A decoder layer's persistent buffers (saved with the weights, so one layer's own values: GLM-4-MoE's
-        # router e_score_correction_bias) reach its template call beside its weights, on the compute device.
+        # router e_score_correction_bias) reach its template call beside its weights, on the compute device; so do
+        # its other buffers where they differ from those of the layer its template copies (a PEFT adapter's factors
+        # of that layer's own weight, FRoD's), which the template would otherwise give every layer.
         self._layer_buffers = {}
         for unit in self.units:
             if unit.kind == "layer":
@@ -444,6 +452,10 @@ class StreamingEngine(nn.Module):
                 if any(b.device.type == "meta" for b in own.values()):
                     raise MegaTrainError(f"decoder layer {unit.layer} has a persistent buffer without a value (a "
                                          "meta skeleton not filled from its checkpoint).")
+                source = dict(layers[self._template_source[unit.template_key]].named_buffers())
+                for name, b in layers[unit.layer].named_buffers():
+                    if name not in own and b.device.type != "meta" and not _same(b, source.get(name)):
+                        own[name] = b
                 if own:
                     self._layer_buffers[unit.index] = {k: self._buffer_on_device(k, b) for k, b in own.items()}
         return templates

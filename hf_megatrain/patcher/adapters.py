@@ -23,7 +23,7 @@ EXACT_METHODS = {  # PeftType value: the method's name, as errors say it
     "OFT": "OFT", "BOFT": "BOFT", "VERA": "VeRA", "FOURIERFT": "FourierFT", "LN_TUNING": "LN tuning", "HRA": "HRA",
     "RANDLORA": "RandLoRA", "SHIRA": "SHiRA", "C3A": "C3A", "MISS": "MiSS", "BEFT": "BEFT", "DEFT": "DEFT",
     "DELORA": "DeLoRA", "GLORA": "GLoRA", "GRALORA": "GraLoRA", "HIRA": "HiRA", "PEANUT": "PEANuT", "ROAD": "RoAd",
-    "SUPERTUNING": "SuperTuning", "WAVEFT": "WaveFT", "TRAINABLE_TOKENS": "trainable tokens",
+    "SUPERTUNING": "SuperTuning", "WAVEFT": "WaveFT", "TRAINABLE_TOKENS": "trainable tokens", "PSOFT": "PSOFT",
 }
 _SHARED = "one trainable parameter shared by every layer, which does not stream with one layer"
 # why a method is not among them, where it is known; the rest were not checked (their type is new to this list)
@@ -32,8 +32,8 @@ _NOT_EXACT = {
                "(update_and_allocate) reads the gradients after each backward; the engine runs neither",
     "OSF": "its hooks change the adapter's gradients, and the engine's fp32 masters take theirs without them",
     "PVERA": "it draws fresh noise in every training forward, which the engine's recompute would draw again",
-    "PSOFT": "its loss and gradients on the engine differ from stock peft's (it caches matrices in each layer)",
-    "FROD": "its loss and gradients on the engine differ from stock peft's (it keeps buffers outside the layers)",
+    "FROD": "its adapters start from a joint decomposition of every layer's weights, which the engine's plan (made "
+            "on a meta copy of the model, without the weights) cannot compute",
     "VBLORA": _SHARED + " (its vector bank)",
     "TINYLORA": _SHARED,
     "UNILORA": _SHARED,

@@ -47,6 +47,9 @@ METHODS = {
     "SUPERTUNING": ("SuperTuningConfig", dict(target_modules=TARGETS)),
     "WAVEFT": ("WaveFTConfig", dict(n_frequency=16, target_modules=TARGETS)),
     "TRAINABLE_TOKENS": ("TrainableTokensConfig", dict(target_modules=["embed_tokens"], token_indices=[1, 2, 3])),
+    # keeps factors of each layer's own weight as buffers that are not saved: the engine once gave every layer those
+    # of the layer its template copies
+    "PSOFT": ("PsoftConfig", dict(r=4, target_modules=TARGETS, init_weights=False)),
 }
 INSTALLED = [m for m in METHODS if hasattr(peft, METHODS[m][0])]
 
@@ -142,7 +145,7 @@ def _merged_equals_stock(ref, mega, kind, tmp_path):
         torch.testing.assert_close(merged[n], t, atol=1e-5, rtol=1e-5, msg=n)
 
 
-@pytest.mark.parametrize("method", [m for m in ("IA3", "LOHA", "OFT", "VERA", "LN_TUNING") if m in INSTALLED])
+@pytest.mark.parametrize("method", [m for m in ("IA3", "LOHA", "OFT", "VERA", "LN_TUNING", "PSOFT") if m in INSTALLED])
 def test_method_trainer_equals_stock_and_saves(method, tmp_path):
     ref, mega = _trained_beside_stock(adapted("llama", method), tmp_path)
     _merged_equals_stock(ref, mega, "llama", tmp_path)
@@ -182,6 +185,7 @@ REFUSED = {
     "ADALORA": ("AdaLoraConfig", dict(init_r=4, total_step=10, target_modules=TARGETS), "orthogonal regularization"),
     "OSF": ("OSFConfig", dict(target_modules=TARGETS), "hooks change the adapter's gradients"),
     "PVERA": ("PveraConfig", dict(r=4, target_modules=["q_proj"]), "draws fresh noise"),
+    "FROD": ("FrodConfig", dict(target_modules=TARGETS), "joint decomposition of every layer's weights"),
     "TINYLORA": ("TinyLoraConfig", dict(target_modules=TARGETS), "shared by every layer"),
     "ALORA": ("LoraConfig", dict(r=4, target_modules=TARGETS, alora_invocation_tokens=[5, 6]), "activated LoRA"),
     "REPLICATION": ("LoraConfig", dict(r=4, target_modules=TARGETS, layer_replication=[[0, 2], [1, 2]]),
@@ -244,8 +248,8 @@ def test_peft_config_dict_with_a_peft_type_builds_that_method(tmp_path):
         peft_config_from({"peft_type": "not_a_method"})
     with pytest.raises(MegaTrainError, match="unexpected keyword argument 'rank'"):
         peft_config_from({"rank": 4})
-    args = MegaTrainArguments(output_dir=str(tmp_path), peft_config={"peft_type": "IA3", "target_modules": ["q_proj"],
-                                                                     "feedforward_modules": []}, **dict(KW, max_steps=1))
+    ia3 = {"peft_type": "IA3", "target_modules": ["q_proj"], "feedforward_modules": []}
+    args = MegaTrainArguments(output_dir=str(tmp_path), peft_config=ia3, **dict(KW, max_steps=1))
     trainer = MegaTrainTrainer(make_model("llama"), args, train_dataset=make_rows(4, 0),
                                data_collator=default_data_collator)
     trainer.train()

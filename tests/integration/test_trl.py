@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 trl = pytest.importorskip("trl")
-from peft import LoraConfig  # noqa: E402
+from peft import LoraConfig, PeftConfig  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 from hf_megatrain import MegaTrainArguments, MegaTrainError, MegaTrainTrainer  # noqa: E402
@@ -50,12 +50,15 @@ KW = dict(bf16=False, use_cpu=True, max_steps=4, per_device_train_batch_size=4, 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
 # LoRA on the fused MoE expert tensors (PEFT parametrizes them during the forward)
 LORA_EXPERTS = dict(LORA, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+IA3 = dict(peft_type="IA3", target_modules=["q_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
+           task_type="CAUSAL_LM")
 METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens", "grad_norm", "aux_loss")
 
 
 def run(trainer_cls, config_cls, folder, out, data, lora=None, **extra):
+    peft_config = None if not lora else PeftConfig.from_peft_type(**lora) if "peft_type" in lora else LoraConfig(**lora)
     trainer = trainer_cls(model=folder, args=config_cls(output_dir=str(out), **KW, **extra), train_dataset=DATA[data],
-                          peft_config=LoraConfig(**lora) if lora else None)
+                          peft_config=peft_config)
     trainer.train()
     trainer.save_model(str(out))
     logs = [{k: h[k] for k in METRICS if k in h} for h in trainer.state.log_history if "loss" in h]
@@ -67,6 +70,8 @@ CASES = {
     "completion_only": ("llama", "completion", None, {}),
     "packing": ("llama", "packing", None, dict(packing=True, max_length=32)),
     "lora": ("llama", "completion", LORA, {}),
+    # another PEFT method (patcher/adapters.EXACT_METHODS), its adapters saved as PEFT saves them
+    "ia3": ("llama", "completion", IA3, {}),
     # the load-balancing loss averaged over accumulation steps, as SFTTrainer does (stock Trainer does not)
     "moe_aux_loss": ("mixtral", "completion", None, {}),
     # the step's micro-batches through each layer together: metrics still per micro-batch
@@ -101,7 +106,7 @@ def test_sft_equals_stock_sfttrainer(case, tmp_path):
             assert ours[k] == pytest.approx(theirs[k], rel=1e-5, abs=1e-6), (k, ours, theirs)
     assert weights.keys() == stock_weights.keys()
     if lora:
-        assert all("lora_" in k for k in weights)
+        assert all(("ia3_" if lora is IA3 else "lora_") in k for k in weights)
     for k in weights:
         torch.testing.assert_close(weights[k], stock_weights[k], atol=1e-5, rtol=1e-5, msg=k)
     if case == "packing":  # TRL's BFD packing gives the engine padding-free rows of several documents
