@@ -20,7 +20,7 @@ from hf_megatrain import MegaTrainError, MegaTrainTrainer  # noqa: E402
 from hf_megatrain.dpo import MegaTrainDPOConfig, MegaTrainDPOTrainer  # noqa: E402
 from hf_megatrain.sft import MegaTrainSFTTrainer  # noqa: E402
 from tests.support.preference import (  # noqa: E402,F401  (fresh_datasets: an autouse fixture)
-    KW, LORA, TIMINGS, WORDS, as_folder, assert_same_weights, fresh_datasets, model_folder, pairs, run_peft_model)
+    IA3, KW, LORA, TIMINGS, WORDS, as_folder, assert_same_weights, fresh_datasets, model_folder, pairs, run_peft_model)
 from tests.support.preference import run as run_trainer  # noqa: E402
 from tests.support.tiny import make_model  # noqa: E402
 
@@ -56,6 +56,8 @@ CASES = {
     "hinge_precompute": ("llama", None, dict(loss_type=["hinge"], precompute_ref_log_probs=True)),
     "lora": ("llama", LORA, dict(loss_type=["sigmoid"])),
     "lora_precompute_ipo": ("llama", LORA, dict(loss_type=["ipo"], precompute_ref_log_probs=True)),
+    # the reference is the adapter-disabled model under any PEFT method
+    "ia3": ("llama", IA3, dict(loss_type=["sigmoid"])),
     # the router's load-balancing loss added to the DPO loss, logged as aux_loss
     "moe": ("mixtral", None, dict(loss_type=["sigmoid"])),
     "qwen3_moe_hinge": ("qwen3_moe", None, dict(loss_type=["hinge"])),
@@ -72,8 +74,8 @@ def test_dpo_equals_stock_dpotrainer(case, tmp_path):
     assert isinstance(trainer.args, MegaTrainDPOConfig) and trainer.ref_model is None
     assert ("aux_loss" in logs[0]) == (kind in ("mixtral", "qwen3_moe"))
     if lora:
-        assert all("lora_" in k for k in weights) and any("after_loss" in h for h in logs)
-    assert_same_run(logs, stock_logs, weights, stock_weights, starts_at_reference=not lora)
+        assert all(("ia3_" if lora is IA3 else "lora_") in k for k in weights) and any("after_loss" in h for h in logs)
+    assert_same_run(logs, stock_logs, weights, stock_weights, starts_at_reference=not lora or lora is IA3)
 
 
 # A ref_model that differs from the policy (another seed): streamed through a second, forward-only engine before the

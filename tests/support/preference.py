@@ -60,13 +60,25 @@ KW = dict(bf16=False, use_cpu=True, max_steps=3, per_device_train_batch_size=4, 
 TIMINGS = ("runtime", "samples_per_second", "steps_per_second")
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM",
             init_lora_weights=False)  # random B: the adapter-enabled model is not the reference
+# another PEFT method (patcher/adapters.EXACT_METHODS): IA3 starts at the identity, so the first step's policy is the
+# reference, as under full fine-tuning
+IA3 = dict(peft_type="IA3", target_modules=["q_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
+           task_type="CAUSAL_LM")
+
+
+def peft_config_of(fields):
+    """A dict of LoraConfig fields, or of another method's with its peft_type, as the config it makes; None: none."""
+    from peft import LoraConfig, PeftConfig
+
+    if not fields:
+        return None
+    return PeftConfig.from_peft_type(**fields) if "peft_type" in fields else LoraConfig(**fields)
 
 
 def run(cls, config_cls, folder, out, train, evaluation, lora=None, evaluate_after=None, ref_model=None, **extra):
     """Train `cls` (stock or ours) for KW's steps, evaluate, save: (trainer, logs without timings, saved weights).
     ref_model: a folder, loaded here for a stock trainer (which takes a model object), or as_folder(folder) to hand
     ours the folder itself."""
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
     if isinstance(ref_model, str):
@@ -75,7 +87,7 @@ def run(cls, config_cls, folder, out, train, evaluation, lora=None, evaluate_aft
         ref_model = str(ref_model)
     refs = {} if ref_model is None else {"ref_model": ref_model}  # ORPO and CPO take none
     trainer = cls(model=folder, args=config_cls(output_dir=str(out), **{**KW, **extra}), train_dataset=train,
-                  eval_dataset=evaluation, peft_config=LoraConfig(**lora) if lora else None, **refs)
+                  eval_dataset=evaluation, peft_config=peft_config_of(lora), **refs)
     trainer.train()
     trainer.evaluate()
     if evaluate_after is not None:  # a dataset first seen after training: its reference computed then
