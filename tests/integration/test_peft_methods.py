@@ -118,14 +118,17 @@ def _matches_stock(pm):
 
 
 def _trained_beside_stock(pm, tmp_path):
-    """test_peft's four steps beside stock Trainer (GA, clipping, weight decay: the same losses and grad norms), and
-    the same trained parameters. Returns (stock's PeftModel, the engine's trainer)."""
+    """test_peft's four steps beside stock Trainer (GA, clipping, weight decay: the same losses and grad norms), the
+    same trained parameters, and trainer.model showing them. Returns (stock's PeftModel, the engine's trainer)."""
     ref, mega = _beside_stock(pm, tmp_path)
     masters = dict(mega.engine.named_master_params())
     trained = {n.removeprefix(PREFIX): p.detach() for n, p in ref.named_parameters() if p.requires_grad}
     assert sorted(masters) == sorted(trained)
     for n, t in trained.items():
         torch.testing.assert_close(masters[n], t, atol=1e-5, rtol=1e-5, msg=n)
+    # what the user reads: trainer.model's adapter parameters are the trained fp32 masters, as stock's are its own
+    shown = {n.removeprefix(PREFIX): p.detach() for n, p in mega.model.named_parameters() if p.requires_grad}
+    assert shown.keys() == masters.keys() and all(torch.equal(shown[n], masters[n]) for n in masters)
     return ref, mega
 
 
