@@ -58,12 +58,7 @@ def check_engine_trl(args, model, train_dataset, peft_config, quantization_confi
         raise MegaTrainError("quantization_config is not supported: hf_megatrain trains at full precision (fp32 "
                              "master weights); a frozen LoRA base streams in bf16. Remove it.")
     check_adapter_config(peft_config)  # multitask prompt tuning and the like: refused in one line
-    prompt = peft_config if getattr(peft_config, "is_prompt_learning", False) else \
-        model.active_peft_config if is_peft_model(model) and model.active_peft_config.is_prompt_learning else None
-    if prompt is not None:  # the preference losses' per-row sums are not laid out for the virtual tokens yet
-        raise MegaTrainError(f"peft_config is {prompt.peft_type.value} (prompt learning), which the engine's "
-                             f"{trl_name}Trainer does not train (MegaTrainTrainer and MegaTrainSFTTrainer do); use "
-                             "LoRA (LoraConfig) instead.")
+    check_prompt_learning_of(model, peft_config, trl_name)
     targets = getattr(peft_config, "target_modules", None) or ()
     if "lm_head" in (targets if not isinstance(targets, str) else [targets]):
         raise MegaTrainError(f"a LoRA adapter on lm_head is not supported by {trl_name} (TRL refuses it too: the "
@@ -621,6 +616,26 @@ def _synced_reference(trainer):
     return SyncedReference(ref_model=trainer.ref_model, accelerator=trainer.accelerator)
 
 
+def check_prompt_learning_of(model, peft_config, trl_name: str) -> None:
+    """Prompt learning in a preference trainer, where the engine trains it as stock does: a new adapter (peft_config),
+    whose reference is the base model (adapters_disabled). Prefix tuning keeps every row's length, so each trainer's
+    per-row sums see the rows stock sees. Prompt tuning and p-tuning put virtual tokens before each row: DPO and
+    KTO sum over the completion labels, which the virtual tokens (labelled -100) leave as they are, while ORPO and
+    CPO count positions and TRL's logits metrics average over them, so those two refuse them. A PeftModel with its
+    own prompt-learning adapter is refused: TRL's reference is then a frozen copy of it ('ref'), a second prompt
+    encoder the engine does not run."""
+    if is_peft_model(model) and model.active_peft_config.is_prompt_learning:
+        raise MegaTrainError(f"a PeftModel with a prompt-learning adapter ({model.active_peft_config.peft_type.value}) "
+                             f"is not supported by the engine's {trl_name}Trainer: TRL's reference is a frozen copy of "
+                             "that adapter, which the engine does not run. Pass the base model and the adapter's "
+                             "config as peft_config (the reference is then the base model, as in TRL).")
+    if getattr(peft_config, "is_prompt_learning", False) and peft_config.peft_type.value != "PREFIX_TUNING" \
+            and trl_name not in ("DPO", "KTO"):
+        raise MegaTrainError(f"peft_config is {peft_config.peft_type.value}, whose virtual tokens the engine's "
+                             f"{trl_name}Trainer does not lay out (its losses and logits metrics count row positions); "
+                             "prefix tuning (PrefixTuningConfig) or LoRA train there, and prompt tuning in DPO and KTO.")
+
+
 def completion_labels(batch) -> torch.Tensor:
     """The batch's tokens where its completion_mask is set, IGNORE_INDEX elsewhere (TRL's preference labels)."""
     ids = torch.as_tensor(batch["input_ids"])
@@ -652,10 +667,14 @@ def reference_adapters(engine):
 
 @contextlib.contextmanager
 def adapters_disabled(engine):
-    """The engine's LoRA adapters off (their layers return the base layer's output), as PEFT's
-    disable_adapter does to a model; nothing for a full fine-tune."""
+    """The engine's adapters off (their layers return the base layer's output, a prompt-learning adapter's tokens
+    are left out), as PEFT's disable_adapter does to a model; nothing for a full fine-tune."""
     if engine.peft_model is None:
         yield
+        return
+    if engine.peft_model.active_peft_config.is_prompt_learning:
+        with engine.prompt_disabled():
+            yield
         return
     from peft.tuners.tuners_utils import BaseTunerLayer
 

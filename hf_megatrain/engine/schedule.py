@@ -629,6 +629,19 @@ class StreamingEngine(nn.Module):
         self.pipeline.finish()
         self.store.zero_grad()
 
+    @contextmanager
+    def prompt_disabled(self):
+        """The engine as the base model, without its prompt-learning adapter (prompt tuning's virtual tokens, prefix
+        tuning's keys and values): what PeftModel.disable_adapter gives a prompt-learning model, whose forward is
+        then the base model's. For forward-only passes (a preference trainer's reference); nothing without one."""
+        embed = self._templates["embed"].module
+        saved = self.prefix, self.virtual_tokens, embed.prefix, embed.virtual_tokens
+        self.prefix, self.virtual_tokens, embed.prefix, embed.virtual_tokens = None, 0, None, 0
+        try:
+            yield
+        finally:
+            self.prefix, self.virtual_tokens, embed.prefix, embed.virtual_tokens = saved
+
     def synchronize(self) -> None:
         """Every gradient on the host and every optimizer step applied (before saving, reading).
 

@@ -20,7 +20,7 @@ from hf_megatrain import MegaTrainError, MegaTrainTrainer  # noqa: E402
 from hf_megatrain.dpo import MegaTrainDPOConfig, MegaTrainDPOTrainer  # noqa: E402
 from hf_megatrain.sft import MegaTrainSFTTrainer  # noqa: E402
 from tests.support.preference import (  # noqa: E402,F401  (fresh_datasets: an autouse fixture)
-    IA3, KW, LORA, TIMINGS, WORDS, as_folder, assert_same_weights, fresh_datasets, model_folder, pairs, run_peft_model)
+    IA3, KW, LORA, PREFIX, PROMPT, TIMINGS, WORDS, as_folder, assert_same_weights, fresh_datasets, model_folder, pairs, run_peft_model)
 from tests.support.preference import run as run_trainer  # noqa: E402
 from tests.support.tiny import make_model  # noqa: E402
 
@@ -58,6 +58,8 @@ CASES = {
     "lora_precompute_ipo": ("llama", LORA, dict(loss_type=["ipo"], precompute_ref_log_probs=True)),
     # the reference is the adapter-disabled model under any PEFT method
     "ia3": ("llama", IA3, dict(loss_type=["sigmoid"])),
+    "prefix_tuning": ("llama", PREFIX, dict(loss_type=["sigmoid"], gradient_checkpointing=False)),
+    "prompt_tuning_ipo": ("llama", PROMPT, dict(loss_type=["ipo"], gradient_checkpointing=False)),
     # the router's load-balancing loss added to the DPO loss, logged as aux_loss
     "moe": ("mixtral", None, dict(loss_type=["sigmoid"])),
     "qwen3_moe_hinge": ("qwen3_moe", None, dict(loss_type=["hinge"])),
@@ -74,7 +76,8 @@ def test_dpo_equals_stock_dpotrainer(case, tmp_path):
     assert isinstance(trainer.args, MegaTrainDPOConfig) and trainer.ref_model is None
     assert ("aux_loss" in logs[0]) == (kind in ("mixtral", "qwen3_moe"))
     if lora:
-        assert all(("ia3_" if lora is IA3 else "lora_") in k for k in weights) and any("after_loss" in h for h in logs)
+        marks = {id(IA3): "ia3_", id(PREFIX): "prompt_embeddings", id(PROMPT): "prompt_embeddings"}
+        assert all(marks.get(id(lora), "lora_") in k for k in weights) and any("after_loss" in h for h in logs)
     assert_same_run(logs, stock_logs, weights, stock_weights, starts_at_reference=not lora or lora is IA3)
 
 
@@ -426,7 +429,8 @@ def test_dpo_config_elsewhere_names_the_dpo_trainer(tmp_path):
     (dict(loss_type=["kto"]), r"loss_type \['kto'\]"),
     (dict(model_init_kwargs={"quantization_config": {"load_in_4bit": True}}), "quantization_config"),
     (dict(ref_peft=True), "a PeftModel as ref_model"),
-    (dict(prompt_tuning=True), "PROMPT_TUNING \\(prompt learning\\), which the engine's DPOTrainer does not train"),
+    # TRL's reference is then a frozen copy of the model's own prompt encoder ('ref')
+    (dict(prompt_model=True), "a PeftModel with a prompt-learning adapter \\(PROMPT_TUNING\\)"),
 ])
 def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tmp_path, monkeypatch):
     folder = model_folder(tmp_path, "llama")
@@ -441,12 +445,13 @@ def test_what_the_engine_cannot_do_is_refused_before_tokenizing(extra, match, tm
         else None
     from peft import PromptTuningConfig
 
-    prompt = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4) if extra.pop("prompt_tuning", None) \
-        else LoraConfig(**LORA) if extra.pop("lora", None) else None
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), PromptTuningConfig(
+        task_type="CAUSAL_LM", num_virtual_tokens=4)) if extra.pop("prompt_model", None) else folder
+    lora = LoraConfig(**LORA) if extra.pop("lora", None) else None
     with pytest.raises(MegaTrainError, match=match) as e:
-        MegaTrainDPOTrainer(folder, ref_model=ref, args=DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True,
-                                                                  report_to=[], bf16=False, **extra),
-                            train_dataset=pairs(), peft_config=prompt)
+        MegaTrainDPOTrainer(model, ref_model=ref, args=DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True,
+                                                                 report_to=[], bf16=False, **extra),
+                            train_dataset=pairs(), peft_config=lora)
     assert "\n" not in str(e.value)
 
 

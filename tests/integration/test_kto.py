@@ -16,8 +16,8 @@ from trl import KTOConfig, KTOTrainer  # noqa: E402
 from hf_megatrain import MegaTrainError, MegaTrainTrainer  # noqa: E402
 from hf_megatrain.kto import MegaTrainKTOConfig, MegaTrainKTOTrainer  # noqa: E402
 from tests.support.preference import (  # noqa: E402,F401  (fresh_datasets: an autouse fixture)
-    KW, LORA, TIMINGS, WORDS, as_folder, assert_same_weights, fresh_datasets, model_folder, pairs, run_peft_model,
-    unpaired)
+    KW, LORA, PREFIX, PROMPT, TIMINGS, WORDS, as_folder, assert_same_weights, fresh_datasets, model_folder, pairs,
+    run_peft_model, unpaired)
 from tests.support.preference import run as run_trainer  # noqa: E402
 from tests.support.tiny import make_model  # noqa: E402
 
@@ -52,6 +52,9 @@ CASES = {
     "paired_data": ("llama", None, dict(data=pairs)),
     "lora": ("llama", LORA, dict()),
     "lora_precompute_apo": ("llama", LORA, dict(loss_type="apo_zero_unpaired", precompute_ref_log_probs=True)),
+    # prompt learning, its reference the base model (the adapter disabled)
+    "prefix_tuning": ("llama", PREFIX, dict(gradient_checkpointing=False)),
+    "prompt_tuning": ("llama", PROMPT, dict(gradient_checkpointing=False)),
     # the router's load-balancing loss added to the KTO loss, logged as aux_loss
     "mixtral": ("mixtral", None, dict()),
 }
@@ -71,7 +74,8 @@ def test_kto_equals_stock_ktotrainer(case, tmp_path):
     elif case in ("kto", "lora"):  # the KL term moves off 0 (clamped there while the estimate is negative)
         assert any(h.get("kl", 0) > 0 for h in logs)
     if lora:
-        assert all("lora_" in k for k in weights) and any("after_loss" in h for h in logs)
+        mark = "prompt_embeddings" if lora in (PREFIX, PROMPT) else "lora_"
+        assert all(mark in k for k in weights) and any("after_loss" in h for h in logs)
     assert_same_run(logs, stock_logs, weights, stock_weights)
 
 

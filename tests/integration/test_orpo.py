@@ -24,7 +24,7 @@ from hf_megatrain.cpo import MegaTrainCPOConfig, MegaTrainCPOTrainer  # noqa: E4
 from hf_megatrain.dpo import MegaTrainDPOTrainer  # noqa: E402
 from hf_megatrain.orpo import MegaTrainORPOConfig, MegaTrainORPOTrainer  # noqa: E402
 from tests.support.preference import (  # noqa: E402,F401  (fresh_datasets: an autouse fixture)
-    KW, LORA, WORDS, assert_same_weights, fresh_datasets, model_folder, pairs)
+    KW, LORA, PREFIX, WORDS, assert_same_weights, fresh_datasets, model_folder, pairs)
 from tests.support.preference import run as run_trainer  # noqa: E402
 
 TRAINERS = {"orpo": (ORPOConfig, ORPOTrainer, MegaTrainORPOConfig, MegaTrainORPOTrainer),
@@ -62,6 +62,9 @@ CASES = {
     "cpo_simpo": ("cpo", "llama", None, dict(loss_type="simpo", simpo_gamma=0.7, label_smoothing=0.1, beta=2.0)),
     "cpo_hinge_no_nll": ("cpo", "llama", None, dict(loss_type="hinge", cpo_alpha=0.0)),
     "cpo_ipo_lora": ("cpo", "llama", LORA, dict(loss_type="ipo", cpo_alpha=0.5)),
+    # prefix tuning keeps the rows' length, so the positions these losses count are stock's
+    "orpo_prefix_tuning": ("orpo", "llama", PREFIX, dict(gradient_checkpointing=False)),
+    "cpo_simpo_prefix_tuning": ("cpo", "llama", PREFIX, dict(loss_type="simpo", beta=2.0, gradient_checkpointing=False)),
     "cpo_alphapo": ("cpo", "llama", None, dict(loss_type="simpo", alpha=0.05, simpo_gamma=0.3, beta=2.0)),
     "cpo_simpo_mixtral": ("cpo", "mixtral", None, dict(loss_type="simpo", beta=2.0)),
 }
@@ -80,7 +83,7 @@ def test_equals_stock(case, tmp_path):
     if extra.get("cpo_alpha") == 0.0:  # no NLL term: TRL logs 0
         assert all(h["nll_loss"] == 0 for h in logs if "nll_loss" in h)
     if lora:
-        assert all("lora_" in k for k in weights)
+        assert all(("prompt_embeddings" if lora is PREFIX else "lora_") in k for k in weights)
     assert_same_run(logs, stock_logs, weights, stock_weights, kind)
 
 
@@ -111,7 +114,9 @@ REFUSED = [(dict(generate_during_eval=True), "generate_during_eval"),
            (dict(lm_head=True), "LoRA adapter on lm_head"),
            (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
            (dict(peft_model=True), "a PeftModel as model"),
-           (dict(iterable=True), "IterableDataset")]
+           (dict(iterable=True), "IterableDataset"),
+           # the virtual tokens before each row would shift the positions these losses count (stock ORPO fails there)
+           (dict(prompt_tuning=True), "PROMPT_TUNING, whose virtual tokens the engine's")]
 
 
 @pytest.mark.parametrize("kind, extra, match", [(kind, *case) for kind in TRAINERS for case in REFUSED] +
@@ -132,6 +137,10 @@ def test_what_the_engine_cannot_do_is_refused_before_tokenizing(kind, extra, mat
     if extra.pop("peft_model", None):  # a model with an adapter of its own
         folder = get_peft_model(make_model("llama", num_hidden_layers=2), LoraConfig(**LORA))
     lora = LoraConfig(**dict(LORA, target_modules=["q_proj", "lm_head"])) if extra.pop("lm_head", None) else None
+    if extra.pop("prompt_tuning", None):
+        from peft import PromptTuningConfig
+
+        lora = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
     data = pairs().to_iterable_dataset() if extra.pop("iterable", None) else pairs()
     with pytest.raises(MegaTrainError, match=match) as e:
         ours(folder, args=config(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[], bf16=False, **extra),

@@ -64,6 +64,10 @@ LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout
 # reference, as under full fine-tuning
 IA3 = dict(peft_type="IA3", target_modules=["q_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
            task_type="CAUSAL_LM")
+# prompt learning: its reference is the base model (the adapter disabled). Stock fails with the prefix under gradient
+# checkpointing (test_peft.py), which TRL's configs turn on: the cases turn it off for both sides.
+PREFIX = dict(peft_type="PREFIX_TUNING", num_virtual_tokens=4, task_type="CAUSAL_LM")
+PROMPT = dict(peft_type="PROMPT_TUNING", num_virtual_tokens=4, task_type="CAUSAL_LM")
 
 
 def peft_config_of(fields):
