@@ -4,7 +4,7 @@ with a reference), .orpo and .cpo (ReferenceFreePairs: trl.experimental's, witho
 TRL prepares the data (prompts, tokenization, truncation, its collator); the engine runs every forward:
 the reference's, forward only, over the whole dataset before the first step (TRL's precompute path,
 taken whether or not the config asks for it: the reference is the starting policy, or the
-adapter-disabled model under LoRA, so no second model is kept), and the policy's, whose loss is a
+adapter-disabled model under PEFT (adapters_disabled), so no second model is kept), and the policy's, whose loss is a
 function of per-row sums of token log-probabilities (engine/loss.py RowLoss).
 
 A ref_model that differs from the policy runs through a second engine, forward only: every weight
