@@ -14,7 +14,9 @@ running L of the ranks needs L times their total; that per-host figure is what a
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import functools
 import logging
 
@@ -129,6 +131,7 @@ def _adapter_units(config, peft_config) -> list:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from ..engine.prompts import attached, prompt_encoder
     from ..engine.store import build_units
     from ..errors import MegaTrainError
     from ..patcher.specs import spec_for
@@ -137,12 +140,19 @@ def _adapter_units(config, peft_config) -> list:
         # a copy: building a model settles attributes on its config (the attention choice)
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
         try:
-            model = get_peft_model(model, copy.deepcopy(peft_config)).get_base_model()
+            peft_model = get_peft_model(model, copy.deepcopy(peft_config))
         except (ValueError, TypeError, KeyError) as e:
             text = " ".join(str(e).split())
             raise MegaTrainError(f"peft_config does not fit this {config.model_type} model: {text}; fix "
                                  "target_modules (or the other fields named).") from e
-    return build_units(model, spec_for(config), [n for n, _ in model.named_parameters()])
+    model = peft_model.get_base_model()
+    # a prompt-learning adapter's encoder is part of the embedding unit, as the engine lays it out (engine/prompts.py):
+    # with prefix_projection on a 70B shape it is most of a billion trainable parameters
+    prompt, spec = prompt_encoder(peft_model), spec_for(config)
+    if prompt:
+        spec = dataclasses.replace(spec, prompt=prompt.path)
+    with attached(model, prompt.module, prompt.path) if prompt else contextlib.nullcontext():
+        return build_units(model, spec, [n for n, _ in model.named_parameters()])
 
 
 def copy_units(units) -> list:

@@ -21,7 +21,8 @@ from importlib import metadata
 
 SCHEMA = 1  # bump when the encoding below changes
 # what lays a config out: a change to any of these files is a new layout
-_LAYOUT_CODE = ("engine/layout.py", "engine/store.py", "patcher")
+# (estimator.py lays out a PEFT run's units, engine/prompts.py the prompt encoder among them)
+_LAYOUT_CODE = ("engine/layout.py", "engine/store.py", "engine/prompts.py", "planner/estimator.py", "patcher")
 
 
 def cache_root() -> str:

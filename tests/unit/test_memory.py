@@ -506,21 +506,29 @@ def test_estimate_and_predict_leave_the_units_they_are_handed_as_they_were():
 
 
 LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+# a prompt-learning encoder lives in the embedding unit (engine/prompts.py); with prefix_projection it is an MLP
+# whose output is every layer's keys and values (on a 70B shape most of a billion parameters)
+ADAPTERS = {"lora": LORA, "ia3": {"peft_type": "IA3", "target_modules": ["q_proj", "down_proj"],
+                                  "feedforward_modules": ["down_proj"]},
+            "prefix_projection": {"peft_type": "PREFIX_TUNING", "num_virtual_tokens": 4, "prefix_projection": True,
+                                  "encoder_hidden_size": 32},
+            "prompt_tuning": {"peft_type": "PROMPT_TUNING", "num_virtual_tokens": 4}}
 
 
+@pytest.mark.parametrize("adapters", list(ADAPTERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_plan_counts_what_the_store_allocates(dtype):
-    """A LoRA run's plan holds the fp32 master, gradient and Adam moments of the adapters alone (each
-    unit's trainable prefix, n_train) and the compute copy of every weight: what the built engine's
-    store and HostAdamW allocate, unit by unit as StreamingEngine lays them out."""
+def test_lora_plan_counts_what_the_store_allocates(dtype, adapters):
+    """A PEFT run's plan holds the fp32 master, gradient and Adam moments of the adapters alone (each
+    unit's trainable prefix, n_train: a prompt encoder's in the embedding unit) and the compute copy of every
+    weight: what the built engine's store and HostAdamW allocate, unit by unit as StreamingEngine lays them out."""
     from peft import get_peft_model
 
     from hf_megatrain.checkpoint.loading import peft_config_from
 
     model = make_model("llama")
-    sizes = model_sizes(model.config, LORA)
+    sizes = model_sizes(model.config, ADAPTERS[adapters])
     plan = estimate(model.config, 2, 16, compute_dtype=str(dtype).split(".")[1], device="cpu", sizes=sizes)
-    engine = StreamingEngine(get_peft_model(model, peft_config_from(LORA)), compute_dtype=dtype)
+    engine = StreamingEngine(get_peft_model(model, peft_config_from(ADAPTERS[adapters])), compute_dtype=dtype)
     opt = HostAdamW(engine)
     assert [(u.numel, u.n_train) for u in sizes.units] == [(u.numel, u.n_train) for u in engine.units]
     trained = sum(u.n_train for u in engine.units)
