@@ -58,9 +58,10 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def test_prompt_tuning_resumes_bit_for_bit(tmp_path):
-    """A prompt-tuning run saved at step 3 and resumed ends where the run without a stop ends: the prompt
-    encoder's masters and Adam moments come back with the optimizer state."""
+@pytest.mark.parametrize("method", ["p_tuning_mlp", "prefix_tuning_mlp"])
+def test_prompt_tuning_resumes_bit_for_bit(method, tmp_path):
+    """A p-tuning or prefix-tuning run saved at step 3 and resumed ends where the run without a stop ends: the
+    prompt encoder's masters and Adam moments come back with the optimizer state."""
     kw = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=0.5, learning_rate=1e-2,
               weight_decay=0.1, logging_steps=1, report_to=[], seed=0, use_cpu=True, max_steps=6,
               dataloader_num_workers=0, disable_tqdm=True, save_strategy="steps", save_steps=3)
@@ -68,13 +69,13 @@ def test_prompt_tuning_resumes_bit_for_bit(tmp_path):
     finals = []
     for resume in (False, True):
         out = tmp_path / ("resumed" if resume else "straight")
-        trainer = MegaTrainTrainer(make_prompted("llama", "p_tuning_mlp"), MegaTrainArguments(output_dir=str(out), **kw),
+        trainer = MegaTrainTrainer(make_prompted("llama", method), MegaTrainArguments(output_dir=str(out), **kw),
                                    train_dataset=train, data_collator=default_data_collator)
         if resume:  # the run stops after its checkpoint at step 3, its schedule still planned for 6
             trainer.add_callback(StopAt(3))
             trainer.train()
             # the same base, another prompt encoder: what trained comes from the checkpoint
-            trainer = MegaTrainTrainer(make_prompted("llama", "p_tuning_mlp", adapter_seed=1),
+            trainer = MegaTrainTrainer(make_prompted("llama", method, adapter_seed=1),
                                        MegaTrainArguments(output_dir=str(out), **kw), train_dataset=train,
                                        data_collator=default_data_collator)
             trainer.train(resume_from_checkpoint=str(out / "checkpoint-3"))
