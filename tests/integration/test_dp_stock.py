@@ -16,7 +16,7 @@ Clipping and Adam hide most of that in the weights (both rescale), so grad_norm 
 import pytest
 import torch
 
-from tests.support.dp_stock import PREFIX_CLIP, launch
+from tests.support.dp_stock import IA3_CLIP, PREFIX_CLIP, launch
 
 TRAINER_CASES = {
     "average_tokens": ("llama", ()),
@@ -25,6 +25,7 @@ TRAINER_CASES = {
     "moe_average_tokens": ("mixtral", ()),
     "moe_own_tokens": ("mixtral", ("--no_average_tokens",)),
     "prefix_tuning": ("llama", ("--prefix_tuning",)),  # the embedding unit's prompt encoder alone trains
+    "ia3": ("llama", ("--ia3",)),  # another PEFT method: the layers' scaling vectors alone train
 }
 SFT_CASES = {
     "defaults": ("llama", ()),
@@ -39,7 +40,7 @@ def assert_same(stock, ours, flags, weights_tol):
     # what the case is meant to exercise, as each run's trainer saw it (the default is True)
     assert stock["average_tokens"] == ours["average_tokens"] == ("--no_average_tokens" not in flags)
     assert stock["accepts_loss_kwargs"] == ours["accepts_loss_kwargs"] == ("--no_loss_kwargs" not in flags)
-    clip = PREFIX_CLIP if "--prefix_tuning" in flags else 0.5
+    clip = PREFIX_CLIP if "--prefix_tuning" in flags else IA3_CLIP if "--ia3" in flags else 0.5
     assert min(h["grad_norm"] for h in stock["logs"]) > clip  # max_grad_norm clips at every step
     assert len(ours["logs"]) == len(stock["logs"]) > 0
     for x, y in zip(stock["logs"], ours["logs"]):

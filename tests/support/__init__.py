@@ -37,7 +37,8 @@ def trained_weights(trainer, impl: str) -> dict:
     fp32 masters (a collective: every rank calls it)."""
     if impl == "stock":
         model = trainer.accelerator.unwrap_model(trainer.model)
-        return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}  # what ours has masters of
+        # what ours has masters of, named as ours names them (a PEFT model's adapters under its base model's names)
+        return {n.removeprefix("base_model.model."): p.detach() for n, p in model.named_parameters() if p.requires_grad}
     return dict(trainer.engine.named_master_params())
 
 

@@ -3,6 +3,7 @@ environment) of stock Trainer / TRL's SFTTrainer (DDP over gloo) or of ours, for
 and `launch`, which starts the processes of one run.
 
     python -m tests.support.dp_stock OUT IMPL TRAINER KIND [--no_average_tokens] [--no_loss_kwargs] [--prefix_tuning]
+        [--ia3]
 
 IMPL: stock or ours; TRAINER: trainer (Trainer / MegaTrainTrainer on tests/support/dp_trainer's rows) or sft
 (SFTTrainer / MegaTrainSFTTrainer on prompt/completion pairs); KIND: the tiny model (llama, mixtral).
@@ -10,7 +11,8 @@ IMPL: stock or ours; TRAINER: trainer (Trainer / MegaTrainTrainer on tests/suppo
 config's default, True in transformers 5.17 and 5.25 and TRL 1.16);
 --no_loss_kwargs: the model says it takes no loss kwargs (accepts_loss_kwargs = False), so Trainer counts no
 num_items_in_batch and each micro-batch's loss is its own mean, divided by the accumulation steps;
---prefix_tuning: (trainer only) the model under PEFT's prefix tuning (an MLP encoder), only the encoder trained.
+--prefix_tuning: (trainer only) the model under PEFT's prefix tuning (an MLP encoder), only the encoder trained;
+--ia3: (trainer only) the model under PEFT's IA3, only its scaling vectors trained.
 Every run: 2 rows per rank, GA 2, clipping at 0.5 (below every step's norm), fp32 on the CPU. Rank 0 writes
 OUT/result.json: the logged steps (loss, grad_norm, learning_rate and SFT's own metrics) and the trained weights.
 """
@@ -26,6 +28,7 @@ from tests.support import end_process_group, trained_weights
 
 RUN = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=0.5)
 PREFIX_CLIP = 0.05  # --prefix_tuning's max_grad_norm: below every step's norm, as 0.5 is for the others
+IA3_CLIP = 0.005  # --ia3's (its steps' norms: from 0.016)
 LOGGED = ("step", "loss", "grad_norm", "learning_rate", "entropy", "mean_token_accuracy", "num_tokens", "aux_loss")
 
 
@@ -37,7 +40,7 @@ def sft_rows():
     return datasets.Dataset.from_dict({"prompt": [w + ">" for w in words], "completion": [w[::-1] for w in words]})
 
 
-def build(out, impl, trainer, kind, average, loss_kwargs, prefix=False):
+def build(out, impl, trainer, kind, average, loss_kwargs, prefix=False, ia3=False):
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     own_average = {} if average else {"average_tokens_across_devices": False}  # else the config's own default
@@ -47,9 +50,15 @@ def build(out, impl, trainer, kind, average, loss_kwargs, prefix=False):
         from tests.support.tiny import make_model, make_prompted
 
         model = make_prompted(kind, "prefix_tuning_mlp") if prefix else make_model(kind)
+        if ia3:
+            from peft import IA3Config, get_peft_model
+
+            model = get_peft_model(model, IA3Config(task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj", "down_proj"],
+                                                    feedforward_modules=["down_proj"]))
         if not loss_kwargs:  # read by Trainer.__init__ (model_accepts_loss_kwargs), stock's and ours alike
             model.accepts_loss_kwargs = False
-        run = dict(RUN, max_grad_norm=PREFIX_CLIP) if prefix else RUN  # the encoder's gradients are smaller
+        # the adapters' gradients are smaller
+        run = dict(RUN, max_grad_norm=PREFIX_CLIP if prefix else IA3_CLIP) if prefix or ia3 else RUN
         kw = dict(TRAINING, **run, output_dir=out, save_strategy="no", **own_average)
         args = TrainingArguments(**kw) if impl == "stock" else MegaTrainArguments(**kw, log_pipeline=False)
         cls = Trainer if impl == "stock" else MegaTrainTrainer
@@ -77,7 +86,7 @@ def main():
     flags = sys.argv[5:]
     datasets.disable_caching()
     run = build(out, impl, trainer, kind, "--no_average_tokens" not in flags, "--no_loss_kwargs" not in flags,
-                "--prefix_tuning" in flags)
+                "--prefix_tuning" in flags, "--ia3" in flags)
     run.train()
     weights = trained_weights(run, impl)  # collective: every rank
     if run.args.process_index == 0:
