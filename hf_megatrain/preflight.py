@@ -12,7 +12,6 @@ resolves in `checkpoint.loading` (config, tokenizer and a meta skeleton, no weig
 
 from __future__ import annotations
 
-import copy
 import os
 import tempfile
 from shutil import disk_usage
@@ -218,7 +217,7 @@ def checkpoint_bytes(model, args) -> tuple[int, int]:
     from .arguments import save_dtype
     from .checkpoint.hf_format import model_dtype
     from .checkpoint.loading import peft_config_from, meta_skeleton
-    from .patcher.adapters import base_model, is_peft_model
+    from .patcher.adapters import base_model, for_layout, is_peft_model
 
     config = base_model(model).config
     peft_config = args.peft_config
@@ -227,7 +226,7 @@ def checkpoint_bytes(model, args) -> tuple[int, int]:
 
         peft_config = peft_config_from(peft_config)
         try:  # the adapters PEFT will add, on a meta copy: no memory, and a wrong target_modules fails now
-            model = get_peft_model(meta_skeleton(config), copy.deepcopy(peft_config))
+            model = get_peft_model(meta_skeleton(config), for_layout(peft_config))
         except (ValueError, TypeError, KeyError) as e:
             text = " ".join(str(e).split())
             raise MegaTrainError(f"peft_config does not fit this {config.model_type} model: {text}; fix "

@@ -443,8 +443,8 @@ class StreamingEngine(nn.Module):
                 templates[unit.template_key] = tmpl
         # A decoder layer's persistent buffers (saved with the weights, so one layer's own values: GLM-4-MoE's
         # router e_score_correction_bias) reach its template call beside its weights, on the compute device; so do
-        # its other buffers where they differ from those of the layer its template copies (a PEFT adapter's factors
-        # of that layer's own weight, FRoD's), which the template would otherwise give every layer.
+        # its other buffers where they differ from those of the layer its template copies (PSOFT's factors
+        # of that layer's own weight), which the template would otherwise give every layer.
         self._layer_buffers = {}
         for unit in self.units:
             if unit.kind == "layer":

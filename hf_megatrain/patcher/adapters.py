@@ -51,6 +51,19 @@ def peft_type(config) -> str:
     return getattr(kind, "value", None) or str(kind)
 
 
+def for_layout(peft_config):
+    """A copy of `peft_config` for laying adapters out on a meta copy of the model (the planner, the disk check):
+    adapters started from the weights themselves (LoRA's PiSSA, OLoRA, CorDA, LoftQ inits, and the like) get the
+    default start, which gives the same shapes and needs no data."""
+    import copy
+
+    config = copy.deepcopy(peft_config)
+    for field in ("init_lora_weights", "init_weights"):
+        if isinstance(getattr(config, field, None), str):
+            setattr(config, field, True)
+    return config
+
+
 def check_adapter_config(peft_config) -> None:
     """Refuse, in one line, a PEFT method the engine cannot train exactly: prompt methods other than prompt tuning,
     p-tuning and prefix tuning (engine/prompts.py; prefix tuning's families are checked when the engine is built),

@@ -134,13 +134,14 @@ def _adapter_units(config, peft_config) -> list:
     from ..engine.prompts import attached, prompt_encoder
     from ..engine.store import build_units
     from ..errors import MegaTrainError
+    from ..patcher.adapters import for_layout
     from ..patcher.specs import spec_for
 
     with torch.device("meta"):
         # a copy: building a model settles attributes on its config (the attention choice)
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
         try:
-            peft_model = get_peft_model(model, copy.deepcopy(peft_config))
+            peft_model = get_peft_model(model, for_layout(peft_config))
         except (ValueError, TypeError, KeyError) as e:
             text = " ".join(str(e).split())
             raise MegaTrainError(f"peft_config does not fit this {config.model_type} model: {text}; fix "

@@ -11,7 +11,7 @@ import peft
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, default_data_collator
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
 from hf_megatrain import MegaTrainArguments, MegaTrainError, MegaTrainTrainer, StreamingEngine
 from hf_megatrain.patcher.adapters import EXACT_METHODS
@@ -258,3 +258,36 @@ def test_peft_config_dict_with_a_peft_type_builds_that_method(tmp_path):
     trainer.train()
     names = [n for n, _ in trainer.engine.named_master_params()]
     assert names and all(".ia3_l." in n for n in names)
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_lora_started_from_the_weights_equals_stock_from_a_folder(init, tmp_path):
+    """LoRA whose adapters start from the weights themselves (PiSSA, OLoRA: an SVD or QR of each weight, which also
+    leaves the residual in the base weight), given as peft_config with a model folder: the plan and the disk check
+    lay the adapters out on a meta copy with the default start (they once failed there in PEFT's init), and the run
+    equals stock Trainer on the loaded PeftModel: losses, grad norms, adapters, and the merged export."""
+    make_model("llama").save_pretrained(tmp_path / "model")
+    cfg = dict(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=init)
+    train = make_rows(16, 0)
+    ref = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "model"), LoraConfig(task_type="CAUSAL_LM",
+                                                                                             **cfg))
+    stock = Trainer(model=ref, args=TrainingArguments(output_dir=str(tmp_path / "s"), **KW), train_dataset=train,
+                    data_collator=default_data_collator)
+    stock.train()
+    mega = MegaTrainTrainer(str(tmp_path / "model"), MegaTrainArguments(output_dir=str(tmp_path / "m"), peft_config=cfg,
+                                                                        **KW),
+                            train_dataset=train, data_collator=default_data_collator)
+    mega.train()
+    a = [(h["loss"], h["grad_norm"]) for h in stock.state.log_history if "loss" in h]
+    b = [(h["loss"], h["grad_norm"]) for h in mega.state.log_history if "loss" in h]
+    assert len(a) == len(b) == KW["max_steps"]
+    for x, y in zip(a, b):
+        assert x[0] == pytest.approx(y[0], abs=1e-5) and x[1] == pytest.approx(y[1], rel=1e-5, abs=1e-6), (a, b)
+    masters = dict(mega.engine.named_master_params())
+    for n, p in ref.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(masters[n.removeprefix(PREFIX)], p.detach(), atol=1e-5, rtol=1e-5, msg=n)
+    mega.save_merged(str(tmp_path / "merged"), dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).state_dict()
+    for n, t in ref.merge_and_unload().state_dict().items():
+        torch.testing.assert_close(merged[n], t, atol=1e-5, rtol=1e-5, msg=n)
