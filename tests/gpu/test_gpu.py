@@ -80,17 +80,15 @@ def test_peft_methods_on_gpu(method, resident):
     that is larger (VeRA's scaling vectors sum many rounded products: about 3.5% stock, measured on the CPU)."""
     from peft import LoraConfig, get_peft_model
 
-    from tests.integration.test_peft_methods import config
+    from tests.integration.test_peft_methods import adapted
 
-    torch.manual_seed(0)
-    lora = dict(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
-    cfg = (LoraConfig(task_type="CAUSAL_LM", **lora, use_dora=method == "DORA") if method in ("LORA", "DORA")
-           else config(method))
-    model = get_peft_model(make_model("llama"), cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn_like(p) * 0.05)
+    if method in ("LORA", "DORA"):  # adapters drawn at random (B = 0 would leave A without a gradient)
+        torch.manual_seed(0)
+        model = get_peft_model(make_model("llama"), LoraConfig(
+            task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+            use_dora=method == "DORA"))
+    else:
+        model = adapted("llama", method)
     batch = make_batch(batch=3, seq=24)
     ref_loss, ref = stock_grads(model, batch)
     ref = {n.removeprefix("base_model.model."): g for n, g in ref.items()}

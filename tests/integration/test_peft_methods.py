@@ -61,11 +61,11 @@ def config(method, **over):
     return cls(task_type="CAUSAL_LM", **kw)
 
 
-def adapted(kind, method, seed=0):
-    """A tiny model of `kind` with `method`'s adapters, every trainable parameter moved off its start (many start at
-    the identity, whose gradients are degenerate)."""
+def adapted(kind, method, seed=0, **over):
+    """A tiny model of `kind` with `method`'s adapters (its config's fields replaced by `over`), every trainable
+    parameter moved off its start (many start at the identity, whose gradients are degenerate)."""
     torch.manual_seed(seed)
-    pm = get_peft_model(make_model(kind, seed=seed), config(method))
+    pm = get_peft_model(make_model(kind, seed=seed), config(method, **over))
     with torch.no_grad():
         for p in pm.parameters():
             if p.requires_grad:
@@ -92,13 +92,7 @@ def test_method_matches_stock_peft_on_tied_llama_and_mixtral(kind, method):
     """On a tied model, and on Mixtral (its router loss; the adapters on attention and dense projections, the experts
     being fused tensors that these methods do not wrap)."""
     over = {"target_modules": ["q_proj", "v_proj", "o_proj"], "feedforward_modules": []} if kind == "mixtral" else {}
-    torch.manual_seed(0)
-    pm = get_peft_model(make_model(kind, seed=0), config(method, **over))
-    with torch.no_grad():
-        for p in pm.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn_like(p) * 0.05)
-    _matches_stock(pm)
+    _matches_stock(adapted(kind, method, **over))
 
 
 def _matches_stock(pm):
