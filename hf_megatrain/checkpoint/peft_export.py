@@ -104,7 +104,10 @@ def _owners(base) -> dict[str, torch.nn.Module]:
 
 
 def _owner_of(name: str, owners) -> str | None:
-    return next((o for o in owners if name.startswith(o + ".")), None)
+    """The outermost of `owners` that `name` lies under: its shortest prefix among them (a lookup per prefix, not a
+    scan of every owner, which a 70B model has hundreds of)."""
+    parts = name.split(".")
+    return next((p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in owners), None)
 
 
 def _merged(owner: torch.nn.Module, tensors: dict[str, torch.Tensor], adapter: str, where: str) -> dict:
