@@ -13,12 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 trl = pytest.importorskip("trl")
-from peft import LoraConfig, PeftConfig  # noqa: E402
+from peft import LoraConfig  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 from hf_megatrain import MegaTrainArguments, MegaTrainError, MegaTrainTrainer  # noqa: E402
 from hf_megatrain.demo import build_tokenizer, make_words  # noqa: E402
 from hf_megatrain.sft import MegaTrainSFTConfig, MegaTrainSFTTrainer  # noqa: E402
+from tests.support.preference import peft_config_of  # noqa: E402
 from tests.support import ROOT  # noqa: E402
 from tests.support.tiny import make_model  # noqa: E402
 
@@ -56,9 +57,8 @@ METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens", "grad_norm", 
 
 
 def run(trainer_cls, config_cls, folder, out, data, lora=None, **extra):
-    peft_config = None if not lora else PeftConfig.from_peft_type(**lora) if "peft_type" in lora else LoraConfig(**lora)
     trainer = trainer_cls(model=folder, args=config_cls(output_dir=str(out), **KW, **extra), train_dataset=DATA[data],
-                          peft_config=peft_config)
+                          peft_config=peft_config_of(lora))
     trainer.train()
     trainer.save_model(str(out))
     logs = [{k: h[k] for k in METRICS if k in h} for h in trainer.state.log_history if "loss" in h]
