@@ -38,7 +38,7 @@ except ImportError as e:  # an optional extra
     raise ImportError("hf_megatrain.sft needs TRL: pip install 'hf_megatrain[trl]'") from e
 
 from .arguments import MegaTrainArguments, check_arguments, compute_dtype, megatrain_arguments
-from .checkpoint.loading import load_model_and_tokenizer
+from .checkpoint.loading import load_model_and_tokenizer, peft_config_from
 from .checkpoint.stream_load import read_parameters
 from .engine.loss import LOSS_TYPES
 from .engine.prompts import check_prefix_early
@@ -191,7 +191,9 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         check_resume(args.resume_from_checkpoint, args.output_dir)
         self._loaded = load_for_trl(model, args)
         skeleton, tokenizer, weights_from = self._loaded
-        check_prefix_early(skeleton, args.peft_config)  # prefix tuning on a family the engine refuses: say so now
+        # prefix tuning on a family the engine refuses: say so now (peft_config as a config, from the dict or JSON
+        # that MegaTrainArguments also takes)
+        check_prefix_early(skeleton, None if args.peft_config is None else peft_config_from(args.peft_config))
         if processing_class is None:
             # the folder's tokenizer; for a loaded model None, and SFTTrainer loads it as stock does, from the
             # model's config._name_or_path (AutoProcessor, with args.trust_remote_code)
@@ -231,8 +233,6 @@ class MegaTrainSFTTrainer(SFTTrainer, MegaTrainTrainer):
         from transformers import AutoTokenizer
         from transformers.trainer_utils import set_seed
         from trl import clone_chat_template
-
-        from .checkpoint.loading import peft_config_from
 
         if processing_class is None:  # as SFTTrainer would load it
             processing_class = AutoTokenizer.from_pretrained(skeleton.config._name_or_path,

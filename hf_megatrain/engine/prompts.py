@@ -189,10 +189,6 @@ def check_prefix_early(model, peft_config=None) -> None:
     from ..patcher.specs import spec_for
 
     if not is_peft_model(model):
-        if isinstance(peft_config, (str, dict)):  # MegaTrainArguments' forms: made into the config first
-            from ..checkpoint.loading import peft_config_from
-
-            peft_config = peft_config_from(peft_config)
         if peft_config is None or _peft_type(peft_config) != "PREFIX_TUNING":
             return
         with torch.device("meta"):
