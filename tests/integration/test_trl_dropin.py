@@ -148,11 +148,14 @@ def test_multitask_prompt_tuning_is_refused_at_construction_in_one_line(tmp_path
                          peft_config=config)
 
 
-@pytest.mark.parametrize("as_model", [False, True], ids=["peft_config", "peft_model"])
-def test_prefix_tuning_on_a_refused_family_is_refused_before_tokenizing(as_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("given", ["peft_config", "peft_dict", "peft_json", "peft_model"])
+def test_prefix_tuning_on_a_refused_family_is_refused_before_tokenizing(given, tmp_path, monkeypatch):
     """Prefix tuning on a family the engine does not train it on (Qwen3-Next's linear-attention layers): refused
     in one line before SFTTrainer tokenizes anything, as a peft_config (checked on a meta copy wrapped as PEFT
-    wraps it) and as a PEFT model."""
+    wraps it), as the dict or JSON forms MegaTrainArguments takes, and as a PEFT model."""
+    import json
+
+    from hf_megatrain.sft import MegaTrainSFTConfig
     from hf_megatrain.demo import build_tokenizer
     from tests.support.zoo import stock_model, tiny_config
 
@@ -161,10 +164,15 @@ def test_prefix_tuning_on_a_refused_family_is_refused_before_tokenizing(as_model
 
     monkeypatch.setattr(SFTTrainer, "_prepare_dataset", no_tokenizing)
     model, config = stock_model(tiny_config("qwen3_next")), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
-    kw = {"peft_config": config}
-    if as_model:
-        model, kw = get_peft_model(model, config), {}
+    fields = {"peft_type": "PREFIX_TUNING", "task_type": "CAUSAL_LM", "num_virtual_tokens": 4}
+    kw = {"peft_config": {"peft_config": config, "peft_dict": fields}.get(given)}
     args = SFTConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, report_to=[])
+    if given == "peft_model":
+        model, kw = get_peft_model(model, config), {}
+    elif given == "peft_json":  # the form the CLI and a YAML config give
+        kw = {}
+        args = MegaTrainSFTConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, report_to=[],
+                                  peft_config=json.dumps(fields))
     with pytest.raises(MegaTrainError, match="prefix tuning on qwen3_next: not all its layers are attention") as refused:
         MegaTrainSFTTrainer(model, args, train_dataset=DATA["completion"], processing_class=build_tokenizer(), **kw)
     assert "\n" not in str(refused.value)
