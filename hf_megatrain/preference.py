@@ -35,6 +35,7 @@ from .errors import MegaTrainError
 from .patcher.adapters import check_adapter_config, is_peft_model
 from .preflight import check_outputs, check_resume
 from .sft import load_for_trl
+from .trainer import recompute_off
 
 
 def check_engine_trl(args, model, train_dataset, peft_config, quantization_config, trl_name: str,
@@ -147,9 +148,10 @@ class EngineTrl:
         planned = copy.copy(args)
         planned.per_device_train_batch_size = self.rows_per_example * args.per_device_train_batch_size
         run = super()._plan(planned, model)
-        for name in ("dataloader_pin_memory", "_n_gpu", "gradient_checkpointing"):
+        for name in ("dataloader_pin_memory", "_n_gpu"):
             if hasattr(planned, name):
                 setattr(args, name, getattr(planned, name))
+        recompute_off(args)  # as the plan cleared it on its copy (both names: Trainer reads one, TRL the other)
         if self._split > 1:
             raise MegaTrainError(
                 f"the memory plan splits each micro-batch of {planned.per_device_train_batch_size} rows into "
@@ -729,8 +731,7 @@ class ReferenceFreePairs(EngineTrl):
         skeleton, processing_class = self._engine_setup(
             model, args, processing_class, peft_config,
             lambda a, peft: self._check(a, model, train_dataset, peft))
-        if args.gradient_checkpointing:  # the engine always recomputes; TRL would hook the skeleton's embeddings
-            args.gradient_checkpointing = False
+        recompute_off(args)  # the engine always recomputes; TRL would hook the skeleton's embeddings
         super().__init__(model=skeleton, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, model_init=model_init,
                          callbacks=callbacks, optimizers=optimizers,

@@ -60,6 +60,18 @@ logger = logging.getLogger(__name__)
 _RECOMPUTE_FLAG = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
                        if name in {f.name for f in fields(TrainingArguments)})
 
+
+def recompute_off(args) -> bool:
+    """Clears Trainer's recompute flag and, from transformers 5.25, its deprecated mirror
+    `gradient_checkpointing`, which TRL's trainers still read (clearing one name leaves the other set:
+    the mirror is copied only when the arguments are built). True where the flag was set."""
+    names = [n for n in (_RECOMPUTE_FLAG, "gradient_checkpointing") if hasattr(args, n)]
+    was = any(getattr(args, n) for n in names)
+    for n in names:
+        setattr(args, n, False)
+    return was
+
+
 class MegaTrainTrainer(Trainer):
     """`Trainer` for models larger than the GPU: state in host RAM, one layer on the GPU at a time.
 
@@ -168,9 +180,8 @@ class MegaTrainTrainer(Trainer):
         """The run's plan (planner.plan_run) for this machine, logged, and refused before a single large
         allocation where it does not fit; the device settings Trainer reads follow it."""
         device = args.device  # resolves the device now, as Trainer would
-        if getattr(args, _RECOMPUTE_FLAG):
+        if recompute_off(args):
             logger.info("%s: the engine always recomputes at layer boundaries; flag ignored", _RECOMPUTE_FLAG)
-            setattr(args, _RECOMPUTE_FLAG, False)
         lora = args.peft_config is not None or hasattr(model, "peft_config")
         machine = Machine.measured(device, max_gpu_memory=args.max_gpu_memory, max_host_memory=args.max_host_memory)
         held = self._host_held(args, model)  # what another engine of this trainer will hold, planned around

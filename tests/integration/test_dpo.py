@@ -568,6 +568,10 @@ def test_trl_default_bf16_on_the_cpu_runs_as_stock_does(kind, tmp_path):
         trainer.train()
         steps[cls] = [h for h in trainer.state.log_history if "loss" in h]
     assert trainer.engine.compute_dtype == torch.bfloat16
+    # TRL's gradient_checkpointing=True is cleared under both names it has from transformers 5.25 (Trainer reads
+    # activation_checkpointing, TRL the deprecated mirror), so the skeleton's layers never get checkpointing on
+    assert not any(getattr(trainer.args, n, False) for n in ("activation_checkpointing", "gradient_checkpointing"))
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in trainer.model.modules())
     assert len(steps[stock]) == len(steps[ours]) == 2
     for theirs, own in zip(steps[stock], steps[ours]):  # bf16 round-off apart (the step-2 rewards are at its level)
         assert own["loss"] == pytest.approx(theirs["loss"], abs=2e-4)
