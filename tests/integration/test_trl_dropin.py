@@ -155,8 +155,8 @@ def test_prefix_tuning_on_a_refused_family_is_refused_before_tokenizing(given, t
     wraps it), as the dict or JSON forms MegaTrainArguments takes, and as a PEFT model."""
     import json
 
-    from hf_megatrain.sft import MegaTrainSFTConfig
     from hf_megatrain.demo import build_tokenizer
+    from hf_megatrain.sft import MegaTrainSFTConfig
     from tests.support.zoo import stock_model, tiny_config
 
     def no_tokenizing(*a, **k):
